@@ -1,0 +1,124 @@
+"""The data contract: MDS columns written by the converter and read by training, and batch keys.
+
+Every module imports names from here; no column name or batch key is spelt as a literal elsewhere.
+
+MDS columns (one row per image-caption pair):
+
+| column              | encoding                    | meaning                                            |
+|---------------------|-----------------------------|----------------------------------------------------|
+| ``vae_moments_{R}`` | ``ndarray:float16:8,R/f,R/f`` | VAE posterior mean (4 ch) and log-variance (4 ch) |
+| ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state                     |
+| ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids                                     |
+| ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
+| ``width``/``height``| ``int``                     | original image size                                |
+
+``f`` is the VAE's downsampling factor (8 for SD2). Beside ``index.json`` the converter writes
+``dataset.json`` (:class:`DatasetInfo`) and ``empty_text_embeds.npy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# ---- MDS columns -------------------------------------------------------------------------------
+TEXT_EMBEDS = "text_embeds"
+INPUT_IDS = "input_ids"
+CAPTION = "caption"
+KEY = "key"
+WIDTH = "width"
+HEIGHT = "height"
+_VAE_MOMENTS_PREFIX = "vae_moments_"
+
+MAX_TOKENS = 77  # CLIP context length
+LATENT_CHANNELS = 4  # the moments hold 2 * LATENT_CHANNELS channels: mean, then log-variance
+
+# ---- files beside index.json ----------------------------------------------------------------------
+DATASET_JSON = "dataset.json"
+EMPTY_TEXT_EMBEDS = "empty_text_embeds.npy"
+
+# ---- raw rows (sample data, download output, converter input) -----------------------------------
+RAW_IMAGE = "jpg"  # encoded image bytes (any format PIL reads; the name follows img2dataset)
+RAW_CAPTION = "caption"
+RAW_KEY = "key"
+RAW_URL = "url"
+RAW_STATUS = "status"  # download output: "success" or "failed"
+RAW_ERROR = "error"  # download output: failure reason, None on success
+
+
+def image_column(resolution: int) -> str:
+    """Between the transform and encode stages: the uint8 HWC crop at one resolution."""
+    return f"image_{int(resolution)}"
+
+
+# ---- training batch keys (what loaders yield and the model consumes) -------------------------------
+BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-variance, unscaled
+BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
+BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
+
+
+def vae_moments_column(resolution: int) -> str:
+    """Column name of the moments at one square resolution, e.g. ``vae_moments_256``."""
+    return f"{_VAE_MOMENTS_PREFIX}{int(resolution)}"
+
+
+def resolutions_in(columns) -> list[int]:
+    """The resolutions whose moment columns appear in ``columns`` (sorted)."""
+    return sorted(int(c[len(_VAE_MOMENTS_PREFIX):]) for c in columns if c.startswith(_VAE_MOMENTS_PREFIX))
+
+
+def mds_columns(resolutions, text_dim: int, downsample: int = 8) -> dict[str, str]:
+    """The MDS ``columns`` mapping for ``streaming.MDSWriter``."""
+    columns = {}
+    for r in resolutions:
+        if r % downsample:
+            raise ValueError(f"resolution {r} is not a multiple of the VAE downsampling factor {downsample}")
+        h = r // downsample
+        columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h},{h}"
+    columns[TEXT_EMBEDS] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
+    columns[INPUT_IDS] = f"ndarray:int32:{MAX_TOKENS}"
+    columns[CAPTION] = "str"
+    columns[KEY] = "str"
+    columns[WIDTH] = "int"
+    columns[HEIGHT] = "int"
+    return columns
+
+
+@dataclasses.dataclass
+class DatasetInfo:
+    """What ``dataset.json`` records about a converted dataset."""
+
+    model: str  # model reference the VAE and text encoder came from (hub id or local dir)
+    scaling_factor: float  # VAE latent scaling factor, applied once, by the model, at training time
+    resolutions: list[int]
+    text_dim: int  # D of text_embeds
+    downsample: int = 8  # VAE spatial downsampling factor
+    count: int = 0  # samples written
+    rows_in: int = 0  # rows read from the input
+    rejects: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def save(self, directory: str) -> str:
+        path = os.path.join(directory, DATASET_JSON)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DatasetInfo":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, directory: str) -> "DatasetInfo":
+        """Read ``dataset.json`` from a local directory."""
+        path = os.path.join(directory, DATASET_JSON)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{path} not found: is {directory!r} a dataset written by convert/laion_to_mds.py?")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))

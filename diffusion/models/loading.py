@@ -1,0 +1,113 @@
+"""Model references: one function turns a hub id or a local directory into a local diffusers layout.
+
+A *model reference* is either a Hugging Face hub id (``stabilityai/stable-diffusion-2-base``) or a
+local directory in the diffusers layout (``unet/ vae/ text_encoder/ tokenizer/ scheduler/
+model_index.json``), such as the ones ``python -m diffusion.models.kit`` writes. Every component
+loader below goes through :func:`resolve_model`, and nothing else in the codebase resolves references.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+class ModelReferenceError(ValueError):
+    """A model reference that is neither a usable local directory nor a downloadable hub id."""
+
+
+def resolve_model(ref: str, components=COMPONENTS) -> str:
+    """Return a local directory in the diffusers layout for ``ref``.
+
+    A local directory is used as is (checked for ``model_index.json`` or the components asked for).
+    Anything else is treated as a hub id and fetched with ``huggingface_hub.snapshot_download``
+    (only the files of ``components``); without network access this fails with a clear message
+    unless the files are already in the local hub cache.
+    """
+    ref = os.fspath(ref)
+    expanded = os.path.expanduser(ref)
+    if os.path.isdir(expanded):
+        missing = [c for c in components if not os.path.isdir(os.path.join(expanded, c))]
+        if missing and not os.path.exists(os.path.join(expanded, "model_index.json")):
+            raise ModelReferenceError(
+                f"{ref!r} is a directory but not a diffusers layout: missing {', '.join(missing)} "
+                f"(expected {', '.join(COMPONENTS)} and model_index.json)")
+        return os.path.abspath(expanded)
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        raise ModelReferenceError(f"model reference {ref!r}: no such directory, and not a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        patterns = ["model_index.json"] + [f"{c}/*" for c in components]
+        return snapshot_download(ref, allow_patterns=patterns,
+                                 ignore_patterns=["*.bin", "*.ckpt", "*.msgpack", "*.onnx*", "*fp16*"])
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ModelReferenceError(
+            f"could not fetch model {ref!r} from the hub ({type(e).__name__}: {e}); pass a local "
+            f"diffusers directory instead, e.g. one written by `python -m diffusion.models.kit`") from e
+
+
+def _component(ref: str, name: str) -> str:
+    path = os.path.join(resolve_model(ref, components=(name,)), name)
+    if not os.path.isdir(path):
+        raise ModelReferenceError(f"model {ref!r} has no {name}/ component")
+    return path
+
+
+def _has_weights(path: str) -> bool:
+    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
+def load_tokenizer(ref: str):
+    """The CLIP tokenizer of ``ref`` (max length 77, pad ``!`` = 0 for SD2)."""
+    from transformers import CLIPTokenizer
+    return CLIPTokenizer.from_pretrained(_component(ref, "tokenizer"))
+
+
+def load_text_encoder(ref: str, dtype=None):
+    from transformers import CLIPTextModel
+    path = _component(ref, "text_encoder")
+    if not _has_weights(path):
+        raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
+    model = CLIPTextModel.from_pretrained(path, torch_dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_vae(ref: str, dtype=None):
+    from diffusers import AutoencoderKL
+    path = _component(ref, "vae")
+    if not _has_weights(path):
+        raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
+    model = AutoencoderKL.from_pretrained(path, torch_dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_unet_config(ref: str) -> dict:
+    with open(os.path.join(_component(ref, "unet"), "config.json")) as f:
+        return json.load(f)
+
+
+def load_vae_config(ref: str) -> dict:
+    with open(os.path.join(_component(ref, "vae"), "config.json")) as f:
+        return json.load(f)
+
+
+def load_scheduler(ref: str, name: str = "ddpm"):
+    """The noise scheduler of ``ref``'s ``scheduler/`` config as DDPM (training) or a sampler."""
+    import diffusers
+    classes = {
+        "ddpm": diffusers.DDPMScheduler,
+        "ddim": diffusers.DDIMScheduler,
+        "euler": diffusers.EulerDiscreteScheduler,
+        "dpm++": diffusers.DPMSolverMultistepScheduler,
+        "dpmsolver++": diffusers.DPMSolverMultistepScheduler,
+    }
+    if name not in classes:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(classes)}")
+    return classes[name].from_pretrained(_component(ref, "scheduler"))
+
+
+def vae_downsample(vae_config: dict) -> int:
+    """Spatial downsampling factor of an AutoencoderKL config (8 for SD2)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)

@@ -1,0 +1,36 @@
+"""Stable Diffusion pre-training from scratch: Ray Data conversion, Composer training, streaming MDS.
+
+`make test` / `make demo` install the exact pinned set from requirements.lock; the ranges below are
+what the code supports (torch 2.7 with transformers 4.57 here, torch 2.11 with transformers 5 on GPUs).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="diffusion",
+    version="0.1.0",
+    description="Stable Diffusion pre-training from scratch at scale (Composer, streaming, Ray Data)",
+    python_requires=">=3.11",
+    packages=find_packages(include=["diffusion", "diffusion.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "torchvision",
+        "diffusers>=0.39",
+        "transformers>=4.57",
+        "mosaicml>=0.32.1",
+        "mosaicml-streaming>=0.13.0",
+        "ray[data,train]>=2.60",
+        "open_clip_torch",  # ships the CLIP BPE vocabulary the kit's tokenizer is rebuilt from
+        "pyarrow",
+        "pillow",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "scipy",
+    ],
+    extras_require={
+        "wandb": ["wandb"],
+        "s3": ["boto3"],
+        "test": ["pytest", "pytest-timeout", "moto[server]", "boto3"],
+    },
+)

@@ -1,0 +1,52 @@
+"""Session-wide fixtures: the tiny model kit (built once, cached under .cache/), sample data, Ray."""
+
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CACHE = pathlib.Path(os.environ.get("DIFFUSION_TEST_CACHE", ROOT / ".cache"))
+
+# Tests never touch the network: the hub is offline, telemetry off.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_kit() -> str:
+    """A tiny diffusers-layout model directory (random UNet/text encoder, fitted VAE), cached."""
+    from diffusion.models.kit import ensure_kit
+    return str(ensure_kit("tiny", CACHE / "kit" / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def sd2_kit() -> str:
+    """The SD2-base configs and tokenizer (no weights)."""
+    from diffusion.models.kit import ensure_kit
+    return str(ensure_kit("sd2-base", CACHE / "kit" / "sd2-base"))
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory) -> str:
+    """A small LAION-style parquet dataset with its bad rows (see diffusion.data.sample)."""
+    from diffusion.data.sample import write_sample_data
+    out = tmp_path_factory.mktemp("sample")
+    write_sample_data(out, n=96, seed=0, rows_per_shard=32)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the session, sized like this machine (2 CPUs)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    yield ray
+    ray.shutdown()
