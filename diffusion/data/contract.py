@@ -46,6 +46,10 @@ RAW_KEY = "key"
 RAW_URL = "url"
 RAW_STATUS = "status"  # download output: "success" or "failed"
 RAW_ERROR = "error"  # download output: failure reason, None on success
+RAW_STATUS_SUCCESS = "success"  # values of RAW_STATUS
+RAW_STATUS_FAILED = "failed"
+RAW_ORIGINAL_WIDTH = "original_width"  # download output: size before an optional resize (img2dataset)
+RAW_ORIGINAL_HEIGHT = "original_height"
 
 
 def image_column(resolution: int) -> str:
@@ -57,6 +61,7 @@ def image_column(resolution: int) -> str:
 BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-variance, unscaled
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
+BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
 
 
 def vae_moments_column(resolution: int) -> str:

@@ -1,0 +1,141 @@
+"""HTTP fetching for the downloader: one shared connection pool, bounded in every dimension.
+
+A :class:`Fetcher` is shared by the threads that download one shard. Every request is bounded: a
+timeout (connect, each socket read, and the whole attempt), a maximum body size (read as a stream and
+abandoned past the limit), a bounded number of redirects that may never leave http/https. Only
+timeouts and 5xx answers are retried, with exponential backoff; a 404 will not change on a retry.
+Failures raise :class:`FetchError` whose ``reason`` is a short code counted in the stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import urllib.parse
+
+import urllib3
+
+USER_AGENT = "sd-pretrain-downloader/0.1"
+ALLOWED_SCHEMES = ("http", "https")
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+_CHUNK = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchConfig:
+    timeout: float = 10.0  # seconds: connect, each read, and the whole attempt
+    retries: int = 2  # extra attempts, on timeouts and 5xx only
+    backoff: float = 0.5  # seconds before the first retry, doubled for each next one
+    max_bytes: int = 20 * 2**20  # larger bodies fail as "too_large"
+    max_redirects: int = 5
+    user_agent: str = USER_AGENT
+
+
+class FetchError(Exception):
+    """A failed download or validation; ``reason`` is a stable short code, ``detail`` says more."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+
+class _Retryable(Exception):
+    """Wraps a FetchError that a later attempt may not repeat (timeout, 5xx)."""
+
+    def __init__(self, error: FetchError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def check_scheme(url: str, reason: str = "unsupported_scheme", referrer: str | None = None) -> None:
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme.lower() not in ALLOWED_SCHEMES or not parsed.netloc:
+        came_from = f" (redirected from {referrer})" if referrer else ""
+        raise FetchError(reason, f"{url!r}{came_from}: only http and https URLs are fetched")
+
+
+class Fetcher:
+    """Downloads URLs through one urllib3 pool; safe to share between threads."""
+
+    def __init__(self, config: FetchConfig = FetchConfig(), pool_size: int = 16):
+        self.config = config
+        # Redirects and retries are handled here, not by urllib3, to check schemes and count hops.
+        self.http = urllib3.PoolManager(
+            num_pools=max(64, pool_size), maxsize=pool_size, block=False, retries=False,
+            timeout=urllib3.Timeout(connect=config.timeout, read=config.timeout),
+            headers={"User-Agent": config.user_agent, "Accept": "image/*,*/*;q=0.5"})
+
+    def fetch(self, url: str) -> bytes:
+        """The body of ``url`` after redirects; raises FetchError."""
+        if not isinstance(url, str) or not url.strip():
+            raise FetchError("invalid_url", f"{url!r} is not a URL")
+        url = url.strip()
+        check_scheme(url)
+        attempts = self.config.retries + 1
+        for attempt in range(attempts):
+            try:
+                return self._follow(url)
+            except _Retryable as retryable:
+                if attempt + 1 == attempts:
+                    raise retryable.error from None
+                time.sleep(self.config.backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _follow(self, url: str) -> bytes:
+        deadline = time.monotonic() + self.config.timeout
+        origin = url
+        for _ in range(self.config.max_redirects + 1):
+            response = self._request(url)
+            body = None
+            try:
+                if response.status in REDIRECT_STATUSES:
+                    location = response.headers.get("Location")
+                    if not location:
+                        raise FetchError(f"http_{response.status}", "redirect without a Location header")
+                    target = urllib.parse.urljoin(url, location)
+                    check_scheme(target, reason="redirect_scheme", referrer=url)
+                    url = target
+                    continue
+                if response.status >= 500:
+                    raise _Retryable(FetchError(f"http_{response.status}", url))
+                if not 200 <= response.status < 300:
+                    raise FetchError(f"http_{response.status}", url)
+                body = self._read_body(response, deadline)
+                return body
+            finally:
+                if body is None:  # close rather than drain: an unread body may be huge or endless
+                    response.close()
+                response.release_conn()  # a fully read connection goes back to the pool for reuse
+        raise FetchError("too_many_redirects", f"more than {self.config.max_redirects} redirects from {origin}")
+
+    def _request(self, url: str) -> urllib3.BaseHTTPResponse:
+        try:
+            return self.http.request("GET", url, preload_content=False, redirect=False)
+        except urllib3.exceptions.TimeoutError as e:
+            raise _Retryable(FetchError("timeout", f"{url}: {type(e).__name__}")) from None
+        except urllib3.exceptions.LocationValueError as e:
+            raise FetchError("invalid_url", f"{url}: {e}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise FetchError("connection_error", f"{url}: {type(e).__name__}") from None
+
+    def _read_body(self, response: urllib3.BaseHTTPResponse, deadline: float) -> bytes:
+        limit = self.config.max_bytes
+        declared = response.headers.get("Content-Length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise FetchError("too_large", f"Content-Length {declared} > {limit} bytes")
+        body = bytearray()
+        try:
+            for chunk in response.stream(_CHUNK):
+                body += chunk
+                if len(body) > limit:
+                    raise FetchError("too_large", f"body exceeds {limit} bytes")
+                if time.monotonic() > deadline:  # a trickling server can dodge the per-read timeout
+                    raise _Retryable(FetchError("timeout", f"body not received within {self.config.timeout} s"))
+        except urllib3.exceptions.TimeoutError:
+            raise _Retryable(FetchError("timeout", "body read timed out")) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise FetchError("connection_error", f"body: {type(e).__name__}") from None
+        return bytes(body)
