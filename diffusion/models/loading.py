@@ -70,7 +70,7 @@ def load_text_encoder(ref: str, dtype=None):
     path = _component(ref, "text_encoder")
     if not _has_weights(path):
         raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
-    model = CLIPTextModel.from_pretrained(path, torch_dtype=dtype)
+    model = CLIPTextModel.from_pretrained(path, dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -85,6 +85,12 @@ def load_vae(ref: str, dtype=None):
 
 def load_unet_config(ref: str) -> dict:
     with open(os.path.join(_component(ref, "unet"), "config.json")) as f:
+        return json.load(f)
+
+
+def load_text_encoder_config(ref: str) -> dict:
+    """The text encoder's config.json (``hidden_size`` is the D of ``text_embeds``), without weights."""
+    with open(os.path.join(_component(ref, "text_encoder"), "config.json")) as f:
         return json.load(f)
 
 

@@ -1,0 +1,217 @@
+"""Raw image-caption data -> MDS shards of VAE moments and text embeddings, as one Ray Data pipeline.
+
+    read (tasks) -> ImageCaptionTransform (CPU actors) -> LatentTextEncoder (GPU or CPU actors) -> MDSPartSink
+
+``run_conversion(ConvertConfig(...))`` is the whole job; ``convert/laion_to_mds.py`` is its command
+line. Re-running after a kill skips every key already written or rejected, so the finished output
+holds exactly what a clean run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from diffusion.data import contract
+from diffusion.data.convert_summary import ConversionSummary, done_keys, summarize
+from diffusion.data.encoders import LatentTextEncoder, TextEncoder
+from diffusion.data.mds_sink import INDEX_JSON, REJECTS_DIR, MDSPartSink, remove_temporary_parts
+from diffusion.data.readers import RawColumns, check_inputs, read_raw
+from diffusion.data.transforms import ImageCaptionTransform, ImageChecks
+from diffusion.models import loading
+
+# Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
+GPU_BATCH = {256: 120, 512: 40}
+CPU_BATCH = 8
+
+
+@dataclasses.dataclass
+class ConvertConfig:
+    input: str | list[str]
+    output: str  # local directory or s3://bucket/prefix
+    model: str  # model reference (hub id or diffusers directory)
+    resolutions: tuple[int, ...] = (256,)
+    limit: int | None = None
+    batch_size: int | None = None  # encoder batch; default from GPU_BATCH / CPU_BATCH
+    transform_batch_size: int = 32
+    image_column: str = contract.RAW_IMAGE
+    caption_column: str = contract.RAW_CAPTION
+    key_column: str = contract.RAW_KEY
+    min_size: int = 64
+    max_aspect: float = 3.0
+    max_pixels: int = 8192 * 8192
+    num_transformers: int | None = None
+    cpus_per_transformer: float | None = None
+    num_encoders: int | None = None
+    encoder_gpus: float | None = None  # per encoder actor; default 1 when the cluster has GPUs
+    accelerator_type: str | None = None  # e.g. "A10G", "H100"
+    shard_size: int | str = 1 << 26
+    compression: str | None = "zstd"
+    address: str | None = None  # Ray cluster; default RAY_ADDRESS or a local instance
+    local_dir: str | None = None  # staging directory for remote outputs
+    visualize: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        self.resolutions = tuple(sorted({int(r) for r in self.resolutions}))
+        if not self.resolutions or min(self.resolutions) <= 0:
+            raise ValueError(f"resolutions must be positive, got {self.resolutions}")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"--limit must be positive, got {self.limit}")
+        if self.max_aspect < 1:
+            raise ValueError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self.output
+
+    def staging_dir(self) -> str:
+        """Where parts are written: the output itself, or a local directory stable across re-runs."""
+        if not self.is_remote:
+            return os.path.abspath(os.path.expanduser(self.output))
+        if self.local_dir:
+            return os.path.abspath(self.local_dir)
+        digest = hashlib.sha1(self.output.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), "laion_to_mds", digest)
+
+
+@dataclasses.dataclass
+class PoolPlan:
+    num_transformers: int
+    cpus_per_transformer: float
+    num_encoders: int
+    cpus_per_encoder: float
+    gpus_per_encoder: float
+    encoder_batch: int
+
+
+def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
+    """Actor pools sized from the cluster, always leaving CPU for the read and write tasks.
+
+    A pool holding every CPU starves the read tasks and Ray Data stalls, so ~10% (at least one CPU)
+    stays free; on a 2-CPU machine that means one transformer and one encoder at half a CPU each.
+    """
+    cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
+    free = max(cpus - max(1.0, 0.1 * cpus), 0.5)
+    gpu_each = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if gpus else 0.0)
+    if gpu_each:
+        encoders = cfg.num_encoders or max(1, int(gpus // gpu_each))
+        enc_cpus = min(1.0, free / (2 * encoders))
+        batch = GPU_BATCH.get(max(cfg.resolutions), 120 if max(cfg.resolutions) < 512 else 40)
+    else:  # CPU encoding is the bottleneck: give it half of what is free
+        encoders = cfg.num_encoders or max(1, int(free // 8))
+        enc_cpus = free / 2 / encoders
+        batch = CPU_BATCH
+    tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
+    tr_cpus = max(tr_cpus, 0.25)
+    transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
+    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.batch_size or batch)
+
+
+def _init_ray(address: str | None):
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False,
+                 include_dashboard=False, configure_logging=False)
+    return ray
+
+
+class _DatasetInfoWriter:
+    """Runs after the index merge: dataset.json and empty_text_embeds.npy (the encoder run on "")."""
+
+    def __init__(self, cfg: ConvertConfig):
+        self.cfg = cfg
+
+    def __call__(self, out: str) -> None:
+        vae_config = loading.load_vae_config(self.cfg.model)
+        text = TextEncoder(self.cfg.model, device="cpu")
+        np.save(os.path.join(out, contract.EMPTY_TEXT_EMBEDS), text.encode_captions([""])[0])
+        summary = summarize(out)
+        contract.DatasetInfo(
+            model=self.cfg.model, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
+            resolutions=list(self.cfg.resolutions), text_dim=text.dim,
+            downsample=loading.vae_downsample(vae_config), count=summary.written, rows_in=summary.rows_in,
+            rejects=summary.rejects,
+            extra={"compression": self.cfg.compression, "min_size": self.cfg.min_size,
+                   "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels},
+        ).save(out)
+
+
+def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
+    """The Ray Dataset from raw rows to encoded rows (not yet executed)."""
+    from ray.data import ActorPoolStrategy
+    columns = RawColumns(image=cfg.image_column, caption=cfg.caption_column, key=cfg.key_column)
+    checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
+    ds = read_raw(cfg.input, columns, skip_keys=skip_keys, limit=cfg.limit)
+    ds = ds.map_batches(
+        ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
+        fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
+                                   rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True),
+        compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
+    encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
+    if plan.gpus_per_encoder:
+        encoder_options["num_gpus"] = plan.gpus_per_encoder
+        if cfg.accelerator_type:
+            encoder_options["accelerator_type"] = cfg.accelerator_type
+    threads = None if plan.gpus_per_encoder else max(1, math.ceil(plan.cpus_per_encoder))
+    return ds.map_batches(
+        LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",
+        fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, cpu_threads=threads,
+                                   record_timing=True),
+        **encoder_options)
+
+
+def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
+    """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
+    start = time.perf_counter()
+    check_inputs(cfg.input, RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column))
+    out = cfg.staging_dir()
+    os.makedirs(out, exist_ok=True)
+    remove_temporary_parts(out)
+    written, rejected = done_keys(out)
+    before = len(written)
+
+    text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+    downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
+    sink = MDSPartSink(out, contract.mds_columns(cfg.resolutions, text_dim, downsample),
+                       compression=cfg.compression, size_limit=cfg.shard_size,
+                       on_complete=_DatasetInfoWriter(cfg))
+
+    ray = _init_ray(cfg.address)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = cfg.progress and ctx.enable_progress_bars
+    if cfg.limit is not None:  # the first N rows must be the same N on every run
+        ctx.execution_options.preserve_order = True
+    plan = plan_pools(ray.cluster_resources(), cfg)
+    build_pipeline(cfg, out, written | set(rejected), plan).write_datasink(sink)
+    if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
+        sink.finalize()
+
+    summary = summarize(out)
+    summary.wall_seconds = time.perf_counter() - start
+    summary.written_this_run = summary.written - before
+    if cfg.visualize:
+        from diffusion.data.convert_visualize import write_visualization
+        write_visualization(out, cfg, cfg.visualize)
+    if cfg.is_remote:
+        upload_directory(out, cfg.output)
+    return summary
+
+
+def upload_directory(local: str, remote: str) -> None:
+    """Upload a finished local output (parts, index, dataset.json) with streaming's uploader."""
+    from streaming.base.storage.upload import CloudUploader
+    uploader = CloudUploader.get((local, remote), keep_local=True, exist_ok=True)
+    files = []
+    for root, dirs, names in os.walk(local):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [os.path.relpath(os.path.join(root, n), local) for n in names if not n.endswith(".tmp")]
+    # index.json last: a reader that sees the index finds every shard it lists.
+    for name in sorted(files, key=lambda f: f == INDEX_JSON):
+        uploader.upload_file(name)
