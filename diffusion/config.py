@@ -1,0 +1,311 @@
+"""The training configuration: YAML + dotted ``key=value`` overrides → a typed, validated :class:`Config`.
+
+    cfg = load_config("yamls/sd2-base-256.yaml", ["trainer.max_duration=100ba", "optimizer.lr=2e-4"])
+
+Every key is checked against the dataclasses below before anything is built, so a misspelt key fails at
+start with its dotted path, the valid keys and the closest match. ``algorithms``, ``callbacks`` and
+``loggers`` are maps ``name → keyword arguments``; the names are looked up in :mod:`diffusion.builders`
+and the arguments checked against the component's signature (``name: null`` switches one off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be trained: the message names the key and what would be valid."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (UNet config, scheduler)
+    pretrained: Optional[str] = None  # a diffusers unet/ directory (or model ref with unet weights) to start from
+    resolution: int = 256  # pixels per side; selects the vae_moments_{R} column
+    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the scheduler config's
+    offset_noise: float = 0.0  # std of a per-channel constant added to the noise
+    min_snr_gamma: Optional[float] = None  # min-SNR-γ loss weighting (5.0 in the paper); None: uniform
+    zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
+    input_perturbation: float = 0.0  # extra noise on the UNet input only (0.1 in the paper)
+    eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
+
+
+@dataclasses.dataclass
+class TrainLoaderConfig:
+    path: str = "out/demo/mds"  # local directory or remote URI (s3://, gs://, ...) of MDS shards
+    local: Optional[str] = None  # cache directory for remote shards (default: a temp dir per remote)
+    batch_size: int = 2048  # global: divided evenly across ranks
+    caption_dropout: float = 0.1  # fraction of samples given the empty-caption embedding
+    shuffle: bool = True
+    shuffle_seed: int = 9176
+    num_workers: int = 8
+    prefetch_factor: Optional[int] = 2
+    persistent_workers: bool = True
+    predownload: Optional[int] = None
+    cache_limit: Optional[str] = None  # e.g. "100gb"; evict downloaded shards past this
+    num_canonical_nodes: Optional[int] = None
+    download_timeout: float = 120.0
+    num_samples: Optional[int] = None  # samples per epoch (streaming's epoch_size); None: all
+
+
+@dataclasses.dataclass
+class EvalLoaderConfig(TrainLoaderConfig):
+    batch_size: int = 64
+    caption_dropout: float = 0.0
+    shuffle: bool = False
+    num_workers: int = 2
+    persistent_workers: bool = False
+
+
+@dataclasses.dataclass
+class OnlineConfig:
+    """Online mode (``python -m diffusion.online``): raw rows are transformed and encoded while training.
+
+    ``data.train`` still gives the global batch size and caption dropout. Pool sizes left at null are
+    planned from the cluster as the converter plans them, after the training workers' share.
+    """
+
+    input: str = ""  # raw image-caption data (parquet, webdataset tars, image folder), local or s3://
+    resolution: Optional[int] = None  # crop size; null: model.resolution (the two must agree)
+    work_dir: str = "out/online"  # Ray Train run records and reject records (shared storage on a cluster)
+    transform_batch_size: int = 32
+    num_transformers: Optional[int] = None  # transform actors (CPU)
+    cpus_per_transformer: Optional[float] = None
+    encoder_batch_size: Optional[int] = None  # null: the converter's default for the device
+    num_encoders: Optional[int] = None  # encoder actors (GPU when encoder_gpus > 0 or the cluster has GPUs)
+    encoder_gpus: Optional[float] = None  # per encoder actor; null: 1 when the cluster has GPUs, else CPU
+    encoder_accelerator_type: Optional[str] = None  # e.g. "A10G": encoders only on such GPUs
+    num_train_workers: int = 2  # Ray Train workers (one Composer rank each)
+    train_cpus: float = 0.25  # per training worker (on 2 CPUs, the rest goes to the pools and a 1-CPU read)
+    train_gpus: float = 0.0  # per training worker; > 0 trains on GPUs
+    train_accelerator_type: Optional[str] = None  # e.g. "H100": training workers only on such GPUs
+    max_failures: int = 1  # worker-group restarts (each resumes from the last checkpoint); -1: unlimited
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train: TrainLoaderConfig = dataclasses.field(default_factory=TrainLoaderConfig)
+    eval: Optional[EvalLoaderConfig] = None  # held-out set for the pinned-noise eval loss
+    online: Optional[OnlineConfig] = None  # only read by online mode (python -m diffusion.online)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1.0e-4
+    weight_decay: float = 0.01
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+    fused: Optional[bool] = None  # None: fused on CUDA
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    name: Literal["constant_with_warmup", "linear_with_warmup", "cosine_with_warmup"] = "constant_with_warmup"
+    t_warmup: str = "10000ba"
+    alpha_f: float = 0.0  # final LR multiplier of the linear/cosine decays
+
+
+@dataclasses.dataclass
+class FSDPSection:
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                               "_HYBRID_SHARD_ZERO2"] = "SHARD_GRAD_OP"
+    mixed_precision: str = "DEFAULT"  # Composer's FSDP mixed precision preset
+    state_dict_type: Literal["full", "sharded"] = "full"
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
+    backward_prefetch: str = "BACKWARD_POST"
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    run_name: Optional[str] = None
+    seed: int = 17
+    max_duration: str = "550000ba"  # express in batches: streaming epochs are not fixed under resumption
+    eval_interval: str = "10000ba"
+    eval_subset_num_batches: int = -1
+    device: Optional[Literal["cpu", "gpu"]] = None  # None: gpu when available
+    device_train_microbatch_size: Union[int, Literal["auto"], None] = None  # None: the whole device batch
+    precision: Optional[Literal["fp32", "amp_bf16", "amp_fp16"]] = None  # None: amp_bf16 on GPU, fp32 on CPU
+    grad_clip_norm: Optional[float] = 1.0
+    fsdp: Optional[FSDPSection] = None  # null: DDP
+    activation_checkpointing: bool = False
+    channels_last: bool = False
+    compile: bool = False  # torch.compile the model (Composer's compile_config)
+    save_folder: Optional[str] = None
+    save_interval: str = "10000ba"
+    save_num_checkpoints_to_keep: int = -1
+    save_overwrite: bool = False
+    autoresume: bool = False
+    load_path: Optional[str] = None
+    load_weights_only: bool = False  # phase 2: weights only, fresh optimizer and schedule
+    load_strict: bool = True
+    dist_timeout: float = 300.0
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    algorithms: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    callbacks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    loggers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML), apply ``key=value`` overrides (values parsed as YAML), validate."""
+    raw: dict = {}
+    if path:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    return from_dict(raw)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set ``a.b.c=value`` in the nested dict ``raw`` (creating mappings on the way)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is not key=value (e.g. trainer.max_duration=100ba)")
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw, "")
+    _check_components(cfg)
+    _check_consistency(cfg)
+    return cfg
+
+
+def _build(cls, raw: Any, where: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(_unknown_key(f"{where}{key}", str(key), list(fields)))
+    kwargs = {name: _coerce(value, hints[name], f"{where}{name}") for name, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {path!r}{hint} Valid keys here: {', '.join(sorted(valid))}"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (ints may stand for floats), recursing into sections."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where + ".")
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as e:
+                if dataclasses.is_dataclass(option):
+                    raise  # a section's own error is more useful than "not a ..."
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} is not valid ({'; '.join(errors)})")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, item = typing.get_args(tp)
+        # a null entry is kept: in algorithms/callbacks/loggers it switches that component off
+        return {k: None if v is None else _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _check_components(cfg: Config) -> None:
+    """Names of algorithms/callbacks/loggers exist; their keyword arguments match the signatures."""
+    from diffusion import builders
+    for section, registry in (("algorithms", builders.ALGORITHMS), ("callbacks", builders.CALLBACKS),
+                              ("loggers", builders.LOGGERS)):
+        entries = getattr(cfg, section)
+        for name in list(entries):
+            if entries[name] is None:
+                continue
+            if name not in registry:
+                raise ConfigError(_unknown_key(f"{section}.{name}", name, list(registry)))
+            builders.check_kwargs(section, name, entries[name])
+        setattr(cfg, section, {k: v for k, v in entries.items() if v is not None})
+
+
+def _check_consistency(cfg: Config) -> None:
+    m, t = cfg.model, cfg.trainer
+    if m.resolution % 8:
+        raise ConfigError(f"model.resolution={m.resolution} is not a multiple of 8 (the VAE downsampling)")
+    if m.zero_terminal_snr and m.prediction_type != "v_prediction":
+        raise ConfigError("model.zero_terminal_snr needs model.prediction_type=v_prediction "
+                          "(epsilon is undefined at the terminal step)")
+    for name, loader in (("train", cfg.data.train), ("eval", cfg.data.eval)):
+        if loader is not None and not 0.0 <= loader.caption_dropout < 1.0:
+            raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
+    if isinstance(t.device_train_microbatch_size, int) and t.device_train_microbatch_size <= 0:
+        raise ConfigError("trainer.device_train_microbatch_size must be positive or 'auto'")
+    for key in ("max_duration", "eval_interval", "save_interval"):
+        value = getattr(t, key)
+        if not value.endswith(("ba", "sp", "dur")):
+            raise ConfigError(f"trainer.{key}={value!r}: give it in batches ('1000ba') or samples ('...sp'); "
+                              f"streaming epochs change length on resumption")

@@ -1,0 +1,83 @@
+"""Config: YAMLs validate; misspelt keys, bad values and epochs fail at start naming the key."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diffusion.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "yamls", "*.yaml"))))
+def test_shipped_yamls_validate(path):
+    cfg = load_config(path)
+    assert cfg.trainer.max_duration.endswith("ba")
+
+
+def test_recipe_numbers():
+    p1, p2 = load_config(f"{ROOT}/yamls/sd2-base-256.yaml"), load_config(f"{ROOT}/yamls/sd2-base-512.yaml")
+    assert (p1.data.train.batch_size, p1.trainer.max_duration, p1.model.resolution) == (2048, "550000ba", 256)
+    assert (p2.data.train.batch_size, p2.trainer.max_duration, p2.model.resolution) == (2048, "850000ba", 512)
+    for cfg in (p1, p2):
+        assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.scheduler.t_warmup) == (1e-4, 0.01, "10000ba")
+        assert cfg.trainer.fsdp.sharding_strategy == "SHARD_GRAD_OP"
+    assert p2.algorithms["ema"] == {"smoothing": 0.9999, "start_batch": 800000}
+    assert p2.trainer.load_weights_only and not p2.trainer.load_strict
+
+
+def test_overrides_are_typed():
+    cfg = load_config(TINY, ["optimizer.lr=3e-4", "trainer.max_duration=7ba", "trainer.save_folder=null",
+                             "data.train.shuffle=false", "trainer.device_train_microbatch_size=4",
+                             "algorithms.ema=null"])
+    assert cfg.optimizer.lr == 3e-4 and cfg.trainer.max_duration == "7ba" and cfg.trainer.save_folder is None
+    assert cfg.data.train.shuffle is False and cfg.trainer.device_train_microbatch_size == 4
+    assert "ema" not in cfg.algorithms
+
+
+def test_misspelt_key_names_it_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["trainer.max_duraton=10ba"])
+    message = str(e.value)
+    assert "'trainer.max_duraton'" in message and "did you mean 'max_duration'" in message
+    assert "save_folder" in message  # the valid keys are listed
+
+
+def test_misspelt_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  resolutoin: 256\n")
+    with pytest.raises(ConfigError, match="'model.resolutoin'.*did you mean 'resolution'"):
+        load_config(str(path))
+
+
+def test_unknown_section_and_component():
+    with pytest.raises(ConfigError, match="did you mean 'optimizer'"):
+        load_config(TINY, ["optimiser.lr=1"])
+    with pytest.raises(ConfigError, match="'callbacks.speed_monitr'.*did you mean 'speed_monitor'"):
+        load_config(TINY, ["callbacks.speed_monitr={}"])
+    with pytest.raises(ConfigError, match="'callbacks.speed_monitor.windw_size'.*did you mean 'window_size'"):
+        load_config(TINY, ["callbacks.speed_monitor.windw_size=3"])
+
+
+def test_bad_values_fail_with_the_key():
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config(TINY, ["optimizer.lr=fast"])
+    with pytest.raises(ConfigError, match="trainer.precision.*did you mean 'amp_bf16'"):
+        load_config(TINY, ["trainer.precision=amp_bf61"])
+    with pytest.raises(ConfigError, match="trainer.max_duration.*batches"):
+        load_config(TINY, ["trainer.max_duration=2ep"])
+    with pytest.raises(ConfigError, match="zero_terminal_snr needs"):
+        load_config(TINY, ["model.zero_terminal_snr=true"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(TINY, ["trainer.max_duration"])
+
+
+def test_run_py_reports_config_errors_without_a_traceback():
+    result = subprocess.run([sys.executable, "run.py", "yamls/tiny-cpu.yaml", "trainer.max_duraton=1ba"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "max_duraton" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,92 @@
+"""Helpers for the training tests: MDS shards written directly (as the converter would) and small configs.
+
+The moments are learnable on purpose: each sample's latent mean is a smooth pattern chosen by its
+caption class, so a few dozen CPU steps visibly lower the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from diffusion.data import contract
+
+SCALING_FACTOR = 0.18215
+CLASSES = 4
+
+
+def write_training_kit(out: str) -> str:
+    """The tiny kit's UNet, text-encoder and scheduler configs without weights or the fitted VAE.
+
+    Training builds the UNet from its config and never touches the VAE or text encoder, so the tests
+    need seconds here where the full tiny kit (a fitted VAE) takes minutes on a loaded CPU.
+    """
+    import diffusers
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig
+
+    from diffusion.models import kit
+    root = os.path.abspath(out)
+    with __import__("torch").device("meta"):
+        UNet2DConditionModel(**kit.TINY_UNET).save_config(os.path.join(root, "unet"))
+    CLIPTextConfig(**kit.TINY_TEXT).save_pretrained(os.path.join(root, "text_encoder"))
+    getattr(diffusers, kit.SCHEDULER_CLASS)(**kit.SCHEDULER).save_config(os.path.join(root, "scheduler"))
+    with open(os.path.join(root, "model_index.json"), "w") as f:
+        json.dump(kit.model_index(), f)
+    return root
+
+
+@pytest.fixture(scope="session")
+def train_kit(tmp_path_factory) -> str:
+    return write_training_kit(str(tmp_path_factory.mktemp("train_kit")))
+
+
+def kit_text_dim(kit: str) -> int:
+    with open(os.path.join(kit, "text_encoder", "config.json")) as f:
+        return int(json.load(f)["hidden_size"])
+
+
+def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
+                     text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16) -> str:
+    """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy."""
+    from streaming import MDSWriter
+    text_dim = text_dim or kit_text_dim(kit)
+    rng = np.random.default_rng(seed)
+    h = resolution // 8
+    yy, xx = np.meshgrid(np.linspace(-1, 1, h), np.linspace(-1, 1, h), indexing="ij")
+    patterns = np.stack([np.stack([np.sin((c + 1) * xx + k) * np.cos((k + 1) * yy) for k in range(4)])
+                         for c in range(CLASSES)]) * 4.0  # unscaled latents are ~5x the scaled ones
+    class_embeds = rng.normal(size=(CLASSES, contract.MAX_TOKENS, text_dim))
+    columns = contract.mds_columns([resolution], text_dim)
+    # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
+    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + contract.MAX_TOKENS * (text_dim * 2 + 4) + 200)
+    with MDSWriter(out=out, columns=columns, size_limit=size_limit) as writer:
+        for i in range(n):
+            c = i % CLASSES
+            mean = patterns[c] + 0.1 * rng.normal(size=patterns[c].shape)
+            moments = np.concatenate([mean, np.full_like(mean, logvar)]).astype(np.float16)
+            writer.write({
+                contract.vae_moments_column(resolution): moments,
+                contract.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
+                contract.INPUT_IDS: np.full(contract.MAX_TOKENS, c, dtype=np.int32),
+                contract.CAPTION: f"class {c}", contract.KEY: f"{i:06d}",
+                contract.WIDTH: resolution, contract.HEIGHT: resolution,
+            })
+    contract.DatasetInfo(model=kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution], text_dim=text_dim,
+                         count=n, rows_in=n).save(out)
+    # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
+    np.save(os.path.join(out, contract.EMPTY_TEXT_EMBEDS), np.full((contract.MAX_TOKENS, text_dim), -1.0,
+                                                                   dtype=np.float16))
+    return out
+
+
+def tiny_overrides(kit: str, mds: str, *, batches: int = 8, batch_size: int = 8, save_folder: str | None = None,
+                   extra: tuple[str, ...] = ()) -> list[str]:
+    """Overrides of yamls/tiny-cpu.yaml for a fast, quiet test run on ``mds``."""
+    overrides = [f"model.ref={kit}", f"data.train.path={mds}", f"data.train.batch_size={batch_size}",
+                 f"trainer.max_duration={batches}ba", "trainer.autoresume=false", "loggers={}",
+                 "callbacks={}", f"trainer.save_folder={save_folder or 'null'}", "scheduler.t_warmup=0ba"]
+    return overrides + list(extra)
