@@ -1,0 +1,181 @@
+"""Training throughput of the UNet: images/s/GPU and MFU at 256 and 512, bf16, with/without channels_last/compile.
+
+    python bench/bench_train.py                               # full SD2-base UNet, on the GPU
+    torchrun --nproc_per_node 8 bench/bench_train.py --fsdp   # FSDP over the node
+    python bench/bench_train.py --tiny --device cpu           # smoke run of the tiny UNet (CPU)
+
+One step = UNet forward on noised latents + MSE on the noise + backward + AdamW, on synthetic
+latents and text embeddings (the data path has its own benchmark). MFU = training FLOPs per image
+(539 GFLOP at 256 and 2,409 at 512 for SD2-base, DESIGN.md; counted with torch's FlopCounterMode for
+other configs) x images/s / peak (--peak-tflops; default A100 312, H100 800 as measured, per DESIGN.md).
+Ends with the headline: best MFU at each resolution against the anchors (MosaicML 24% / 28%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from diffusion.models.loading import load_unet_config  # noqa: E402
+
+SD2_GFLOP_PER_IMAGE = {256: 539.0, 512: 2409.0}  # fwd+bwd, UNet only (DESIGN.md)
+ANCHOR_MFU = {256: 0.24, 512: 0.28}  # MosaicML diffusion on A100
+PEAK_TFLOPS = {"A100": 312.0, "H100": 800.0, "H200": 800.0}  # dense bf16; H100 as measured
+
+
+def build_unet(config: dict, device="cpu"):
+    from diffusers import UNet2DConditionModel
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device(device):
+        return UNet2DConditionModel.from_config(config)
+
+
+def synthetic_batch(config: dict, batch: int, resolution: int, device, factor: int = 8):
+    h = resolution // factor
+    latents = torch.randn(batch, config["in_channels"], h, h, device=device)
+    text = torch.randn(batch, 77, config["cross_attention_dim"], device=device)
+    timesteps = torch.randint(0, 1000, (batch,), device=device)
+    return latents, text, timesteps
+
+
+def train_step(unet, optimizer, batch, autocast):
+    latents, text, timesteps = batch
+    noise = torch.randn_like(latents)
+    with autocast:
+        pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def count_gflop_per_image(config: dict, resolution: int) -> float:
+    """Forward+backward FLOPs of one image, counted on the meta device (no compute, no memory)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    unet = build_unet(config, device="meta")
+    batch = synthetic_batch(config, 1, resolution, "meta")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        pred = unet(batch[0], batch[2], encoder_hidden_states=batch[1]).sample
+        pred.float().pow(2).mean().backward()
+    return counter.get_total_flops() / 1e9
+
+
+def default_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def wrap_fsdp(unet):
+    # FSDP2 per block, then the root: each rank keeps a shard, gathers per block in forward/backward.
+    from torch.distributed.fsdp import fully_shard
+    for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
+        fully_shard(block)
+    return fully_shard(unet)
+
+
+def bench_one(config, resolution, batch_size, device, *, channels_last, compile_, fsdp, steps, warmup):
+    torch.manual_seed(0)
+    unet = build_unet(config, device=device).train()
+    if channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    if fsdp:
+        unet = wrap_fsdp(unet)
+    model = torch.compile(unet) if compile_ else unet
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch = synthetic_batch(config, batch_size, resolution, device)
+    if channels_last:
+        batch = (batch[0].contiguous(memory_format=torch.channels_last), *batch[1:])
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        train_step(model, optimizer, batch, autocast)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = train_step(model, optimizer, batch, autocast)
+    sync()
+    seconds = time.perf_counter() - start
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss in the benchmark at {resolution}px")
+    return batch_size * steps / seconds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kit", help="a diffusers-layout model dir (default: the sd2-base kit, or tiny with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="the tiny UNet (CPU smoke run)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--resolutions", type=int, nargs="+", help="default 256 512 (64 128 with --tiny)")
+    p.add_argument("--batch-size", type=int, nargs="+", help="per-GPU batch per resolution (default 64 256px, 16 512px; 2 tiny)")
+    p.add_argument("--variants", nargs="+", help="eager channels_last compile channels_last+compile (default: all; "
+                   "eager and channels_last with --tiny)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: A100 312, H100 800)")
+    args = p.parse_args(argv)
+
+    args.resolutions = args.resolutions or ([64, 128] if args.tiny else [256, 512])
+    args.variants = args.variants or (["eager", "channels_last"] if args.tiny else
+                                      ["eager", "channels_last", "compile", "channels_last+compile"])
+    device = torch.device(args.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.fsdp or world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+    kit = args.kit or _default_kit("tiny" if args.tiny else "sd2-base")
+    config = load_unet_config(kit)
+    batches = args.batch_size or ([2] * len(args.resolutions) if args.tiny else
+                                  [64 if r <= 256 else 16 for r in args.resolutions])
+    peak = args.peak_tflops or default_peak_tflops(device)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rows, best = [], {}
+    for resolution, batch_size in zip(args.resolutions, batches):
+        counted = count_gflop_per_image(config, resolution)  # on the meta device: instant
+        gflop = counted if args.tiny else SD2_GFLOP_PER_IMAGE.get(resolution, counted)
+        if rank0 and gflop != counted:
+            print(f"FLOP check {resolution}px: counted {counted:.1f} GFLOP/image, DESIGN.md {gflop:.0f}")
+        for variant in args.variants:
+            rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
+                             compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps, warmup=args.warmup)
+            mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
+            best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
+            rows.append((resolution, variant + (" +fsdp" if args.fsdp else ""), batch_size, rate, gflop, mfu))
+    if rank0:
+        print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, "
+              f"kit: {kit}, peak: {peak or 'n/a'} TFLOP/s")
+        print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU':>7}")
+        for res, variant, bs, rate, gflop, mfu in rows:
+            print(f"{res:>5} {variant:<28} {bs:>5} {rate:>10.2f} {gflop:>10.1f} "
+                  f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>7}")
+        for res in best:
+            anchor = ANCHOR_MFU.get(res)
+            print(f"headline {res}px: best MFU {best[res]:.1%}" +
+                  (f" vs MosaicML {anchor:.0%} ({best[res] / anchor:.2f}x)" if peak and anchor else
+                   " (no peak known for this device: pass --peak-tflops)"))
+    return rows
+
+
+def _default_kit(preset: str) -> str:
+    from diffusion.models.kit import ensure_kit
+    cache = pathlib.Path(os.environ.get("DIFFUSION_TEST_CACHE", pathlib.Path(__file__).resolve().parents[1] / ".cache"))
+    return str(ensure_kit(preset, cache / "kit" / preset, progress=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""EMA: against a plain-Python reference, start batch, half-life, trainable-only, eval swap, checkpoints."""
+
+import copy
+import math
+
+import pytest
+import torch
+from composer import Trainer
+from composer.core import Callback
+from composer.models import ComposerModel
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanSquaredError
+
+from diffusion.algorithms.ema import EMA, parameter_name, smoothing_from_half_life
+
+
+class TinyRegressor(ComposerModel):
+    """Two trainable layers and a frozen one: enough to tell trainable from frozen parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.frozen = torch.nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.metric = MeanSquaredError()
+
+    def forward(self, batch):
+        x, _ = batch
+        return self.body(self.frozen(x))
+
+    def loss(self, outputs, batch):
+        return torch.nn.functional.mse_loss(outputs, batch[1])
+
+    def get_metrics(self, is_train=False):
+        return {} if is_train else {"mse": self.metric}
+
+    def update_metric(self, batch, outputs, metric):
+        metric.update(outputs, batch[1])
+
+
+def loader(n=48, batch_size=4):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size, shuffle=False)
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class WeightRecorder(Callback):
+    """Training weights after each batch, weights seen at eval start, and after eval."""
+
+    def __init__(self):
+        self.after_batch, self.at_eval, self.after_eval = [], [], []
+
+    def batch_end(self, state, logger):
+        self.after_batch.append(trainable(state.model))
+
+    def eval_start(self, state, logger):
+        self.at_eval.append(trainable(state.model))
+
+    def eval_after_all(self, state, logger):
+        self.after_eval.append(trainable(state.model))
+
+
+def fit(ema, duration="6ba", **kwargs):
+    model = TinyRegressor()
+    recorder = WeightRecorder()
+    trainer = Trainer(model=model, train_dataloader=loader(), max_duration=duration, algorithms=[ema],
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[recorder],
+                      device="cpu", progress_bar=False, log_to_console=False, seed=0, **kwargs)
+    trainer.fit()
+    return trainer, recorder
+
+
+def reference_ema(weights, smoothing, start_batch=0, initial=None, interval=1):
+    """Plain Python over the per-batch weights: copy at start_batch, then one update per interval."""
+    ema = {k: v.clone() for k, v in initial.items()} if start_batch == 0 else None
+    for batch, w in enumerate(weights, start=1):
+        if ema is None:
+            if batch >= start_batch:
+                ema = {k: v.clone() for k, v in w.items()}
+            continue
+        if (batch - start_batch) % interval == 0:
+            ema = {k: smoothing * ema[k] + (1 - smoothing) * w[k] for k in w}
+    return ema
+
+
+def assert_close(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_ema_matches_reference_over_several_steps():
+    ema = EMA(smoothing=0.8)
+    trainer, rec = fit(ema)
+    initial = trainable(TinyRegressor())
+    expected = reference_ema(rec.after_batch, 0.8, initial=initial)
+    assert_close(ema.state_dict()["ema_params"], expected)
+    assert ema.num_updates == 6
+    # the average really lags behind the trained weights
+    assert not torch.allclose(expected["body.0.weight"], rec.after_batch[-1]["body.0.weight"])
+
+
+def test_start_batch_and_interval():
+    ema = EMA(smoothing=0.5, start_batch=3, update_interval=2)
+    assert EMA(smoothing=0.5, start_batch=3).state_dict()["ema_params"] == {}  # nothing before start
+    _, rec = fit(ema, duration="8ba")
+    expected = reference_ema(rec.after_batch, 0.5, start_batch=3, interval=2)
+    assert_close(ema.state_dict()["ema_params"], expected)
+    assert ema.num_updates == 2  # batches 5 and 7
+
+
+def test_half_life_conversion():
+    assert smoothing_from_half_life("1000ba") == pytest.approx(0.5 ** (1 / 1000))
+    assert EMA(half_life="10ba", update_interval=5).smoothing == pytest.approx(math.sqrt(0.5))
+    # after half_life batches the old average keeps half its weight
+    assert EMA(half_life="100ba").smoothing ** 100 == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="batches"):
+        EMA(half_life="1ep")
+
+
+def test_only_trainable_parameters_and_clean_names():
+    ema = EMA(smoothing=0.9)
+    fit(ema, duration="1ba")
+    names = set(ema.state_dict()["ema_params"])
+    assert names == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"}
+    assert parameter_name("_fsdp_wrapped_module.unet._orig_mod.conv_in.weight") == "unet.conv_in.weight"
+    assert parameter_name("module.unet.conv_in.weight") == "unet.conv_in.weight"
+
+
+def test_eval_sees_ema_weights_and_training_weights_come_back():
+    ema = EMA(smoothing=0.7)
+    _, rec = fit(ema, duration="4ba", eval_dataloader=loader(8), eval_interval="2ba")
+    assert len(rec.at_eval) == 2
+    initial = trainable(TinyRegressor())
+    expected_at_2 = reference_ema(rec.after_batch[:2], 0.7, initial=initial)
+    assert_close(rec.at_eval[0], expected_at_2)
+    assert_close(rec.after_eval[0], rec.after_batch[1])  # training weights restored after eval
+    assert_close(rec.after_eval[1], rec.after_batch[3])
+
+
+def test_ema_weights_context_manager_swaps_and_restores():
+    ema = EMA(smoothing=0.6)
+    trainer, _ = fit(ema, duration="3ba")
+    model = trainer.state.model
+    before = trainable(model)
+    with ema.ema_weights(model):
+        assert_close(trainable(model), ema.state_dict()["ema_params"])
+        with ema.ema_weights(model):  # nested use (image logging during eval) is a no-op
+            assert_close(trainable(model), ema.state_dict()["ema_params"])
+    assert_close(trainable(model), before)
+
+
+def test_state_dict_round_trip_into_a_fresh_algorithm():
+    ema = EMA(smoothing=0.9)
+    trainer, _ = fit(ema, duration="3ba")
+    saved = copy.deepcopy(ema.state_dict())
+    other = EMA(smoothing=0.9)
+    other.load_state_dict(saved)  # before the model is bound: applied when it is
+    with other.ema_weights(trainer.state.model):
+        pass
+    assert other.num_updates == 3
+    assert_close(other.state_dict()["ema_params"], saved["ema_params"])
+    third = EMA()
+    third.load_state_dict(dict(saved, ema_params={"nope": torch.zeros(1)}))
+    with pytest.raises(KeyError, match="trainable parameter"):
+        third._bind(trainer.state.model)
+
+
+def test_checkpoint_holds_ema_and_resume_is_exact(tmp_path):
+    straight = EMA(smoothing=0.8, start_batch=2)
+    fit(straight, duration="6ba")
+
+    first = EMA(smoothing=0.8, start_batch=2)
+    fit(first, duration="6ba", save_folder=str(tmp_path), save_interval="3ba",
+        save_filename="ep{epoch}-ba{batch}.pt")
+    ckpt = torch.load(tmp_path / "ep0-ba3.pt", weights_only=False)
+    algorithms = dict(ckpt["state"]["algorithms"])
+    assert set(algorithms["EMA"]["ema_params"]) == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"}
+    assert algorithms["EMA"]["num_updates"] == 1
+
+    resumed = EMA(smoothing=0.8, start_batch=2)
+    fit(resumed, duration="6ba", load_path=str(tmp_path / "ep0-ba3.pt"))
+    assert resumed.num_updates == straight.num_updates == 4
+    assert_close(resumed.state_dict()["ema_params"], straight.state_dict()["ema_params"])
