@@ -1,0 +1,105 @@
+"""ImageLogger: a grid from fixed prompts and a fixed seed, at every eval (or an interval), EMA weights.
+
+Logged through Composer's ``logger.log_images`` (wandb, and any other image-capable logger) and,
+optionally, saved as ``{save_folder}/samples_{batch:08d}.png``. Sampling uses the same path as
+``diffusion.generate`` (:class:`diffusion.models.sampling.Sampler`), so the pictures seen during training
+are what the exported model will draw. Under FSDP every rank samples (each forward gathers the shards);
+only rank 0 saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+from composer.core import Callback, Event, State
+from composer.loggers import Logger
+from composer.utils import create_interval_scheduler, dist
+
+from diffusion.models import sampling
+
+
+class ImageLogger(Callback):
+    """Sample ``prompts`` from the model being trained and log the grid.
+
+    Args:
+        prompts: the fixed prompts, one grid row each.
+        model_ref: where the VAE, text encoder and tokenizer come from (default: the model's
+            ``model_ref`` attribute). ``scaling_factor`` and ``prediction_type`` likewise default to
+            the model's attributes of those names, so decoding matches training.
+        interval: a Composer time string ("500ba", "1ep"); None logs at the end of every eval.
+        images_per_prompt, steps, guidance_scale, scheduler, negative_prompt, seed, size: sampling.
+        use_ema: sample with the EMA weights when the EMA algorithm is in the trainer.
+        save_folder: also write each grid there as PNG (rank 0 only).
+    """
+
+    def __init__(self, prompts, *, model_ref: str | None = None, scaling_factor: float | None = None,
+                 prediction_type: str | None = None, interval: str | None = None, images_per_prompt: int = 1,
+                 steps: int = 25, guidance_scale: float = 7.5, scheduler: str = "ddim",
+                 negative_prompt: str | None = None, seed: int = 0, size: int | None = None,
+                 use_ema: bool = True, save_folder: str | None = None, name: str = "samples"):
+        if not prompts:
+            raise ValueError("ImageLogger needs at least one prompt")
+        if scheduler not in sampling.SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(sampling.SCHEDULERS)}")
+        self.prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        self.model_ref, self.scaling_factor, self.prediction_type = model_ref, scaling_factor, prediction_type
+        self.sample_kwargs = dict(steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                                  seed=seed, size=size, images_per_prompt=images_per_prompt)
+        self.scheduler, self.use_ema, self.save_folder, self.name = scheduler, use_ema, save_folder, name
+        self._due = create_interval_scheduler(interval, checkpoint_events=False) if interval else None
+        self._sampler = None  # loaded on first use: the VAE and text encoder stay resident after that
+        self.saved: list[str] = []
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        if self._due is None:
+            self.log_grid(state, logger)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self._due is not None and self._due(state, Event.BATCH_END):
+            self.log_grid(state, logger)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        if self._due is not None and self._due(state, Event.EPOCH_END):
+            self.log_grid(state, logger)
+
+    def log_grid(self, state: State, logger: Logger):
+        """Sample, log and (optionally) save the grid now; returns it."""
+        model = _unwrap(state.model)
+        unet = getattr(model, "unet", model)
+        with self._ema_weights(state):
+            images = self._get_sampler(model)(unet, self.prompts, **self.sample_kwargs)
+        labels = [p for p in self.prompts for _ in range(self.sample_kwargs["images_per_prompt"])]
+        grid = sampling.make_grid(images, labels, columns=self.sample_kwargs["images_per_prompt"])
+        batch = int(state.timestamp.batch)
+        logger.log_images(np.asarray(grid), name=self.name, channels_last=True, step=batch)
+        if self.save_folder and dist.get_global_rank() == 0:
+            path = os.path.join(self.save_folder.format(run_name=state.run_name), f"{self.name}_{batch:08d}.png")
+            self.saved.append(sampling.save_grid(grid, path))
+        return grid
+
+    def _get_sampler(self, model) -> sampling.Sampler:
+        if self._sampler is None:
+            model_ref = self.model_ref or getattr(model, "model_ref", None)
+            if not model_ref:
+                raise ValueError("ImageLogger: pass model_ref= (the model has no model_ref attribute)")
+            self._sampler = sampling.Sampler(
+                model_ref, scheduler=self.scheduler,
+                scaling_factor=self.scaling_factor or getattr(model, "scaling_factor", None),
+                prediction_type=self.prediction_type or getattr(model, "prediction_type", None))
+        return self._sampler
+
+    def _ema_weights(self, state: State):
+        if self.use_ema:
+            for algorithm in state.algorithms:
+                if type(algorithm).__name__ == "EMA" and hasattr(algorithm, "ema_weights"):
+                    return algorithm.ema_weights(state.model)
+        return contextlib.nullcontext()
+
+
+def _unwrap(model):
+    # DistributedDataParallel keeps the ComposerModel in .module; FSDP forwards attribute access itself.
+    while hasattr(model, "module") and not hasattr(model, "unet"):
+        model = model.module
+    return model

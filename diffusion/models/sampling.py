@@ -1,0 +1,268 @@
+"""Sampling: a trained UNet plus the frozen parts of its model reference → images, and prompt grids.
+
+One path for every consumer (``diffusion.generate``, ``diffusion.evaluate``, the image-logging callback,
+the demo): a diffusers ``StableDiffusionPipeline`` assembled from the UNet being trained or loaded and
+the VAE, text encoder, tokenizer and scheduler of the model reference (:mod:`diffusion.models.loading`).
+With ``negative_prompt=None`` the pipeline's unconditional input is the embedding of ``""`` padded to 77
+tokens, which is exactly the empty-caption embedding training substitutes for dropped captions.
+
+Grids carry their layout and prompts in a PNG text chunk, so :func:`read_grid` can cut a saved grid back
+into images with their prompts (``diffusion.evaluate`` scores grids that way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
+
+from diffusion.models import loading
+
+SCHEDULERS = ("ddim", "euler", "dpm++")
+GRID_KEY = "diffusion_grid"  # PNG text chunk holding the grid's layout and prompts
+
+
+@dataclasses.dataclass
+class TrainedModel:
+    """A UNet ready to sample with, and what decoding its latents needs to agree with training."""
+
+    unet: torch.nn.Module
+    model_ref: str  # VAE, text encoder, tokenizer and scheduler come from here
+    scaling_factor: float | None  # VAE latent scaling factor used in training (None: the VAE config's)
+    prediction_type: str | None  # "epsilon" or "v_prediction" (None: the scheduler config's)
+    resolution: int | None = None  # training resolution in pixels, the default sample size
+    ema_used: bool = False
+
+
+def is_diffusers_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, "model_index.json"))
+
+
+def load_trained(checkpoint: str, *, model_ref: str | None = None, ema: bool = True) -> TrainedModel:
+    """Load a UNet from a Composer checkpoint (EMA weights by default) or a diffusers directory.
+
+    ``model_ref`` overrides where the VAE, text encoder and tokenizer come from (default: the training
+    run's model reference recorded in the checkpoint, or the diffusers directory itself).
+    """
+    checkpoint = os.fspath(checkpoint)
+    if is_diffusers_dir(checkpoint):
+        from diffusers import UNet2DConditionModel
+        unet = UNet2DConditionModel.from_pretrained(os.path.join(checkpoint, "unet"))
+        ref = model_ref or checkpoint
+        return TrainedModel(unet=unet.eval(), model_ref=ref,
+                            scaling_factor=loading.load_vae_config(checkpoint).get("scaling_factor"),
+                            prediction_type=_scheduler_prediction_type(checkpoint))
+    if os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"{checkpoint!r} is a directory without model_index.json: pass a Composer "
+                                f"checkpoint file or a diffusers pipeline directory")
+    from diffusion.models.checkpoint import load_unet
+    unet, info = load_unet(checkpoint, ema=ema)
+    return TrainedModel(unet=unet.eval(), model_ref=model_ref or info["model_ref"],
+                        scaling_factor=info.get("scaling_factor"), prediction_type=info.get("prediction_type"),
+                        resolution=info.get("resolution"), ema_used=bool(info.get("ema_used")))
+
+
+def _scheduler_prediction_type(ref: str) -> str | None:
+    path = os.path.join(ref, "scheduler", "scheduler_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("prediction_type")
+
+
+def default_size(unet, model_ref: str) -> int:
+    """Pixels per side the UNet was built for: its latent ``sample_size`` times the VAE downsampling."""
+    return int(unet.config.sample_size) * loading.vae_downsample(loading.load_vae_config(model_ref))
+
+
+def load_sampling_scheduler(model_ref: str, name: str = "ddim", prediction_type: str | None = None):
+    """A sampler of ``model_ref``'s noise schedule, predicting what the UNet was trained to predict."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+    scheduler = loading.load_scheduler(model_ref, name)
+    overrides = {"prediction_type": prediction_type} if prediction_type else {}
+    if name == "dpm++":
+        overrides["algorithm_type"] = "dpmsolver++"
+    return type(scheduler).from_config(scheduler.config, **overrides) if overrides else scheduler
+
+
+class Sampler:
+    """The frozen parts of a model reference, loaded once; called with a UNet to generate images.
+
+    The image logger keeps one and calls it at every eval with the current (EMA) UNet.
+    """
+
+    def __init__(self, model_ref: str, *, scheduler: str = "ddim", scaling_factor: float | None = None,
+                 prediction_type: str | None = None):
+        self.model_ref = model_ref
+        self.vae = loading.load_vae(model_ref)
+        if scaling_factor is not None:
+            # Decode with the factor training multiplied by, whatever the VAE config says.
+            self.vae.register_to_config(scaling_factor=float(scaling_factor))
+        self.text_encoder = loading.load_text_encoder(model_ref)
+        self.tokenizer = loading.load_tokenizer(model_ref)
+        self.scheduler = load_sampling_scheduler(model_ref, scheduler, prediction_type)
+
+    def pipeline(self, unet):
+        """A ``StableDiffusionPipeline`` around ``unet`` (safety checker off)."""
+        from diffusers import StableDiffusionPipeline
+        return StableDiffusionPipeline(vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
+                                       unet=unet, scheduler=self.scheduler, safety_checker=None,
+                                       feature_extractor=None, requires_safety_checker=False)
+
+    @torch.no_grad()
+    def __call__(self, unet, prompts, *, steps: int = 25, guidance_scale: float = 7.5,
+                 negative_prompt: str | None = None, seed: int = 0, size=None, images_per_prompt: int = 1,
+                 batch_size: int = 8, device=None, progress: bool = False) -> list[Image.Image]:
+        """Images for ``prompts`` in order (each prompt ``images_per_prompt`` times, consecutively).
+
+        Image ``i`` starts from noise seeded with ``seed + i`` on the CPU, so it is the same whatever
+        the batch size or device.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise ValueError("no prompts to sample")
+        height, width = _size_pair(size if size is not None else default_size(unet, self.model_ref))
+        first = next(unet.parameters())
+        device = torch.device(device) if device is not None else first.device
+        for frozen in (self.vae, self.text_encoder):
+            if (frozen.device, frozen.dtype) != (device, first.dtype):
+                frozen.to(device=device, dtype=first.dtype)
+        pipe = self.pipeline(unet)
+        pipe.set_progress_bar_config(disable=not progress)
+        expanded = [p for p in prompts for _ in range(images_per_prompt)]
+        images = []
+        with _eval_mode(unet), _autocast(device, first.dtype):
+            for start in range(0, len(expanded), batch_size):
+                chunk = expanded[start:start + batch_size]
+                generators = [torch.Generator("cpu").manual_seed(seed + start + i) for i in range(len(chunk))]
+                out = pipe(chunk, height=height, width=width, num_inference_steps=steps,
+                           guidance_scale=guidance_scale,
+                           negative_prompt=[negative_prompt] * len(chunk) if negative_prompt else None,
+                           generator=generators, output_type="pil")
+                images.extend(out.images)
+        return images
+
+
+def sample_images(unet, model_ref: str, prompts, *, scheduler: str = "ddim", scaling_factor: float | None = None,
+                  prediction_type: str | None = None, **kwargs) -> list[Image.Image]:
+    """One-shot :class:`Sampler`: load the frozen components, generate, return PIL images."""
+    sampler = Sampler(model_ref, scheduler=scheduler, scaling_factor=scaling_factor,
+                      prediction_type=prediction_type)
+    return sampler(unet, prompts, **kwargs)
+
+
+def _size_pair(size) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    height, width = (int(s) for s in size)
+    return height, width
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    # On GPUs a float32 UNet (as trained under amp) samples in bf16, as in training.
+    if device.type == "cuda" and dtype == torch.float32:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---- grids ------------------------------------------------------------------------------------------
+
+def make_grid(images, prompts, columns: int | None = None, *, min_tile: int = 128) -> Image.Image:
+    """Tile ``images`` in ``columns`` columns with each one's prompt written under it.
+
+    Small images are scaled up by a whole factor (nearest neighbour) to at least ``min_tile`` pixels
+    wide so the labels stay readable; the layout is stored in ``grid.info`` for :func:`save_grid`.
+    """
+    images = list(images)
+    prompts = list(prompts)
+    if not images or len(images) != len(prompts):
+        raise ValueError(f"make_grid needs one prompt per image, got {len(images)} images, {len(prompts)} prompts")
+    tile_w, tile_h = images[0].size
+    if any(im.size != (tile_w, tile_h) for im in images):
+        raise ValueError("make_grid needs images of one size")
+    columns = columns or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    scale = max(1, math.ceil(min_tile / tile_w))
+    cell_w, cell_h = tile_w * scale, tile_h * scale
+    font = _font(max(10, min(16, cell_w // 12)))
+    labels = [_wrap(p, font, cell_w - 4) for p in prompts]
+    line_h = font.getbbox("Ag")[3] + 2
+    label_h = line_h * max(len(lines) for lines in labels) + 4
+    grid = Image.new("RGB", (columns * cell_w, rows * (cell_h + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (image, lines) in enumerate(zip(images, labels)):
+        x, y = (i % columns) * cell_w, (i // columns) * (cell_h + label_h)
+        grid.paste(image.convert("RGB").resize((cell_w, cell_h), Image.NEAREST), (x, y))
+        for j, line in enumerate(lines):
+            draw.text((x + 2, y + cell_h + 2 + j * line_h), line, fill="black", font=font)
+    grid.info[GRID_KEY] = json.dumps({"prompts": prompts, "columns": columns, "tile": [tile_w, tile_h],
+                                      "scale": scale, "label_height": label_h})
+    return grid
+
+
+def save_grid(grid: Image.Image, path: str) -> str:
+    """Write ``grid`` as PNG with its layout and prompts, so :func:`read_grid` can take it apart."""
+    meta = PngInfo()
+    if GRID_KEY in grid.info:
+        meta.add_text(GRID_KEY, grid.info[GRID_KEY])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    grid.save(path, format="PNG", pnginfo=meta)
+    return path
+
+
+def is_grid(path: str) -> bool:
+    with Image.open(path) as im:
+        return GRID_KEY in getattr(im, "text", {})
+
+
+def read_grid(path: str) -> tuple[list[Image.Image], list[str]]:
+    """The images (at their generated size) and prompts of a grid written by :func:`save_grid`."""
+    with Image.open(path) as im:
+        text = getattr(im, "text", {})
+        if GRID_KEY not in text:
+            raise ValueError(f"{path}: not a prompt grid written by diffusion.generate (no {GRID_KEY} metadata)")
+        layout = json.loads(text[GRID_KEY])
+        grid = im.convert("RGB")
+    (tile_w, tile_h), scale = layout["tile"], layout["scale"]
+    cell_w, cell_h = tile_w * scale, tile_h * scale
+    images = []
+    for i in range(len(layout["prompts"])):
+        x, y = (i % layout["columns"]) * cell_w, (i // layout["columns"]) * (cell_h + layout["label_height"])
+        images.append(grid.crop((x, y, x + cell_w, y + cell_h)).resize((tile_w, tile_h), Image.NEAREST))
+    return images, list(layout["prompts"])
+
+
+def _font(size: int):
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: fixed-size bitmap font
+        return ImageFont.load_default()
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        candidate = f"{line} {word}".strip()
+        if line and font.getlength(candidate) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = candidate
+    return lines + [line] if line else lines or [""]

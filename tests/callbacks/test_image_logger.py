@@ -1,0 +1,128 @@
+"""ImageLogger: fixed-prompt grids during Composer training, with EMA weights when EMA is in the trainer."""
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from composer import Trainer
+from composer.core import Algorithm
+from composer.loggers import LoggerDestination
+from composer.models import ComposerModel
+
+from diffusion.callbacks.image_logger import ImageLogger
+from diffusion.models import sampling
+
+PROMPTS = ["a red circle", "a blue square"]
+
+
+class TinyDiffusion(ComposerModel):
+    """Just enough of a diffusion ComposerModel: a UNet, its model reference, a loss."""
+
+    def __init__(self, kit):
+        super().__init__()
+        from diffusers import UNet2DConditionModel
+        self.unet = UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet"))
+        self.model_ref = kit
+
+    def forward(self, batch):
+        return self.unet(batch["latents"], 10, encoder_hidden_states=batch["embeds"]).sample
+
+    def loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+
+
+class Batches(torch.utils.data.Dataset):
+    def __init__(self, unet, n=4):
+        size, dim = unet.config.sample_size, unet.config.cross_attention_dim
+        self.items = [{"latents": torch.randn(4, size, size), "embeds": torch.randn(77, dim)} for _ in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class ImageCapture(LoggerDestination):
+    def __init__(self):
+        self.images = []
+
+    def log_images(self, images, name="Images", channels_last=False, step=None, *masks_and_options, **kwargs):
+        self.images.append((name, step, np.asarray(images)))
+
+
+class EMA(Algorithm):
+    """Stand-in for diffusion.algorithms.ema.EMA's contract: ``ema_weights(model)`` swaps weights in and out."""
+
+    def match(self, event, state):
+        return False
+
+    def apply(self, event, state, logger):
+        return None
+
+    @contextlib.contextmanager
+    def ema_weights(self, model):
+        saved = {k: v.clone() for k, v in model.unet.state_dict().items()}
+        with torch.no_grad():
+            for p in model.unet.parameters():
+                p.mul_(0.5)
+        try:
+            yield
+        finally:
+            model.unet.load_state_dict(saved)
+
+
+def _fit(model, callback, *, algorithms=(), eval_interval=None, duration="2ba"):
+    capture = ImageCapture()
+    data = torch.utils.data.DataLoader(Batches(model.unet), batch_size=2)
+    trainer = Trainer(model=model, train_dataloader=data, max_duration=duration, callbacks=[callback],
+                      loggers=[capture], algorithms=list(algorithms), device="cpu", progress_bar=False,
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
+                      eval_dataloader=data if eval_interval else None, eval_interval=eval_interval or 1,
+                      save_folder=None)
+    trainer.fit()
+    trainer.close()
+    return capture.images
+
+
+def test_interval_logs_the_same_grid_for_unchanged_weights_and_saves_pngs(tiny_kit, tmp_path):
+    callback = ImageLogger(PROMPTS, interval="1ba", steps=2, images_per_prompt=2, save_folder=str(tmp_path / "png"))
+    logged = _fit(TinyDiffusion(tiny_kit), callback)
+    assert [(name, step) for name, step, _ in logged] == [("samples", 1), ("samples", 2)]
+    assert np.array_equal(logged[0][2], logged[1][2])  # fixed seed, lr 0: identical pictures
+    assert len(callback.saved) == 2 and all(os.path.exists(p) for p in callback.saved)
+    images, prompts = sampling.read_grid(callback.saved[0])
+    assert prompts == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    assert np.array_equal(np.asarray(sampling.make_grid(images, prompts, columns=2)), logged[0][2])
+
+
+@pytest.mark.slow  # two Composer fits; ~10 s alone, over 30 s on a loaded 2-core machine
+def test_uses_ema_weights_when_ema_is_present_and_restores_training_weights(tiny_kit):
+    model = TinyDiffusion(tiny_kit)
+    before = {k: v.clone() for k, v in model.unet.state_dict().items()}
+    with_ema = _fit(model, ImageLogger(PROMPTS, interval="1ba", steps=2), algorithms=[EMA()], duration="1ba")
+    without = _fit(TinyDiffusion(tiny_kit), ImageLogger(PROMPTS, interval="1ba", steps=2, use_ema=False),
+                   algorithms=[EMA()], duration="1ba")
+    assert np.abs(with_ema[0][2].astype(int) - without[0][2].astype(int)).mean() > 1
+    for k, v in model.unet.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+    # The EMA picture is what the halved weights draw.
+    halved = TinyDiffusion(tiny_kit)
+    with EMA().ema_weights(halved):
+        images = sampling.sample_images(halved.unet, tiny_kit, PROMPTS, steps=2)
+    assert np.abs(np.asarray(sampling.make_grid(images, PROMPTS, columns=1)).astype(int)
+                  - with_ema[0][2].astype(int)).max() <= 1
+
+
+def test_logs_at_eval_by_default(tiny_kit):
+    logged = _fit(TinyDiffusion(tiny_kit), ImageLogger(PROMPTS, steps=2), eval_interval="1ba", duration="2ba")
+    assert [step for _, step, _ in logged] == [1, 2]
+
+
+def test_bad_settings_fail_at_construction():
+    with pytest.raises(ValueError, match="at least one prompt"):
+        ImageLogger([])
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        ImageLogger(PROMPTS, scheduler="plms")

@@ -1,0 +1,158 @@
+"""diffusion.evaluate: Fréchet distance, CLIP score, image inputs and the CLI, offline with tiny models."""
+
+import collections
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CACHE
+from diffusion import evaluate
+from diffusion.data.sample import COLORS
+from diffusion.models import sampling
+
+
+@pytest.fixture(scope="session")
+def tiny_clip() -> str:
+    from diffusion.models.kit import ensure_kit
+    return str(ensure_kit("tiny-clip", CACHE / "kit" / "tiny-clip"))
+
+
+def _color_image(name, rng, size=32):
+    noisy = np.array(COLORS[name])[None, None] + rng.normal(0, 20, (size, size, 3))
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def _prompt(name):
+    return f"a {name} image"
+
+
+@pytest.fixture(scope="module")
+def color_clip(tiny_clip, tmp_path_factory) -> str:
+    """The tiny CLIP after a few contrastive steps on flat colour images, so matching pairs score higher."""
+    scorer = evaluate.ClipScorer(tiny_clip, device="cpu")
+    model, names, rng = scorer.model.train().requires_grad_(True), list(COLORS), np.random.default_rng(0)
+    tokens = scorer.tokenizer([_prompt(n) for n in names], padding="max_length", truncation=True,
+                              max_length=scorer.max_length, return_tensors="pt")
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(20):
+        pixels = scorer.processor(images=[_color_image(n, rng) for n in names], return_tensors="pt")["pixel_values"]
+        loss = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, pixel_values=pixels,
+                     return_loss=True).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = tmp_path_factory.mktemp("color-clip")
+    model.save_pretrained(out)
+    scorer.tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def test_frechet_distance_matches_the_gaussian_formula():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(20000, 4))
+    assert evaluate.frechet_distance(a, a) == pytest.approx(0, abs=1e-6)
+    assert evaluate.frechet_distance(a, a + [2, 0, 0, 0]) == pytest.approx(4, rel=0.02)
+    # N(0, I) against N(0, 4I): trace(I + 4I - 2·2I) = 4 in 4 dimensions.
+    assert evaluate.frechet_distance(a, 2 * rng.normal(size=(20000, 4))) == pytest.approx(4, rel=0.05)
+    with pytest.raises(ValueError, match="at least 2 images"):
+        evaluate.frechet_distance(a[:1], a)
+
+
+@pytest.mark.parametrize("n", [5, 40])  # fewer and more samples than dimensions
+def test_frechet_distance_agrees_with_the_textbook_sqrtm(n):
+    from scipy import linalg
+    rng = np.random.default_rng(n)
+    a, b = rng.normal(size=(n, 12)), rng.gamma(2.0, size=(n + 3, 12))
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    diff = a.mean(0) - b.mean(0)
+    textbook = diff @ diff + np.trace(cov_a + cov_b - 2 * np.real(linalg.sqrtm(cov_a @ cov_b)))
+    assert evaluate.frechet_distance(a, b) == pytest.approx(textbook, rel=1e-6)
+
+
+def test_fid_near_zero_against_itself_and_large_against_another_distribution(tiny_clip, sample_data):
+    rng = np.random.default_rng(0)
+    noise = [(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), None) for _ in range(40)]
+    same = evaluate.evaluate(sample_data, reference=sample_data, clip_model=tiny_clip, device="cpu")
+    other = evaluate.evaluate(noise, reference=sample_data, clip_model=tiny_clip, device="cpu")
+    assert same["fid"] == pytest.approx(0, abs=1e-4)
+    assert other["fid"] > 100 * max(same["fid"], 1e-4)
+    assert same["num_images"] == same["num_reference"] > 80
+    assert "clip_score" not in other  # no prompts, no CLIP score
+
+
+def test_clip_score_rewards_matching_prompts(color_clip):
+    rng = np.random.default_rng(1)
+    names = list(COLORS)
+    pairs = [(_color_image(n, rng), _prompt(n)) for n in names for _ in range(2)]
+    matched = evaluate.evaluate(pairs, clip_model=color_clip, device="cpu")
+    shuffled_prompts = [p for _, p in pairs][2:] + [p for _, p in pairs][:2]  # every image gets a wrong colour
+    shuffled = evaluate.evaluate([(im, p) for (im, _), p in zip(pairs, shuffled_prompts)],
+                                 clip_model=color_clip, device="cpu")
+    assert 0 <= shuffled["clip_score"] < matched["clip_score"] <= 100
+    assert matched["clip_score_mismatched"] < matched["clip_score"]
+    assert matched["clip_accuracy"] > 0.5 > shuffled["clip_accuracy"]  # chance is 1/8
+
+
+def test_inputs_grids_captioned_files_and_parquet_with_bad_rows(tmp_path, sample_data):
+    rng = np.random.default_rng(0)
+    images = [_color_image(n, rng, 16) for n in ("red", "blue")]
+    sampling.save_grid(sampling.make_grid(images, ["red one", "blue one"]), str(tmp_path / "grid.png"))
+    images[0].save(tmp_path / "single.png")
+    (tmp_path / "single.txt").write_text("a lone red image\n")
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    skipped = collections.Counter()
+    found = list(evaluate.iter_images(str(tmp_path), skipped))
+    assert [p for _, p in found] == ["red one", "blue one", "a lone red image"]
+    assert np.array_equal(np.asarray(found[1][0]), np.asarray(images[1]))
+    assert list(skipped) == [f"{tmp_path / 'broken.jpg'}: UnidentifiedImageError"]
+
+    manifest = json.loads((pathlib.Path(sample_data) / "manifest.json").read_text())
+    skipped = collections.Counter()
+    rows = list(evaluate.iter_images(sample_data, skipped))
+    bad = manifest["bad"]
+    assert sum(skipped.values()) == bad["truncated"] + bad["not_image"] + bad["tiny"]
+    assert len(rows) == manifest["rows"] - sum(skipped.values())
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        list(evaluate.iter_images(str(tmp_path / "no-such-dir")))
+
+
+def test_inception_features_need_local_weights_and_then_work(tmp_path, tiny_clip):
+    with pytest.raises(FileNotFoundError, match="needs local weights"):
+        evaluate.InceptionFeatures(str(tmp_path / "missing.pth"))
+    import torchvision
+    torch.manual_seed(0)
+    weights = tmp_path / "inception.pth"
+    torch.save(torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False).state_dict(),
+               weights)
+    rng = np.random.default_rng(0)
+    pairs = [(_color_image(n, rng), _prompt(n)) for n in ("red", "blue", "green")]
+    result = evaluate.evaluate(pairs, reference=[(im.rotate(90), None) for im, _ in pairs], clip_model=tiny_clip,
+                               fid_features="inception", inception_weights=str(weights), device="cpu")
+    assert result["fid_features"] == "inception" and np.isfinite(result["fid"]) and result["fid"] > 0
+
+
+def test_cli_generates_from_a_checkpoint_then_scores(tiny_kit, tiny_clip, sample_data, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# colours\na red circle\n\na blue square\n")
+    out = tmp_path / "metrics.json"
+    evaluate.main(["--checkpoint", tiny_kit, "--prompts-file", str(prompts), "--images-per-prompt", "2",
+                   "--steps", "2", "--reference", sample_data, "--clip-model", tiny_clip,
+                   "--save-images", str(tmp_path / "images"), "--out", str(out), "--device", "cpu"])
+    metrics = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == metrics
+    assert metrics["num_images"] == 4 and np.isfinite(metrics["fid"]) and np.isfinite(metrics["clip_score"])
+    assert sorted(p.name for p in (tmp_path / "images").iterdir())[:2] == ["00000.png", "00000.txt"]
+    # The saved images score the same when read back.
+    again = evaluate.evaluate(str(tmp_path / "images"), reference=sample_data, clip_model=tiny_clip, device="cpu")
+    assert again["clip_score"] == pytest.approx(metrics["clip_score"], abs=1e-3)
+    assert again["fid"] == pytest.approx(metrics["fid"], rel=1e-3)
+
+
+def test_cli_needs_images_or_a_checkpoint(tiny_clip):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--clip-model", tiny_clip])

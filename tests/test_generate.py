@@ -1,0 +1,151 @@
+"""Sampling, prompt grids and the generate CLI (diffusion.models.sampling, diffusion.generate)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffusion import generate
+from diffusion.models import loading, sampling
+
+PROMPTS = ["a red circle above a blue square", "a green triangle"]
+
+
+def _pixels(image) -> np.ndarray:
+    return np.asarray(image, dtype=np.int16)
+
+
+def _kit_unet(kit):
+    from diffusers import UNet2DConditionModel
+    return UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet")).eval()
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_kit):
+    return sampling.Sampler(tiny_kit)
+
+
+@pytest.fixture(scope="module")
+def unet(tiny_kit):
+    return _kit_unet(tiny_kit)
+
+
+@pytest.fixture
+def fake_checkpoint(tiny_kit, tmp_path) -> str:
+    """A Composer checkpoint in training's format: raw weights perturbed, EMA weights the kit's."""
+    unet = _kit_unet(tiny_kit)
+    ema = {f"unet.{k}": v.clone() for k, v in unet.state_dict().items()}
+    raw = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in ema.items()}
+    raw["_extra_state"] = {"model_ref": tiny_kit, "unet_config": dict(unet.config), "scaling_factor": 0.5,
+                           "prediction_type": "v_prediction", "resolution": 32,
+                           "text_dim": unet.config.cross_attention_dim}
+    path = tmp_path / "ep0-ba4-rank0.pt"
+    torch.save({"state": {"model": raw, "algorithms": [("EMA", {"ema_params": ema})]}}, path)
+    return str(path)
+
+
+def test_same_seed_same_images_whatever_the_batch_other_seed_differs(sampler, unet):
+    a = sampler(unet, PROMPTS, steps=3, seed=1, images_per_prompt=2, batch_size=4)
+    b = sampler(unet, PROMPTS, steps=3, seed=1, images_per_prompt=2, batch_size=3)
+    c = sampler(unet, PROMPTS, steps=3, seed=2, images_per_prompt=2, batch_size=4)
+    assert len(a) == 4 and all(isinstance(im, Image.Image) for im in a)
+    for x, y in zip(a, b):
+        assert np.abs(_pixels(x) - _pixels(y)).max() <= 2  # float noise across batch shapes only
+    assert np.abs(_pixels(a[0]) - _pixels(c[0])).mean() > 5
+    # Two images of one prompt start from different noise.
+    assert np.abs(_pixels(a[0]) - _pixels(a[1])).mean() > 5
+
+
+def test_default_size_follows_the_unet_and_vae_and_size_overrides(sampler, unet, tiny_kit):
+    expected = unet.config.sample_size * loading.vae_downsample(loading.load_vae_config(tiny_kit))
+    assert sampler(unet, PROMPTS[:1], steps=2)[0].size == (expected, expected)
+    assert sampler(unet, PROMPTS[:1], steps=2, size=(expected // 2, expected))[0].size == (expected, expected // 2)
+
+
+@pytest.mark.parametrize("name", sampling.SCHEDULERS)
+def test_every_scheduler_samples(tiny_kit, unet, name):
+    images = sampling.sample_images(unet, tiny_kit, PROMPTS[:1], scheduler=name, steps=3, negative_prompt="blurry")
+    assert np.asarray(images[0]).std() > 0
+
+
+def test_unknown_scheduler_is_refused(tiny_kit):
+    with pytest.raises(ValueError, match="unknown scheduler 'plms'"):
+        sampling.load_sampling_scheduler(tiny_kit, "plms")
+
+
+def test_prediction_type_and_scaling_factor_reach_the_pipeline(tiny_kit, unet):
+    sampler = sampling.Sampler(tiny_kit, scheduler="euler", scaling_factor=0.5, prediction_type="v_prediction")
+    pipe = sampler.pipeline(unet)
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    assert pipe.vae.config.scaling_factor == 0.5
+
+
+def test_unconditional_input_is_the_empty_caption_embedding(sampler, unet):
+    """Training drops captions to the stored embedding of "" padded to 77 tokens; sampling must match."""
+    tokens = sampler.tokenizer("", padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        empty = sampler.text_encoder(tokens.input_ids)[0]
+        cond = sampler.text_encoder(sampler.tokenizer(PROMPTS[0], padding="max_length", max_length=77,
+                                                      truncation=True, return_tensors="pt").input_ids)[0]
+    pipe = sampler.pipeline(unet)
+    explicit = pipe(prompt_embeds=cond, negative_prompt_embeds=empty, num_inference_steps=3, guidance_scale=5.0,
+                    generator=[torch.Generator("cpu").manual_seed(0)], output_type="np").images[0]
+    default = sampler(unet, PROMPTS[:1], steps=3, guidance_scale=5.0, seed=0)[0]
+    assert np.abs(np.round(explicit * 255) - _pixels(default)).max() <= 1
+
+
+def test_grid_has_labels_and_round_trips_with_its_prompts(sampler, unet, tmp_path):
+    images = sampler(unet, PROMPTS, steps=2)
+    grid = sampling.make_grid(images, PROMPTS, columns=2)
+    tile = images[0].size[0]
+    assert grid.width == 2 * tile * max(1, -(-128 // tile))
+    label_strip = _pixels(grid)[grid.height - 10:, :, :]
+    assert (label_strip < 100).any(), "no label text drawn under the tiles"
+    path = sampling.save_grid(grid, str(tmp_path / "g.png"))
+    back, prompts = sampling.read_grid(path)
+    assert prompts == PROMPTS
+    for a, b in zip(images, back):
+        assert np.array_equal(_pixels(a), _pixels(b))
+
+
+def test_grid_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="one prompt per image"):
+        sampling.make_grid([Image.new("RGB", (8, 8))], ["a", "b"])
+    plain = tmp_path / "plain.png"
+    Image.new("RGB", (8, 8)).save(plain)
+    with pytest.raises(ValueError, match="not a prompt grid"):
+        sampling.read_grid(str(plain))
+
+
+def test_cli_writes_a_labelled_grid_from_a_diffusers_directory(tiny_kit, tmp_path):
+    out = tmp_path / "grid.png"
+    generate.main(["--checkpoint", tiny_kit, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--steps", "2",
+                   "--images-per-prompt", "2", "--scheduler", "dpm++", "--out", str(out)])
+    images, prompts = sampling.read_grid(str(out))
+    assert prompts == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    assert json.loads(Image.open(out).text[sampling.GRID_KEY])["columns"] == 2
+
+
+def test_cli_needs_a_prompt(tiny_kit, tmp_path):
+    with pytest.raises(SystemExit):
+        generate.main(["--checkpoint", tiny_kit, "--out", str(tmp_path / "g.png")])
+
+
+def test_checkpoint_uses_ema_weights_by_default(fake_checkpoint, tiny_kit, tmp_path):
+    kwargs = dict(steps=3, seed=0, guidance_scale=1.0)
+    ema = generate.generate_images(fake_checkpoint, PROMPTS[:1], **kwargs)[0]
+    raw = generate.generate_images(fake_checkpoint, PROMPTS[:1], ema=False, **kwargs)[0]
+    assert ema.size == (32, 32)  # the training resolution recorded in the checkpoint
+    assert np.abs(_pixels(ema) - _pixels(raw)).mean() > 1
+    # The EMA UNet is the kit's: same images as sampling the kit with the checkpoint's settings.
+    expected = sampling.sample_images(_kit_unet(tiny_kit), tiny_kit, PROMPTS[:1], scaling_factor=0.5,
+                                      prediction_type="v_prediction", size=32, **kwargs)[0]
+    assert np.abs(_pixels(ema) - _pixels(expected)).max() <= 1
+
+
+def test_a_directory_that_is_no_pipeline_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="without model_index.json"):
+        sampling.load_trained(str(tmp_path))
