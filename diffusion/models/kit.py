@@ -1,0 +1,239 @@
+"""The offline model kit: diffusers-layout model directories written without hub access.
+
+``python -m diffusion.models.kit --preset {tiny,sd2-base,tiny-clip} --out DIR``
+
+- ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
+  no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
+- ``tiny``: the same structure at small widths, CPU-fast: random seeded UNet and text encoder, and a
+  VAE fitted for a few minutes on sample scenes so decoded images can be judged by eye.
+- ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
+  for CLIP-score / FID tests.
+
+:func:`ensure_kit` builds a kit only when it is missing or incomplete. It builds in a temporary
+directory beside the target, writes the stamp file last and renames the directory into place, so a
+killed build never leaves a half kit that looks complete; a file lock makes concurrent callers (test
+sessions sharing ``.cache/``) wait for one build instead of racing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import torch
+
+from diffusion.models.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
+
+KIT_VERSION = 2  # bump when a preset's contents change: older kits are then rebuilt
+STAMP = "kit.json"
+PRESETS = ("tiny", "sd2-base", "tiny-clip")
+HELD_OUT_SEED = 1234  # sample scenes for judging the tiny VAE; fitting uses other seeds
+
+SD2_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True,
+)
+SD2_VAE = dict(
+    sample_size=512, in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.18215,
+)
+# SD2-base's text encoder config, special-token ids included (the pooled output is unused).
+SD2_TEXT = dict(
+    hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=23, hidden_act="gelu",
+    vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_LENGTH, projection_dim=512,
+    bos_token_id=0, eos_token_id=2, pad_token_id=1,
+)
+SCHEDULER = dict(
+    num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+    prediction_type="epsilon", clip_sample=False, set_alpha_to_one=False, steps_offset=1,
+)
+SCHEDULER_CLASS = "DDIMScheduler"  # same config keys as DDPM (training) and deterministic to sample with
+
+_TINY_TOKENS = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_LENGTH,
+                    bos_token_id=49406, eos_token_id=49407, pad_token_id=0)
+TINY_TEXT = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_hidden_layers=2,
+                 hidden_act="gelu", projection_dim=64, **_TINY_TOKENS)
+TINY_UNET = dict(
+    sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=TINY_TEXT["hidden_size"], attention_head_dim=(2, 4), use_linear_projection=True,
+)
+TINY_VAE = dict(
+    sample_size=64, in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+    block_out_channels=(32, 64, 64, 64), norm_num_groups=8,  # not 32: per-channel groups erase colour
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=1.0,  # set from the fitted latents
+)
+
+
+def model_index() -> dict:
+    import diffusers
+    return {
+        "_class_name": "StableDiffusionPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "scheduler": ["diffusers", SCHEDULER_CLASS],
+        "safety_checker": [None, None],
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+    }
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _write_common(out: pathlib.Path) -> None:
+    """Tokenizer, scheduler and model_index.json: identical in every diffusers-layout preset."""
+    import diffusers
+    write_clip_tokenizer(out / "tokenizer")
+    getattr(diffusers, SCHEDULER_CLASS)(**SCHEDULER).save_config(out / "scheduler")
+    _write_json(out / "model_index.json", model_index())
+
+
+def build_sd2_base(out: pathlib.Path) -> dict:
+    """Configs only: modules are built on the meta device, so nothing is allocated."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig
+    with torch.device("meta"):
+        UNet2DConditionModel(**SD2_UNET).save_config(out / "unet")
+        AutoencoderKL(**SD2_VAE).save_config(out / "vae")
+    config = CLIPTextConfig(**SD2_TEXT)
+    config.architectures = ["CLIPTextModel"]
+    config.save_pretrained(out / "text_encoder")
+    _write_common(out)
+    return {}
+
+
+def build_tiny(out: pathlib.Path, progress: bool = True) -> dict:
+    """Random seeded UNet and text encoder; a VAE fitted on sample scenes (a few minutes on CPU)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from diffusion.models import vae_fit
+
+    torch.manual_seed(0)
+    UNet2DConditionModel(**TINY_UNET).save_pretrained(out / "unet")
+    torch.manual_seed(1)
+    CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
+
+    torch.manual_seed(2)
+    vae = AutoencoderKL(**TINY_VAE)
+    fit = vae_fit.fit_vae(vae, progress=progress)
+    held_out = vae_fit.sample_images(64, seed=HELD_OUT_SEED)
+    fit["psnr_held_out"] = round(vae_fit.reconstruction_psnr(vae, held_out), 2)
+    scaling = vae_fit.latent_scaling_factor(vae, vae_fit.sample_images(256, seed=HELD_OUT_SEED + 1))
+    vae.register_to_config(scaling_factor=round(scaling, 5))
+    vae.save_pretrained(out / "vae")
+    _write_common(out)
+    fit["scaling_factor"] = vae.config.scaling_factor
+    fit["seconds"] = round(fit["seconds"], 1)
+    return {"vae_fit": fit}
+
+
+def build_tiny_clip(out: pathlib.Path) -> dict:
+    """A tiny random CLIPModel with the CLIP tokenizer and a 64 px image processor in one directory."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+    text = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, **_TINY_TOKENS)
+    vision = dict(image_size=64, patch_size=8, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=4, num_hidden_layers=2)
+    torch.manual_seed(3)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).save_pretrained(out)
+    write_clip_tokenizer(out)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(out)
+    return {}
+
+
+def build_kit(preset: str, out, progress: bool = True) -> pathlib.Path:
+    """Write ``preset`` into ``out`` (not atomically; see :func:`ensure_kit`), stamp file last."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown kit preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if preset == "sd2-base":
+        info = build_sd2_base(out)
+    elif preset == "tiny":
+        info = build_tiny(out, progress=progress)
+    else:
+        info = build_tiny_clip(out)
+    stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
+             **info}
+    _write_json(out / STAMP, stamp)
+    return out
+
+
+def read_stamp(out) -> dict | None:
+    try:
+        with open(pathlib.Path(out) / STAMP) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(preset: str, out) -> bool:
+    stamp = read_stamp(out)
+    return bool(stamp) and stamp.get("preset") == preset and stamp.get("kit_version") == KIT_VERSION
+
+
+@contextlib.contextmanager
+def _build_lock(out: pathlib.Path):
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_kit(preset: str, out, progress: bool = True, force: bool = False) -> pathlib.Path:
+    """The kit ``preset`` at ``out``, built first if missing, incomplete or from an older kit version."""
+    out = pathlib.Path(out).expanduser().absolute()
+    if not force and is_complete(preset, out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        if not force and is_complete(preset, out):  # another process built it while we waited
+            return out
+        prefix = f".{out.name}.building-"
+        for stale in out.parent.glob(prefix + "*"):  # left by a killed build; we hold the lock now
+            shutil.rmtree(stale, ignore_errors=True)
+        building = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+        try:
+            building.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+            build_kit(preset, building, progress=progress)
+            if out.exists():
+                shutil.rmtree(out)  # a half-built, stale or forced kit
+            os.replace(building, out)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Write an offline diffusers-layout model kit.")
+    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete kit is there")
+    args = parser.parse_args(argv)
+    out = ensure_kit(args.preset, args.out, force=args.force)
+    print(json.dumps({"kit": str(out), **(read_stamp(out) or {})}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

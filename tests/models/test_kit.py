@@ -1,0 +1,125 @@
+"""The offline model kit: SD2-base configs with SD2's sizes, a usable tiny pipeline, atomic builds."""
+
+import json
+
+import pytest
+import torch
+
+from diffusion.models import kit, loading
+from diffusion.models.kit import ensure_kit
+
+COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+def _meta_params(module_factory) -> int:
+    with torch.device("meta"):  # sizes without allocating SD2's 3.5 GB
+        return sum(p.numel() for p in module_factory().parameters())
+
+
+def test_sd2_base_has_sd2_sizes_and_no_weights(sd2_kit):
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    unet_config = loading.load_unet_config(sd2_kit)
+    assert _meta_params(lambda: UNet2DConditionModel.from_config(unet_config)) == 865_910_724
+    text_config = CLIPTextConfig.from_pretrained(f"{sd2_kit}/text_encoder")
+    assert _meta_params(lambda: CLIPTextModel(text_config)) / 1e6 == pytest.approx(340.4, abs=0.05)
+    assert text_config.hidden_size == 1024 and text_config.num_hidden_layers == 23
+
+    vae_config = loading.load_vae_config(sd2_kit)
+    assert vae_config["scaling_factor"] == 0.18215 and vae_config["latent_channels"] == 4
+    assert loading.vae_downsample(vae_config) == 8
+    for weightless in ("unet", "vae", "text_encoder"):
+        assert sorted(p.name for p in (kit.pathlib.Path(sd2_kit) / weightless).iterdir()) == ["config.json"]
+
+
+def test_model_index_lists_the_pipeline_components(sd2_kit):
+    with open(f"{sd2_kit}/model_index.json") as f:
+        index = json.load(f)
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert index["safety_checker"] == [None, None] and index["feature_extractor"] == [None, None]
+    assert index["requires_safety_checker"] is False
+    for name in COMPONENTS:
+        assert index[name][0] in ("diffusers", "transformers")
+        assert (kit.pathlib.Path(sd2_kit) / name).is_dir()
+
+
+def test_ensure_kit_is_idempotent(tmp_path, monkeypatch):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    stamp = kit.read_stamp(out)
+    assert stamp["preset"] == "sd2-base" and stamp["kit_version"] == kit.KIT_VERSION
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a complete kit was rebuilt")
+    monkeypatch.setattr(kit, "build_kit", no_rebuild)
+    assert ensure_kit("sd2-base", out) == out
+
+
+def test_half_built_or_stale_kit_is_rebuilt(tmp_path):
+    out = tmp_path / "kit"
+    (out / "unet").mkdir(parents=True)  # what a killed build without the stamp leaves
+    (out / "unet" / "leftover.bin").write_bytes(b"\0")
+    ensure_kit("sd2-base", out)
+    assert kit.is_complete("sd2-base", out) and not (out / "unet" / "leftover.bin").exists()
+
+    (out / kit.STAMP).write_text(json.dumps({"preset": "sd2-base", "kit_version": kit.KIT_VERSION - 1}))
+    ensure_kit("sd2-base", out)
+    assert kit.read_stamp(out)["kit_version"] == kit.KIT_VERSION
+
+
+def test_killed_build_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    (tmp_path / ".kit.building-old").mkdir()  # a build killed with SIGKILL leaves its temp dir
+
+    def dies_midway(out):
+        (out / "unet").mkdir()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(kit, "build_sd2_base", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_kit("sd2-base", tmp_path / "kit")
+    assert not (tmp_path / "kit").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".kit.lock"]  # no temp build dirs left behind
+
+
+def test_unknown_preset_is_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown kit preset 'sd3'"):
+        ensure_kit("sd3", tmp_path / "kit")
+
+
+def test_tiny_clip_loads_offline(tmp_path):
+    from PIL import Image
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    out = ensure_kit("tiny-clip", tmp_path / "clip", progress=False)
+    model = CLIPModel.from_pretrained(out).eval()
+    tokens = CLIPTokenizer.from_pretrained(out)(["a red circle", "a blue square"], padding=True, return_tensors="pt")
+    pixels = CLIPImageProcessor.from_pretrained(out)(Image.new("RGB", (100, 80), "red"), return_tensors="pt")
+    assert pixels.pixel_values.shape == (1, 3, 64, 64)
+    with torch.no_grad():
+        out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, pixel_values=pixels.pixel_values)
+    assert out.logits_per_image.shape == (1, 2) and torch.isfinite(out.logits_per_image).all()
+
+
+@pytest.mark.slow  # the first run fits the tiny VAE (about 3 minutes on 2 cores); cached afterwards
+def test_tiny_pipeline_generates_on_cpu(tiny_kit):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_kit, safety_checker=None)
+    image = pipe("a red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                 output_type="np").images[0]
+    assert image.shape == (64, 64, 3)
+    assert (image >= 0).all() and (image <= 1).all() and image.std() > 0
+
+
+@pytest.mark.slow  # the first run fits the tiny VAE; cached afterwards
+def test_tiny_vae_reconstructs_held_out_scenes(tiny_kit):
+    from diffusion.models import vae_fit
+
+    vae = loading.load_vae(tiny_kit)
+    held_out = vae_fit.sample_images(96, seed=98765)  # neither the fitting nor the build's own check
+    assert vae_fit.reconstruction_psnr(vae, held_out) >= 22.0
+    # Latents are usable for training: scaled to about unit variance, log-variance not collapsed.
+    with torch.no_grad():
+        posterior = vae.encode(held_out).latent_dist
+    scaled = posterior.mean * vae.config.scaling_factor
+    assert 0.5 < scaled.std().item() < 2.0
+    assert -15 < posterior.logvar.mean().item() < 0

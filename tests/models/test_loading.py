@@ -1,0 +1,55 @@
+"""Model references: a local kit directory, a directory that is not a diffusers layout, a hub id offline."""
+
+import pytest
+
+from diffusion.models import loading
+from diffusion.models.loading import ModelReferenceError
+
+
+def test_local_kit_resolves_and_its_components_load(sd2_kit):
+    assert loading.resolve_model(sd2_kit) == sd2_kit
+    assert loading.load_unet_config(sd2_kit)["cross_attention_dim"] == 1024
+    assert loading.vae_downsample(loading.load_vae_config(sd2_kit)) == 8
+    assert loading.load_tokenizer(sd2_kit)("a cat").input_ids == [49406, 320, 2368, 49407]
+    ddpm = loading.load_scheduler(sd2_kit, "ddpm")
+    assert type(ddpm).__name__ == "DDPMScheduler"
+    assert (ddpm.config.num_train_timesteps, ddpm.config.prediction_type) == (1000, "epsilon")
+    assert ddpm.betas[0].item() == pytest.approx(0.00085) and ddpm.betas[-1].item() == pytest.approx(0.012)
+
+
+def test_config_only_components_say_weights_are_missing(sd2_kit):
+    with pytest.raises(ModelReferenceError, match="no weights"):
+        loading.load_vae(sd2_kit)
+    with pytest.raises(ModelReferenceError, match="no weights"):
+        loading.load_text_encoder(sd2_kit)
+
+
+def test_unknown_sampler_is_named(sd2_kit):
+    with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
+        loading.load_scheduler(sd2_kit, "heun")
+
+
+def test_directory_that_is_not_a_diffusers_layout(tmp_path):
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelReferenceError) as err:
+        loading.resolve_model(str(tmp_path))
+    message = str(err.value)
+    assert "not a diffusers layout" in message
+    assert all(name in message.split("(expected")[0] for name in ("vae", "text_encoder", "tokenizer", "scheduler"))
+    assert "unet" not in message.split("(expected")[0]  # present, so not reported as missing
+
+
+def test_missing_path_is_not_mistaken_for_a_hub_id(tmp_path):
+    with pytest.raises(ModelReferenceError, match="no such directory"):
+        loading.resolve_model(str(tmp_path / "no-such-kit"))
+
+
+def test_hub_id_offline_fails_with_a_helpful_message(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)  # never touch the network
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))  # and find nothing cached
+    with pytest.raises(ModelReferenceError) as err:
+        loading.resolve_model("stabilityai/stable-diffusion-2-base")
+    assert "stabilityai/stable-diffusion-2-base" in str(err.value)
+    assert "python -m diffusion.models.kit" in str(err.value)
