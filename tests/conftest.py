@@ -31,6 +31,13 @@ def sd2_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_clip() -> str:
+    """A tiny random CLIP (text + vision) with the real tokenizer, for CLIP score and FID."""
+    from diffusion.models.kit import ensure_kit
+    return str(ensure_kit("tiny-clip", CACHE / "kit" / "tiny-clip"))
+
+
+@pytest.fixture(scope="session")
 def sample_data(tmp_path_factory) -> str:
     """A small LAION-style parquet dataset with its bad rows (see diffusion.data.sample)."""
     from diffusion.data.sample import write_sample_data

@@ -9,16 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import CACHE
 from diffusion import evaluate
 from diffusion.data.sample import COLORS
 from diffusion.models import sampling
-
-
-@pytest.fixture(scope="session")
-def tiny_clip() -> str:
-    from diffusion.models.kit import ensure_kit
-    return str(ensure_kit("tiny-clip", CACHE / "kit" / "tiny-clip"))
 
 
 def _color_image(name, rng, size=32):
