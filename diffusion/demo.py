@@ -76,7 +76,7 @@ def latest_checkpoint(folder: str) -> str:
     return found[-1]
 
 
-def run_demo(out: str, n: int = 2048, batches: int | None = None, kit: str | None = None) -> dict:
+def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None) -> dict:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
@@ -99,7 +99,7 @@ def run_demo(out: str, n: int = 2048, batches: int | None = None, kit: str | Non
     _run(train, log)
     checkpoint = latest_checkpoint(ckpts)
     gen = [py, "-m", "diffusion.generate", "--checkpoint", checkpoint, "--out", grid, "--seed", "0",
-           "--images-per-prompt", "2"]
+           "--images-per-prompt", "4", "--guidance-scale", "3"]
     for prompt in PROMPTS:
         gen += ["--prompt", prompt]
     _run(gen, log)
@@ -131,7 +131,7 @@ def run_demo(out: str, n: int = 2048, batches: int | None = None, kit: str | Non
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out/demo")
-    parser.add_argument("--n", type=int, default=2048, help="sample rows to generate")
+    parser.add_argument("--n", type=int, default=1024, help="sample rows to generate")
     parser.add_argument("--batches", type=int, default=None, help="override the training length")
     parser.add_argument("--kit", default=None, help="where the tiny kit lives (default .cache/kit/tiny)")
     args = parser.parse_args(argv)
