@@ -33,6 +33,8 @@ def plan(tmp: str) -> list[tuple[str, list[str]]]:
                                f"bench_loader.write_synthetic({synthetic!r}, 256)",
                      "&&", py, str(BENCH / "bench_storage.py"), "--dataset", synthetic]),
         ("download", [py, str(BENCH / "bench_download.py"), "--seconds", "5", "--levels", "1,16"]),
+        ("encode", [py, str(BENCH / "bench_encode.py"), "--kit", "tiny", "--resolutions", "64", "256",
+                    "--batch-size", "8", "--batches", "3"]),
         ("loader", [py, str(BENCH / "bench_loader.py"), "--samples", "1024"]),
         ("cost", [py, "-m", "diffusion.cost"]),
         ("train", [py, str(BENCH / "bench_train.py"), "--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1"]),
