@@ -71,7 +71,7 @@ def test_bad_values_fail_with_the_key():
     with pytest.raises(ConfigError, match="trainer.max_duration.*batches"):
         load_config(TINY, ["trainer.max_duration=2ep"])
     with pytest.raises(ConfigError, match="zero_terminal_snr needs"):
-        load_config(TINY, ["model.zero_terminal_snr=true"])
+        load_config(TINY, ["model.zero_terminal_snr=true", "model.prediction_type=epsilon"])
     with pytest.raises(ConfigError, match="not key=value"):
         load_config(TINY, ["trainer.max_duration"])
 
