@@ -120,8 +120,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{ports.get(timeout=30)}/image.jpg"
     try:
         print(f"{os.cpu_count()} CPUs; image {len(body) / 1024:.0f} KiB; server on loopback (1 process)")
-        print(f"| threads | images | seconds | images/s | images/s/core | img2dataset images/s/core |")
-        print(f"|---:|---:|---:|---:|---:|---:|")
+        print("| threads | images | seconds | images/s | images/s/core | img2dataset images/s/core |")
+        print("|---:|---:|---:|---:|---:|---:|")
         per_core_ref = IMG2DATASET_PER_NODE / IMG2DATASET_CORES
         for threads in (int(t) for t in args.levels.split(",")):
             n, seconds = bench_level(url, threads, args.requests, args.seconds)

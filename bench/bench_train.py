@@ -14,7 +14,6 @@ Ends with the headline: best MFU at each resolution against the anchors (MosaicM
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pathlib
 import sys

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from typing import Any, Literal, Optional, Union
@@ -21,6 +22,15 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration that cannot be trained: the message names the key and what would be valid."""
+
+
+def run_cli(main) -> None:
+    """Run a command-line ``main``; a config error exits with status 2 and one line, no traceback."""
+    try:
+        main()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclasses.dataclass

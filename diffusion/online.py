@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from diffusion.config import Config, ConfigError, load_config
+from diffusion.config import Config, ConfigError, load_config, run_cli
 from diffusion.online_data import (ToTrainingBatch, build_stream, count_rejects, online_resolution,
                                    plan_online_pools, stream_info)
 from diffusion.online_train import TrainPlacement, WorkerPlan, fit_on_ray
@@ -155,8 +155,4 @@ def main(argv: list[str] | None = None) -> OnlineResult:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -24,6 +24,14 @@ def tiny_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def train_kit(tmp_path_factory) -> str:
+    """The tiny kit's UNet, text-encoder and scheduler configs without the fitted VAE: written in
+    seconds, for tests that train on synthetic MDS and never decode an image."""
+    from train_fixtures import write_training_kit
+    return write_training_kit(str(tmp_path_factory.mktemp("train_kit")))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.models.kit import ensure_kit

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from train_fixtures import tiny_overrides, train_kit, write_latent_mds  # noqa: F401
+from train_fixtures import tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

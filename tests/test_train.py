@@ -12,7 +12,7 @@ from diffusion.config import load_config
 from diffusion.data import contract
 from diffusion.models.checkpoint import load_unet
 from diffusion.train import build_trainer
-from train_fixtures import tiny_overrides, train_kit, write_latent_mds  # noqa: F401
+from train_fixtures import tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")

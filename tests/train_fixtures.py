@@ -10,7 +10,6 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 from diffusion.data import contract
 
@@ -37,11 +36,6 @@ def write_training_kit(out: str) -> str:
     with open(os.path.join(root, "model_index.json"), "w") as f:
         json.dump(kit.model_index(), f)
     return root
-
-
-@pytest.fixture(scope="session")
-def train_kit(tmp_path_factory) -> str:
-    return write_training_kit(str(tmp_path_factory.mktemp("train_kit")))
 
 
 def kit_text_dim(kit: str) -> int:

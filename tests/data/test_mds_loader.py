@@ -6,7 +6,7 @@ import torch
 
 from diffusion.config import EvalLoaderConfig, TrainLoaderConfig
 from diffusion.data import contract, mds_loader
-from train_fixtures import kit_text_dim, train_kit, write_latent_mds  # noqa: F401
+from train_fixtures import kit_text_dim, write_latent_mds
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 import io
 import json
-import os
 import tarfile
 
 import pyarrow as pa

@@ -6,7 +6,7 @@ import torch
 from diffusion.config import ModelConfig
 from diffusion.data import contract
 from diffusion.models.sd import build_model, unet_forward_flops
-from train_fixtures import kit_text_dim, train_kit  # noqa: F401  (train_kit is a fixture)
+from train_fixtures import kit_text_dim
 
 SF = 0.18215
 
