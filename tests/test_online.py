@@ -136,6 +136,7 @@ def test_fault_injector_stays_quiet_off_its_batch_and_after_it_fired(tmp_path):
 # ---- end to end on the local Ray, slow -------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=1)  # the stream's order varies with Ray's scheduling, so the loss curve does too
 def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, sample_data, ray_local, tmp_path):
     result = run_online(online_config(tiny_kit, sample_data, tmp_path))
     assert result.batch == 6 and result.resumed_from == 0
