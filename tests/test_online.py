@@ -30,7 +30,9 @@ def online_config(kit, raw, tmp_path, *extra, batches=6):
         f"model.ref={kit}", f"data.online.input={raw}", f"data.online.work_dir={tmp_path / 'work'}",
         "data.online.num_encoders=1", "data.online.num_train_workers=2", "data.train.batch_size=8",
         f"trainer.max_duration={batches}ba", f"trainer.save_folder={tmp_path / 'ckpt'}", "trainer.save_interval=2ba",
-        "trainer.autoresume=true", "loggers={}", "callbacks={}", "scheduler.t_warmup=0ba", *extra])
+        "trainer.autoresume=true", "loggers={}", "callbacks={}", "scheduler.t_warmup=0ba",
+        # The plumbing under test, not the demo's colour recipe: epsilon's loss falls within a few batches.
+        "model.prediction_type=epsilon", "model.offset_noise=0.0", *extra])
 
 
 def expected_rejects(sample_data) -> dict:
@@ -136,7 +138,6 @@ def test_fault_injector_stays_quiet_off_its_batch_and_after_it_fired(tmp_path):
 # ---- end to end on the local Ray, slow -------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.flaky(reruns=1)  # the stream's order varies with Ray's scheduling, so the loss curve does too
 def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, sample_data, ray_local, tmp_path):
     result = run_online(online_config(tiny_kit, sample_data, tmp_path))
     assert result.batch == 6 and result.resumed_from == 0
