@@ -3,10 +3,12 @@
     python bench/bench_loader.py DIR                  # converter output (index.json + dataset.json)
     python bench/bench_loader.py                      # synthetic MDS at SD2 shapes (256 px, D=1024)
 
-Reads through the training path (diffusion.data.mds_loader.LatentDataset, in the main process, so
-one core) with a StreamingDataLoader collating batches, after one warm-up pass that fills the page
-cache. Training consumes 137.5 img/s per A100 at 256 px (MosaicML), 1,100 per 8-GPU node; the
-headline is loader samples/s per core divided by the per-GPU rate (the reference claims >= 30x).
+Reads through the training path (diffusion.data.mds_loader: LatentDataset and its collate, in the
+main process, so one core) with a StreamingDataLoader collating batches, after one warm-up pass that
+fills the page cache. Baseline, in the same run: streaming's own path, a plain StreamingDataset whose
+decoded samples the default collate stacks. Training consumes 137.5 img/s per A100 at 256 px
+(MosaicML), 1,100 per 8-GPU node; the headline is loader samples/s per core divided by the per-GPU
+rate (the reference claims >= 30x).
 """
 
 from __future__ import annotations
@@ -49,24 +51,42 @@ def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 102
     return out
 
 
-def measure(directory: str, resolution: int, batch_size: int, passes: int) -> tuple[float, int]:
+class _PlainSamples:
+    """The baseline: streaming's decoded sample, reduced to the batch columns, for the default collate."""
+
+    def __init__(self, moments_column: str):
+        self.columns = (moments_column, contract.TEXT_EMBEDS, contract.INPUT_IDS)
+
+    def __call__(self, samples):
+        import torch
+        return {c: torch.stack([torch.from_numpy(np.array(s[c])) for s in samples]) for c in self.columns}
+
+
+def measure(directory: str, resolution: int, batch_size: int, passes: int, baseline: bool) -> tuple[float, int]:
     """Samples/s of one process reading every sample ``passes`` times (after a warm-up pass)."""
-    from streaming import StreamingDataLoader
+    from streaming import StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
-    from diffusion.data.mds_loader import LatentDataset
+    from diffusion.data.mds_loader import LatentDataset, collate
     clean_stale_shared_memory()
-    empty = np.load(os.path.join(directory, contract.EMPTY_TEXT_EMBEDS))
-    dataset = LatentDataset(remote=None, local=directory, resolution=resolution, empty_text_embeds=empty,
-                            caption_dropout=0.1, batch_size=batch_size, shuffle=True, shuffle_seed=0)
-    loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0)
+    if baseline:
+        dataset = StreamingDataset(local=directory, batch_size=batch_size, shuffle=True, shuffle_seed=0)
+        collate_fn = _PlainSamples(contract.vae_moments_column(resolution))
+    else:
+        empty = np.load(os.path.join(directory, contract.EMPTY_TEXT_EMBEDS))
+        dataset = LatentDataset(remote=None, local=directory, resolution=resolution, empty_text_embeds=empty,
+                                caption_dropout=0.1, batch_size=batch_size, shuffle=True, shuffle_seed=0)
+        collate_fn = collate
+    loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
     for _ in loader:  # warm-up: page cache, index, shuffle
         pass
     samples, start = 0, time.perf_counter()
     for _ in range(passes):
         for batch in loader:
-            samples += len(batch[contract.BATCH_MOMENTS])
-    return samples / (time.perf_counter() - start), samples
+            samples += len(batch[next(iter(batch))])
+    rate = samples / (time.perf_counter() - start)
+    del loader, dataset
+    return rate, samples
 
 
 def main(argv=None):
@@ -84,13 +104,16 @@ def main(argv=None):
                                                 args.resolution or 256)
         info = contract.DatasetInfo.load(directory)
         resolution = args.resolution or info.resolutions[0]
-        rate, samples = measure(directory, resolution, args.batch_size, args.passes)
+        base, _ = measure(directory, resolution, args.batch_size, args.passes, baseline=True)
+        rate, samples = measure(directory, resolution, args.batch_size, args.passes, baseline=False)
     need = CONSUMPTION_PER_GPU.get(resolution, CONSUMPTION_PER_GPU[256])
     per_node = need * args.gpus_per_node
     print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}), "
-          f"batch {args.batch_size}, {samples} samples timed, 1 process")
-    print(f"{'loader samples/s/core':>22} {'need/GPU':>9} {'need/node':>10} {'x per GPU':>10} {'cores/node':>11}")
-    print(f"{rate:>22,.0f} {need:>9.1f} {per_node:>10,.0f} {rate / need:>10.1f} {per_node / rate:>11.2f}")
+          f"batch {args.batch_size}, {samples} samples timed per loader, 1 process")
+    print(f"{'loader':<28} {'samples/s/core':>15} {'need/GPU':>9} {'x per GPU':>10} {'cores/node':>11}")
+    for name, r in (("streaming's path (baseline)", base), ("LatentDataset + collate", rate)):
+        print(f"{name:<28} {r:>15,.0f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
+    print(f"ours / baseline: {rate / base:.2f}x")
     print(f"headline: one loader core feeds {rate / need:.1f}x the {resolution}px consumption of one A100 "
           f"(reference claims >= 30x)")
     return rate

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> ConvertConfig:
     p.add_argument("--local-dir", help="staging directory for an s3:// output")
     p.add_argument("--visualize", type=int, default=0, metavar="N",
                    help="write visualize.png: N input crops beside VAE decodings of their stored latents")
+    p.add_argument("--deterministic", action="store_true",
+                   help="same input, same parts in the same order (so the same training order); "
+                        "keeps Ray's row order, which can idle workers on a large cluster")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     shard_size = int(a.shard_size) if str(a.shard_size).isdigit() else a.shard_size
@@ -56,7 +59,8 @@ def parse_args(argv=None) -> ConvertConfig:
         cpus_per_transformer=a.cpus_per_transformer, num_encoders=a.num_encoders,
         encoder_gpus=a.encoder_gpus, accelerator_type=a.accelerator_type, shard_size=shard_size,
         compression=None if a.compression == "none" else a.compression, address=a.address,
-        local_dir=a.local_dir, visualize=a.visualize, progress=not a.no_progress)
+        local_dir=a.local_dir, visualize=a.visualize, progress=not a.no_progress,
+        deterministic=a.deterministic)
 
 
 def main(argv=None) -> None:

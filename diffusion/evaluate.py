@@ -5,8 +5,9 @@
 
 Inputs (``--images`` and ``--reference``) may be prompt grids written by ``diffusion.generate`` (their
 prompts are stored in the PNG), images with an img2dataset-style sidecar caption (``0001.png`` +
-``0001.txt``), parquet shards with the raw data contract's image and caption columns (the sample data,
-download output), or directories of any of these. With ``--checkpoint`` the images are generated first
+``0001.txt``), raw-data files the converter reads (parquet with the contract's image column and, if it has
+one, caption column: the sample data, download output; img2dataset webdataset tars), or directories of
+any of these. With ``--checkpoint`` the images are generated first
 (and kept with ``--save-images DIR``).
 
 ``--clip-model`` is a local directory or hub id that ``transformers.CLIPModel.from_pretrained`` loads
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion.data import contract
+from diffusion.data import contract, readers
 from diffusion.models import sampling
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -47,10 +48,10 @@ def iter_images(paths, skipped: collections.Counter | None = None):
         path = os.fspath(path)
         if os.path.isdir(path):
             children = [os.path.join(path, n) for n in sorted(os.listdir(path))
-                        if n.lower().endswith(IMAGE_SUFFIXES + (".parquet",))]
+                        if n.lower().endswith(IMAGE_SUFFIXES + (".parquet", ".tar"))]
             yield from iter_images(children, skipped)
-        elif path.endswith(".parquet"):
-            yield from _parquet_images(path, skipped)
+        elif path.endswith((".parquet", ".tar")):
+            yield from _raw_images(path, skipped)
         elif os.path.isfile(path):
             yield from _file_images(path, skipped)
         else:
@@ -72,24 +73,24 @@ def _file_images(path: str, skipped: collections.Counter):
     yield image, prompt
 
 
-def _parquet_images(path: str, skipped: collections.Counter):
-    import pyarrow.parquet as pq
-    table = pq.read_table(path, columns=None)
-    if contract.RAW_IMAGE not in table.column_names:
-        raise ValueError(f"{path}: no {contract.RAW_IMAGE!r} column (columns: {', '.join(table.column_names)})")
-    captions = (table.column(contract.RAW_CAPTION).to_pylist() if contract.RAW_CAPTION in table.column_names
-                else [None] * table.num_rows)
-    for row, (data, caption) in enumerate(zip(table.column(contract.RAW_IMAGE).to_pylist(), captions)):
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                image = im.convert("RGB")
-        except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
-            skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
-            continue
-        if min(image.size) < 8:
-            skipped[f"{path}: image under 8 px"] += 1
-            continue
-        yield image, caption
+def _raw_images(path: str, skipped: collections.Counter):
+    """Images of a raw-data file (parquet with the contract's columns, or a webdataset tar), read by
+    the converter's readers; a reference set for FID may have no captions."""
+    columns = readers.RawColumns(caption_required=False)
+    try:
+        for row in readers.iter_rows(path, columns):
+            try:
+                with Image.open(io.BytesIO(row[contract.RAW_IMAGE])) as im:
+                    image = im.convert("RGB")
+            except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
+                skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
+                continue
+            if min(image.size) < 8:
+                skipped[f"{path}: image under 8 px"] += 1
+                continue
+            yield image, row[contract.RAW_CAPTION]
+    except readers.InputError as e:
+        raise ValueError(str(e)) from e
 
 
 def _batches(pairs, size: int):

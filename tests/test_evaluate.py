@@ -1,6 +1,7 @@
 """diffusion.evaluate: Fréchet distance, CLIP score, image inputs and the CLI, offline with tiny models."""
 
 import collections
+import io
 import json
 import pathlib
 
@@ -10,6 +11,7 @@ import torch
 from PIL import Image
 
 from diffusion import evaluate
+from diffusion.data import contract
 from diffusion.data.sample import COLORS
 from diffusion.models import sampling
 
@@ -112,6 +114,23 @@ def test_inputs_grids_captioned_files_and_parquet_with_bad_rows(tmp_path, sample
     assert len(rows) == manifest["rows"] - sum(skipped.values())
     with pytest.raises(FileNotFoundError, match="no-such-dir"):
         list(evaluate.iter_images(str(tmp_path / "no-such-dir")))
+
+
+def test_a_reference_parquet_without_captions_is_read_and_one_without_images_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rng = np.random.default_rng(0)
+    encoded = []
+    for name in ("red", "blue", "green"):
+        buffer = io.BytesIO()
+        _color_image(name, rng, 16).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    pq.write_table(pa.table({contract.RAW_IMAGE: encoded}), tmp_path / "reference.parquet")
+    found = list(evaluate.iter_images(str(tmp_path / "reference.parquet")))
+    assert [p for _, p in found] == [None, None, None] and found[0][0].size == (16, 16)
+    pq.write_table(pa.table({"pixels": encoded}), tmp_path / "wrong.parquet")
+    with pytest.raises(ValueError, match=rf"wrong.parquet.*{contract.RAW_IMAGE}"):
+        list(evaluate.iter_images(str(tmp_path / "wrong.parquet")))
 
 
 def test_inception_features_need_local_weights_and_then_work(tmp_path, tiny_clip):

@@ -44,7 +44,8 @@ def kit_text_dim(kit: str) -> int:
 
 
 def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
-                     text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16) -> str:
+                     text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16,
+                     compression: str | None = None) -> str:
     """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy."""
     from streaming import MDSWriter
     text_dim = text_dim or kit_text_dim(kit)
@@ -57,7 +58,7 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
     columns = contract.mds_columns([resolution], text_dim)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     size_limit = samples_per_shard * (2 * 4 * h * h * 2 + contract.MAX_TOKENS * (text_dim * 2 + 4) + 200)
-    with MDSWriter(out=out, columns=columns, size_limit=size_limit) as writer:
+    with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
         for i in range(n):
             c = i % CLASSES
             mean = patterns[c] + 0.1 * rng.normal(size=patterns[c].shape)

@@ -57,6 +57,7 @@ class ConvertConfig:
     local_dir: str | None = None  # staging directory for remote outputs
     visualize: int = 0
     progress: bool = True
+    deterministic: bool = False  # same input -> same parts and index order (Ray preserves row order)
 
     def __post_init__(self):
         self.resolutions = tuple(sorted({int(r) for r in self.resolutions}))
@@ -186,7 +187,9 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     ray = _init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = cfg.progress and ctx.enable_progress_bars
-    if cfg.limit is not None:  # the first N rows must be the same N on every run
+    # The first N rows must be the same N on every run; --deterministic also fixes which rows share a
+    # part, hence the training order. Both hold blocks back until their predecessors are done.
+    if cfg.limit is not None or cfg.deterministic:
         ctx.execution_options.preserve_order = True
     plan = plan_pools(ray.cluster_resources(), cfg)
     build_pipeline(cfg, out, written | set(rejected), plan).write_datasink(sink)

@@ -4,18 +4,27 @@ Each rank reads a disjoint part of every epoch; the sample order is a function o
 the number of canonical nodes only, so a resumed run (Composer restores the dataset's state) continues
 mid-epoch in the same order. Caption dropout happens here, at load time, and substitutes the stored
 empty-caption embedding: a different subset of captions is dropped every epoch, reproducibly.
+
+Reading is zero-copy where it can be: a sample's arrays are views into the memory-mapped shard, and
+the only copy is the one collation makes into the batch (streaming's own path copies a sample three
+times on the way). Shards streaming does not hold as fixed-shape MDS arrays, or a dataset with a
+cache limit (whose eviction must see every access), take streaming's path.
 """
 
 from __future__ import annotations
 
+import collections
+import mmap
 import os
+import struct
 import tempfile
 import urllib.parse
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from streaming import StreamingDataLoader, StreamingDataset
+from streaming.base.format.mds.reader import MDSReader
 from streaming.base.storage import CloudDownloader
 from streaming.base.util import clean_stale_shared_memory
 
@@ -60,17 +69,76 @@ def check_compatible(info: contract.DatasetInfo, path: str, resolution: int, tex
             f"cross_attention_dim is {text_dim}: convert with the model's own text encoder")
 
 
+def unit_hash(*values: int) -> float:
+    """A uniform number in [0, 1) that is a pure function of ``values`` (splitmix64 over them)."""
+    x = 0
+    for v in values:
+        x = (x ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
+class _ShardLayout:
+    """Where the wanted fixed-shape array columns sit inside one MDS shard's samples.
+
+    An MDS sample is ``[uint32 size of each variable-size column][column bytes, in column order]``;
+    a fixed-shape ``ndarray:<dtype>:<shape>`` column is its raw array bytes.
+    """
+
+    def __init__(self, reader: MDSReader, wanted: Sequence[str]):
+        self.path = os.path.join(reader.dirname, reader.split or "", reader.raw_data.basename)
+        sizes = reader.column_sizes  # None for a variable-size column
+        self.header = struct.Struct(f"<{sum(s is None for s in sizes)}I")
+        self.columns = []  # (name, dtype, shape, fixed size or None) in column order
+        for name, encoding, size in zip(reader.column_names, reader.column_encodings, sizes):
+            dtype, shape = None, None
+            if name in wanted:
+                parts = encoding.split(":")
+                if parts[0] != "ndarray" or len(parts) != 3:
+                    raise ValueError(f"column {name} is {encoding!r}, not a fixed-shape array")
+                dtype, shape = np.dtype(parts[1]), tuple(int(d) for d in parts[2].split(","))
+            self.columns.append((name, dtype, shape, size))
+
+    def arrays(self, data, begin: int) -> dict[str, np.ndarray]:
+        """The wanted columns of the sample starting at byte ``begin`` of ``data``, as read-only views."""
+        variable = iter(self.header.unpack_from(data, begin))
+        offset, out = begin + self.header.size, {}
+        for name, dtype, shape, size in self.columns:
+            size = next(variable) if size is None else size
+            if dtype is not None:
+                out[name] = np.frombuffer(data, dtype, size // dtype.itemsize, offset).reshape(shape)
+            offset += size
+        return out
+
+
 class LatentDataset(StreamingDataset):
-    """MDS rows → batch dicts: unscaled moments at one resolution, text embeddings, token ids, index."""
+    """MDS rows → samples: unscaled moments at one resolution, text embeddings, token ids, index.
+
+    Samples hold numpy arrays (read-only views where possible); :func:`collate` stacks them into the
+    batch tensors of the data contract.
+    """
+
+    max_open_shards = 256  # memory maps kept open per process
 
     def __init__(self, *, remote: str | None, local: str | None, resolution: int, empty_text_embeds: np.ndarray,
                  caption_dropout: float = 0.0, dropout_seed: int = 0, **streaming_kwargs: Any):
         super().__init__(remote=remote, local=local, **streaming_kwargs)
         self.moments_column = contract.vae_moments_column(resolution)
         self.empty_text_embeds = np.asarray(empty_text_embeds, dtype=np.float16)
+        self.empty_text_embeds.setflags(write=False)
         self.caption_dropout = float(caption_dropout)
         self.dropout_seed = int(dropout_seed)
         self._epoch = 0
+        self._wanted = (self.moments_column, contract.TEXT_EMBEDS, contract.INPUT_IDS)
+        self._layouts: dict[int, _ShardLayout | None] = {}
+        self._maps: collections.OrderedDict = collections.OrderedDict()
+
+    def __getstate__(self):  # memory maps stay in the process that opened them
+        state = self.__dict__.copy()
+        state["_maps"] = collections.OrderedDict()
+        return state
 
     def _resume_incr_epoch(self) -> tuple[int, int]:
         # Remember the epoch this worker is iterating, so that dropout differs per epoch.
@@ -82,19 +150,69 @@ class LatentDataset(StreamingDataset):
         """Whether sample ``index`` gets the empty caption in ``epoch``: a pure function of both."""
         if self.caption_dropout <= 0:
             return False
-        return bool(np.random.default_rng([self.dropout_seed, epoch, index]).random() < self.caption_dropout)
+        return unit_hash(self.dropout_seed, epoch, index) < self.caption_dropout
 
-    def __getitem__(self, index: int) -> dict:
+    def _layout(self, shard_id: int) -> _ShardLayout | None:
+        if shard_id not in self._layouts:
+            shard, layout = self.shards[shard_id], None
+            if isinstance(shard, MDSReader) and self.cache_limit is None:
+                try:
+                    layout = _ShardLayout(shard, self._wanted)
+                except ValueError:
+                    layout = None
+            self._layouts[shard_id] = layout
+        return self._layouts[shard_id]
+
+    def _mapped(self, shard_id: int, layout: _ShardLayout):
+        data = self._maps.get(shard_id)
+        if data is None:
+            with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded yet
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[shard_id] = data
+            if len(self._maps) > self.max_open_shards:
+                self._maps.popitem(last=False)  # closed once no batch views it any more
+        else:
+            self._maps.move_to_end(shard_id)
+        return data
+
+    def _read(self, index: int) -> dict[str, np.ndarray]:
+        shard_id, sample_in_shard = self.spanner[index]
+        layout = self._layout(shard_id)
+        if layout is not None:
+            try:
+                data = self._mapped(shard_id, layout)
+            except FileNotFoundError:
+                pass  # streaming's path below downloads the shard
+            else:
+                begin, = struct.unpack_from("<I", data, 4 * (1 + sample_in_shard))
+                return layout.arrays(data, begin)
         row = super().__getitem__(index)
         if self.moments_column not in row:
             raise DatasetMismatchError(f"sample {index} has no column {self.moments_column} (has {sorted(row)})")
-        text = self.empty_text_embeds if self.drops_caption(index, self._epoch) else row[contract.TEXT_EMBEDS]
+        return {name: np.asarray(row[name]) for name in self._wanted}
+
+    def __getitem__(self, index: int) -> dict:
+        row = self._read(index)
+        dropped = self.drops_caption(index, self._epoch)
         return {
-            contract.BATCH_MOMENTS: torch.from_numpy(np.array(row[self.moments_column])),
-            contract.BATCH_TEXT_EMBEDS: torch.from_numpy(np.array(text)),
-            contract.BATCH_INPUT_IDS: torch.from_numpy(np.asarray(row[contract.INPUT_IDS], dtype=np.int64)),
+            contract.BATCH_MOMENTS: row[self.moments_column],
+            contract.BATCH_TEXT_EMBEDS: self.empty_text_embeds if dropped else row[contract.TEXT_EMBEDS],
+            contract.BATCH_INPUT_IDS: row[contract.INPUT_IDS],
             contract.BATCH_SAMPLE_INDEX: int(index),
         }
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Samples of :class:`LatentDataset` → the batch tensors of the data contract (one copy each)."""
+    def stack(name, dtype=None):
+        array = np.stack([s[name] for s in samples])
+        return torch.from_numpy(array if dtype is None else array.astype(dtype, copy=False))
+    return {
+        contract.BATCH_MOMENTS: stack(contract.BATCH_MOMENTS),
+        contract.BATCH_TEXT_EMBEDS: stack(contract.BATCH_TEXT_EMBEDS),
+        contract.BATCH_INPUT_IDS: stack(contract.BATCH_INPUT_IDS, np.int64),
+        contract.BATCH_SAMPLE_INDEX: torch.tensor([s[contract.BATCH_SAMPLE_INDEX] for s in samples]),
+    }
 
 
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int,
@@ -125,7 +243,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.
     return StreamingDataLoader(
-        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=True,
+        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=True, collate_fn=collate,
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(), prefetch_factor=loader_cfg.prefetch_factor if workers else None,
         persistent_workers=loader_cfg.persistent_workers and workers > 0)

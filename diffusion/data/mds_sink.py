@@ -5,11 +5,13 @@ Layout of an output directory::
     index.json              merged index of every committed part (what StreamingDataset reads)
     dataset.json            contract.DatasetInfo
     empty_text_embeds.npy   the text embedding of ""
-    part-<id>/              one per write task: index.json, shard.*.mds.zstd, keys.json, stats.json
+    part-<id>/              one per write task: index.json, shard.*.mds.zstd, keys.json, stats.json;
+                            <id> is a hash of the part's keys, so the same rows make the same part
     rejects/<id>.json       {key: reason} per transformed batch with rejects
 
-A part is written as ``.tmp-part-<id>`` and renamed once complete, so a killed run leaves only whole
-parts (plus temporary ones, removed on the next run). ``keys.json`` lists the keys a part holds:
+A part is written under a temporary name and renamed to ``part-<id>`` once complete, so a killed run
+leaves only whole parts (plus temporary ones, removed on the next run); a retried write task whose
+first attempt already committed finds its part there and discards the copy. ``keys.json`` lists the keys a part holds:
 together with ``rejects/`` it is what a re-run skips.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import hashlib
 import time
 import uuid
 from typing import Callable, Iterable
@@ -75,6 +78,12 @@ def merge_index(out: str) -> int:
     return sum(s["samples"] for s in shards)
 
 
+def part_name(keys: list[str]) -> str:
+    """A part's directory name: a hash of its keys in order (so parts sort the same on every run)."""
+    digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:16]
+    return f"{PART_PREFIX}{digest}"
+
+
 def _rows(block) -> Iterable[dict]:
     from ray.data.block import BlockAccessor
     batch = BlockAccessor.for_block(block).to_batch_format("numpy")
@@ -107,8 +116,7 @@ class MDSPartSink(Datasink):
 
     def write(self, blocks, ctx) -> dict:
         from streaming import MDSWriter
-        name = f"{PART_PREFIX}{uuid.uuid4().hex[:16]}"
-        tmp = os.path.join(self.out, TMP_PREFIX + name)
+        tmp = os.path.join(self.out, f"{TMP_PREFIX}{PART_PREFIX}{uuid.uuid4().hex[:16]}")
         start = time.perf_counter()
         keys, seconds, writer = [], {}, None
         try:
@@ -128,7 +136,13 @@ class MDSPartSink(Datasink):
             seconds["write_seconds"] = time.perf_counter() - start
             write_json_atomic(os.path.join(tmp, STATS_JSON), {"count": len(keys), **seconds})
             write_json_atomic(os.path.join(tmp, KEYS_JSON), keys)
-            os.rename(tmp, os.path.join(self.out, name))  # the commit point
+            name = part_name(keys)
+            try:
+                os.rename(tmp, os.path.join(self.out, name))  # the commit point
+            except OSError:
+                if not os.path.exists(os.path.join(self.out, name, KEYS_JSON)):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # a retry of a task that had committed
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -34,6 +34,7 @@ class RawColumns:
     image: str = contract.RAW_IMAGE
     caption: str = contract.RAW_CAPTION
     key: str = contract.RAW_KEY
+    caption_required: bool = True  # False: a file without the caption column gives rows captioned None
 
 
 # ---- locating files ------------------------------------------------------------------------------
@@ -141,7 +142,8 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
         raise
     except Exception as e:
         raise InputError(f"cannot read {uri} as parquet: {e}") from e
-    missing = [c for c in (columns.image, columns.caption) if c not in names]
+    missing = [c for c in (columns.image, columns.caption) if c not in names
+               and (c != columns.caption or columns.caption_required)]
     if missing:
         raise InputError(f"{uri} has no column {', '.join(map(repr, missing))}; its columns are "
                          f"{', '.join(names)} (choose with --image-column/--caption-column)")
@@ -163,7 +165,7 @@ def _parquet_rows(uri: str, columns: RawColumns) -> Iterator[dict]:
                 if contract.RAW_STATUS in row and row[contract.RAW_STATUS] != "success":
                     continue
                 yield {contract.RAW_KEY: row.get(columns.key) or derived_key(uri, i),
-                       contract.RAW_CAPTION: row[columns.caption], contract.RAW_IMAGE: row[columns.image],
+                       contract.RAW_CAPTION: row.get(columns.caption), contract.RAW_IMAGE: row[columns.image],
                        contract.WIDTH: row.get(contract.WIDTH), contract.HEIGHT: row.get(contract.HEIGHT)}
 
 

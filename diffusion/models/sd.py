@@ -195,15 +195,19 @@ def unet_forward_flops(unet_config_json: str, latent_size: int) -> int:
 
 # ---- building ---------------------------------------------------------------------------------------
 
-def build_unet(model_ref: str, pretrained: str | None = None):
-    """The UNet of ``model_ref``'s config with random init, or the weights of ``pretrained``."""
+def build_unet(model_ref: str, pretrained: str | None = None, seed: int = 0):
+    """The UNet of ``model_ref``'s config with random init from ``seed``, or the weights of ``pretrained``."""
     from diffusers import UNet2DConditionModel
     if pretrained:
         path = pretrained
         if not os.path.isfile(os.path.join(path, "config.json")):
             path = os.path.join(loading.resolve_model(pretrained, components=("unet",)), "unet")
         return UNet2DConditionModel.from_pretrained(path)
-    return UNet2DConditionModel.from_config(loading.load_unet_config(model_ref))
+    # The same seed gives the same initial weights on every rank and every run; the global RNG is
+    # left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return UNet2DConditionModel.from_config(loading.load_unet_config(model_ref))
 
 
 def build_noise_scheduler(model_ref: str, zero_terminal_snr: bool = False):
@@ -218,7 +222,7 @@ def build_model(model_cfg, info: contract.DatasetInfo, seed: int = 0) -> StableD
     ref = model_cfg.ref
     if os.path.isdir(os.path.expanduser(ref)):  # checkpoints record a path that works from any directory
         ref = os.path.abspath(os.path.expanduser(ref))
-    unet = build_unet(ref, model_cfg.pretrained)
+    unet = build_unet(ref, model_cfg.pretrained, seed=seed)
     return StableDiffusion(
         unet, build_noise_scheduler(ref, model_cfg.zero_terminal_snr),
         scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,

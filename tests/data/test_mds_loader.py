@@ -1,5 +1,7 @@
 """The streaming loader: contract batches, unscaled moments, caption dropout, mismatch errors."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -49,7 +51,7 @@ def test_caption_dropout_substitutes_the_empty_embedding(mds, dim):
     empty = np.load(f"{mds}/{contract.EMPTY_TEXT_EMBEDS}")
     dropped = []
     for i in range(32):
-        text = dataset[i][contract.BATCH_TEXT_EMBEDS].numpy()
+        text = dataset[i][contract.BATCH_TEXT_EMBEDS]
         is_empty = np.array_equal(text, empty)
         assert is_empty or np.array_equal(text, _stored(mds, i)[contract.TEXT_EMBEDS])
         assert is_empty == dataset.drops_caption(i, 0)
@@ -81,8 +83,36 @@ def test_missing_dataset_json_names_the_path(tmp_path):
         mds_loader.read_dataset_info(str(tmp_path))
 
 
-def test_batch_tensors_are_torch(mds, dim):
-    dataset = mds_loader.build_dataset(_loader_cfg(mds), resolution=64, text_dim=dim, device_batch_size=8)
-    item = dataset[0]
-    assert isinstance(item[contract.BATCH_MOMENTS], torch.Tensor) and item[contract.BATCH_SAMPLE_INDEX] == 0
+def test_batch_tensors_are_torch_with_the_contract_dtypes(mds, dim):
+    batch = next(iter(mds_loader.build_dataloader(_loader_cfg(mds), resolution=64, text_dim=dim)))
+    assert all(isinstance(v, torch.Tensor) for v in batch.values())
+    assert batch[contract.BATCH_MOMENTS].dtype == torch.float16
+    assert batch[contract.BATCH_INPUT_IDS].dtype == torch.int64
+    assert batch[contract.BATCH_SAMPLE_INDEX].dtype == torch.int64
+    batch[contract.BATCH_TEXT_EMBEDS] += 1  # writable: the model may work in place
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("cache_limit", [None, "1gb"])
+def test_every_sample_reads_exactly_what_streaming_decodes(train_kit, tmp_path, compression, cache_limit):
+    # Zero-copy reads from memory-mapped shards where possible (uncompressed, or zstd once streaming
+    # has decompressed the shard), streaming's own path under a cache limit: the same values either way.
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=20, samples_per_shard=8,
+                           compression=compression)
+    empty = np.load(os.path.join(mds, contract.EMPTY_TEXT_EMBEDS))
+    dataset = mds_loader.LatentDataset(remote=None, local=mds, resolution=64, empty_text_embeds=empty,
+                                       batch_size=4, cache_limit=cache_limit)
+    items = [dataset[i] for i in range(len(dataset))]
+    for i, item in enumerate(items):
+        stored = _stored(mds, i)
+        np.testing.assert_array_equal(item[contract.BATCH_MOMENTS], stored[contract.vae_moments_column(64)])
+        np.testing.assert_array_equal(item[contract.BATCH_TEXT_EMBEDS], stored[contract.TEXT_EMBEDS])
+        np.testing.assert_array_equal(item[contract.BATCH_INPUT_IDS], stored[contract.INPUT_IDS])
+        assert item[contract.BATCH_SAMPLE_INDEX] == i
     del dataset
+
+
+def test_caption_dropout_rate_holds_over_many_draws():
+    draws = [mds_loader.unit_hash(0, epoch, i) for epoch in range(3) for i in range(4000)]
+    assert all(0 <= d < 1 for d in draws)
+    assert 0.09 < np.mean(np.array(draws) < 0.1) < 0.11
