@@ -89,6 +89,9 @@ class _ShardLayout:
 
     def __init__(self, reader: MDSReader, wanted: Sequence[str]):
         self.path = os.path.join(reader.dirname, reader.split or "", reader.raw_data.basename)
+        missing = sorted(set(wanted) - set(reader.column_names))
+        if missing:  # streaming's path names the sample and what it has
+            raise ValueError(f"no column {', '.join(missing)}")
         sizes = reader.column_sizes  # None for a variable-size column
         self.header = struct.Struct(f"<{sum(s is None for s in sizes)}I")
         self.columns = []  # (name, dtype, shape, fixed size or None) in column order

@@ -78,6 +78,15 @@ def test_text_dim_mismatch_is_a_clear_error(mds, dim):
         mds_loader.build_dataset(_loader_cfg(mds), resolution=64, text_dim=1024, device_batch_size=8)
 
 
+def test_shards_without_the_resolution_name_the_sample_and_their_columns(mds):
+    empty = np.load(f"{mds}/{contract.EMPTY_TEXT_EMBEDS}")  # dataset.json checked only by build_dataset
+    dataset = mds_loader.LatentDataset(remote=None, local=mds, resolution=128, empty_text_embeds=empty,
+                                       batch_size=8)
+    with pytest.raises(mds_loader.DatasetMismatchError, match=f"sample 3 has no column {contract.vae_moments_column(128)}"):
+        dataset[3]
+    del dataset
+
+
 def test_missing_dataset_json_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset.json"):
         mds_loader.read_dataset_info(str(tmp_path))
