@@ -76,21 +76,17 @@ def _file_images(path: str, skipped: collections.Counter):
 def _raw_images(path: str, skipped: collections.Counter):
     """Images of a raw-data file (parquet with the contract's columns, or a webdataset tar), read by
     the converter's readers; a reference set for FID may have no captions."""
-    columns = readers.RawColumns(caption_required=False)
-    try:
-        for row in readers.iter_rows(path, columns):
-            try:
-                with Image.open(io.BytesIO(row[contract.RAW_IMAGE])) as im:
-                    image = im.convert("RGB")
-            except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
-                skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
-                continue
-            if min(image.size) < 8:
-                skipped[f"{path}: image under 8 px"] += 1
-                continue
-            yield image, row[contract.RAW_CAPTION]
-    except readers.InputError as e:
-        raise ValueError(str(e)) from e
+    for row in readers.iter_rows(path, readers.RawColumns(caption_required=False)):
+        try:
+            with Image.open(io.BytesIO(row[contract.RAW_IMAGE])) as im:
+                image = im.convert("RGB")
+        except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
+            skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
+            continue
+        if min(image.size) < 8:
+            skipped[f"{path}: image under 8 px"] += 1
+            continue
+        yield image, row[contract.RAW_CAPTION]
 
 
 def _batches(pairs, size: int):

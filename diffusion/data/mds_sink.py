@@ -11,8 +11,8 @@ Layout of an output directory::
 
 A part is written under a temporary name and renamed to ``part-<id>`` once complete, so a killed run
 leaves only whole parts (plus temporary ones, removed on the next run); a retried write task whose
-first attempt already committed finds its part there and discards the copy. ``keys.json`` lists the keys a part holds:
-together with ``rejects/`` it is what a re-run skips.
+first attempt already committed finds its part there and discards the copy. ``keys.json`` lists the
+keys a part holds: together with ``rejects/`` it is what a re-run skips.
 """
 
 from __future__ import annotations

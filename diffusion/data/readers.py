@@ -142,8 +142,8 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
         raise
     except Exception as e:
         raise InputError(f"cannot read {uri} as parquet: {e}") from e
-    missing = [c for c in (columns.image, columns.caption) if c not in names
-               and (c != columns.caption or columns.caption_required)]
+    required = (columns.image, columns.caption) if columns.caption_required else (columns.image,)
+    missing = [c for c in required if c not in names]
     if missing:
         raise InputError(f"{uri} has no column {', '.join(map(repr, missing))}; its columns are "
                          f"{', '.join(names)} (choose with --image-column/--caption-column)")
