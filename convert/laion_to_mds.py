@@ -10,9 +10,10 @@ clean run. All logic lives in diffusion.data.convert.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from diffusion.data import contract
-from diffusion.data.convert import ConvertConfig, run_conversion
+from diffusion.data.convert import ConvertConfig, OutputMismatchError, run_conversion
 from diffusion.data.readers import InputError
 from diffusion.models.loading import ModelReferenceError
 
@@ -67,8 +68,11 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     try:
         summary = run_conversion(cfg)
-    except (InputError, ModelReferenceError) as e:  # the user's input, not a bug: no traceback
+    except (InputError, ModelReferenceError, OutputMismatchError) as e:  # the user's input, not a bug: no traceback
         raise SystemExit(f"laion_to_mds: error: {e}") from e
+    except KeyboardInterrupt:  # committed parts are whole; the next run skips them
+        print("laion_to_mds: interrupted; re-run the same command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
     print(summary.table())
 
 

@@ -52,6 +52,7 @@ class OnlineResult:
     stage_seconds: dict = dataclasses.field(default_factory=dict)  # summed per-row stage times on rank 0
     rejects: dict = dataclasses.field(default_factory=dict)  # reason -> rows skipped
     checkpoint_folder: str | None = None
+    finished: str | None = None  # set when the checkpoint had already reached max_duration: nothing ran
 
 
 def check_online(cfg: Config) -> None:
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> OnlineResult:
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     result = run_online(load_config(path, overrides))
     losses = result.losses
+    if result.finished:
+        print(result.finished)
     if losses:
         print(f"trained to batch {result.batch}: loss {losses[0][1]:.4f} (batch {losses[0][0]}) -> "
               f"{losses[-1][1]:.4f} (batch {losses[-1][0]})")

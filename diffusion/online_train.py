@@ -125,10 +125,13 @@ def train_worker(loop_config: dict) -> dict:
     history = LossHistory()
     trainer = plan.make_trainer(loader, [history, *plan.callbacks])
     resumed_from = int(trainer.state.timestamp.batch)  # > 0 when autoresume found a checkpoint
+    from diffusion.train import finished_message
+    finished = finished_message(trainer)
     # Spinning the stream forward to the checkpoint's batch would re-run the pipeline for data that is
     # thrown away; a stream has no order to preserve, so training just continues on fresh batches.
-    trainer.fit(spin_dataloaders=False)
-    summary = {"batch": int(trainer.state.timestamp.batch), "resumed_from": resumed_from,
+    if not finished:
+        trainer.fit(spin_dataloaders=False)
+    summary = {"finished": finished,"batch": int(trainer.state.timestamp.batch), "resumed_from": resumed_from,
                "losses": history.losses, "batch_times": history.times, "passes": loader.passes,
                "rows": len(history.losses) * loader.batch_size, "batch_waits": loader.waits,
                "stage_seconds": dict(loader.stage_seconds)}

@@ -115,6 +115,16 @@ def build_trainer(cfg: Config, train_dataloader=None, info: contract.DatasetInfo
         load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
 
 
+def finished_message(trainer: Trainer) -> str | None:
+    """Why ``trainer.fit()`` would have nothing to do (autoresume loaded a run that reached its
+    ``max_duration``), or None. Re-running a finished run is then a report, not a crash."""
+    state = trainer.state
+    if state.max_duration is None or state.timestamp.get(state.max_duration.unit) < state.max_duration:
+        return None
+    return (f"run already finished: the checkpoint is at {state.timestamp.get(state.max_duration.unit)} of "
+            f"trainer.max_duration={state.max_duration}; raise trainer.max_duration to train further")
+
+
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     """``[config.yaml] [key=value ...]``; without a YAML, the embedded CPU default (tiny-cpu.yaml)."""
     if argv and argv[0] in ("-h", "--help"):
@@ -132,6 +142,12 @@ def main(argv: list[str] | None = None) -> Trainer:
         print(f"# config: {path} {' '.join(overrides)}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
               flush=True)
     trainer = build_trainer(cfg)
+    finished = finished_message(trainer)
+    if finished:
+        if dist.get_global_rank() == 0:
+            print(finished, flush=True)
+        trainer.close()
+        return trainer
     trainer.logger.log_hyperparameters(cfg.to_dict())
     trainer.fit()
     trainer.close()

@@ -3,6 +3,8 @@
 import gc
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +125,18 @@ def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp
     loaded = trainer.state.model.state_dict()
     torch.testing.assert_close(loaded["unet.conv_in.weight"], weights["unet.conv_in.weight"])
     trainer.close()
+
+
+def test_rerunning_a_finished_run_reports_it_and_exits_zero(train_kit, mds, tmp_path):
+    """`composer run.py x.yaml` again after the run finished: a report, not Composer's max_duration error."""
+    args = [sys.executable, os.path.join(ROOT, "run.py"), TINY,
+            *tiny_overrides(train_kit, mds, batches=2, save_folder=str(tmp_path / "ckpt"),
+                            extra=("trainer.autoresume=true", "trainer.save_interval=2ba"))]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = sorted(os.listdir(tmp_path / "ckpt"))
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "run already finished" in again.stdout and "2ba" in again.stdout
+    assert "Traceback" not in again.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt")) == checkpoints  # nothing trained or saved

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -21,7 +23,8 @@ import numpy as np
 from diffusion.data import contract
 from diffusion.data.convert_summary import ConversionSummary, done_keys, summarize
 from diffusion.data.encoders import LatentTextEncoder, TextEncoder
-from diffusion.data.mds_sink import INDEX_JSON, REJECTS_DIR, MDSPartSink, remove_temporary_parts
+from diffusion.data.mds_sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts,
+                                     remove_temporary_parts, write_json_atomic)
 from diffusion.data.readers import RawColumns, check_inputs, read_raw
 from diffusion.data.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
@@ -29,6 +32,11 @@ from diffusion.models import loading
 # Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
 GPU_BATCH = {256: 120, 512: 40}
 CPU_BATCH = 8
+SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
+
+
+class OutputMismatchError(ValueError):
+    """A re-run into an existing output whose samples were made with other settings."""
 
 
 @dataclasses.dataclass
@@ -67,6 +75,14 @@ class ConvertConfig:
             raise ValueError(f"--limit must be positive, got {self.limit}")
         if self.max_aspect < 1:
             raise ValueError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+
+    def output_settings(self) -> dict:
+        """The settings that decide what a sample holds or whether a row is kept: a re-run into an
+        existing output must match them, or its new parts would not belong with the old ones."""
+        model = os.path.abspath(os.path.expanduser(self.model)) if os.path.isdir(self.model) else self.model
+        return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
+                "caption_column": self.caption_column, "key_column": self.key_column,
+                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels}
 
     @property
     def is_remote(self) -> bool:
@@ -168,20 +184,73 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
         **encoder_options)
 
 
+def recorded_settings(out: str) -> dict:
+    """The settings an existing output was made with ({} for a new or empty one).
+
+    Outputs written before ``convert.json`` existed are described by their ``dataset.json``.
+    """
+    path = os.path.join(out, SETTINGS_JSON)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if os.path.exists(os.path.join(out, contract.DATASET_JSON)):
+        info = contract.DatasetInfo.load(out)
+        model = info.model
+        if os.path.isdir(model):
+            model = os.path.abspath(model)
+        return {"model": model, "resolutions": info.resolutions,
+                **{k: info.extra[k] for k in ("min_size", "max_aspect", "max_pixels") if k in info.extra}}
+    return {}
+
+
+def check_output_settings(out: str, settings: dict) -> None:
+    """Refuse to add to an output made with other settings, before anything in it is touched."""
+    recorded = recorded_settings(out)
+    differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
+    if differ:
+        what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
+        raise OutputMismatchError(
+            f"{out} was converted with other settings ({what}). A re-run resumes a conversion only with "
+            f"the same settings: repeat them, or write to a new --output.")
+
+
 def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
     start = time.perf_counter()
     check_inputs(cfg.input, RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column))
+    loading.require_weights(cfg.model, ("vae", "text_encoder"))
+    text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+    downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
+    columns = contract.mds_columns(cfg.resolutions, text_dim, downsample)
     out = cfg.staging_dir()
+    settings = cfg.output_settings()
+    check_output_settings(out, settings)
+
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
+    try:
+        summary = _convert_into(cfg, out, settings, columns)
+    except BaseException:
+        if created and not _holds_progress(out):  # a failed first run leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    summary.wall_seconds = time.perf_counter() - start
+    return summary
+
+
+def _holds_progress(out: str) -> bool:
+    """Whether ``out`` holds work a re-run would keep: committed parts or recorded rejects."""
+    rejects = os.path.join(out, REJECTS_DIR)
+    return bool(committed_parts(out)) or (os.path.isdir(rejects) and bool(os.listdir(rejects)))
+
+
+def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -> ConversionSummary:
+    if not os.path.exists(os.path.join(out, SETTINGS_JSON)):
+        write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
     remove_temporary_parts(out)
     written, rejected = done_keys(out)
     before = len(written)
-
-    text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
-    downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-    sink = MDSPartSink(out, contract.mds_columns(cfg.resolutions, text_dim, downsample),
-                       compression=cfg.compression, size_limit=cfg.shard_size,
+    sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg))
 
     ray = _init_ray(cfg.address)
@@ -197,7 +266,6 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
         sink.finalize()
 
     summary = summarize(out)
-    summary.wall_seconds = time.perf_counter() - start
     summary.written_this_run = summary.written - before
     if cfg.visualize:
         from diffusion.data.convert_visualize import write_visualization

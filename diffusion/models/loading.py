@@ -59,6 +59,15 @@ def _has_weights(path: str) -> bool:
     return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
 
 
+def require_weights(ref: str, components=("vae", "text_encoder")) -> None:
+    """Fail early, in one line, when a component of ``ref`` has a config but no weights (e.g. the
+    ``sd2-base`` kit, whose VAE and text encoder come from the hub)."""
+    for name in components:
+        path = _component(ref, name)
+        if not _has_weights(path):
+            raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
+
+
 def load_tokenizer(ref: str):
     """The CLIP tokenizer of ``ref`` (max length 77, pad ``!`` = 0 for SD2)."""
     from transformers import CLIPTokenizer
@@ -67,18 +76,16 @@ def load_tokenizer(ref: str):
 
 def load_text_encoder(ref: str, dtype=None):
     from transformers import CLIPTextModel
+    require_weights(ref, ("text_encoder",))
     path = _component(ref, "text_encoder")
-    if not _has_weights(path):
-        raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
     model = CLIPTextModel.from_pretrained(path, dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
 def load_vae(ref: str, dtype=None):
     from diffusers import AutoencoderKL
+    require_weights(ref, ("vae",))
     path = _component(ref, "vae")
-    if not _has_weights(path):
-        raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
     model = AutoencoderKL.from_pretrained(path, torch_dtype=dtype)
     return model.eval().requires_grad_(False)
 

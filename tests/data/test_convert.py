@@ -1,3 +1,4 @@
+import hashlib
 import io
 import json
 import os
@@ -27,6 +28,22 @@ def _expected_rejects(bad_kinds) -> dict:
     return rejects
 
 
+def _snapshot(directory) -> dict:
+    """{relative path: sha1} of every file under ``directory``."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = hashlib.sha1(f.read()).hexdigest()
+    return files
+
+
+def _convert_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--no-progress",
+                           *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
 def _read_back(local, remote=None):
     from streaming import StreamingDataset
     ds = StreamingDataset(local=str(local), remote=remote, shuffle=False, batch_size=1)
@@ -52,12 +69,36 @@ def test_gpus_get_one_encoder_each_and_flags_override():
 
 
 def test_cli_wrong_column_names_file_and_columns(sample_data, tiny_kit):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--input",
-                             sample_data, "--output", "unused", "--model", tiny_kit, "--image-column", "img"],
-                            capture_output=True, text=True, timeout=120)
+    result = _convert_cli("--input", sample_data, "--output", "unused", "--model", tiny_kit, "--image-column", "img")
     assert result.returncode != 0
     assert "part-00000.parquet" in result.stderr and "'img'" in result.stderr and "url" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_weightless_model_is_one_line_and_writes_nothing(sample_data, sd2_kit, tmp_path):
+    out = tmp_path / "mds"
+    result = _convert_cli("--input", sample_data, "--output", out, "--model", sd2_kit)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "no weights" in result.stderr and "vae" in result.stderr
+    assert not out.exists()
+
+
+def test_failed_first_run_leaves_no_output_folder(convert_config, tmp_path, monkeypatch):
+    from diffusion.data import convert
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("a worker died before anything was committed")
+    monkeypatch.setattr(convert, "_convert_into", crash)
+    out = tmp_path / "new"
+    with pytest.raises(RuntimeError):
+        run_conversion(convert_config(out))
+    assert not out.exists()
+    existing = tmp_path / "existing"  # a folder the user made: never removed
+    existing.mkdir()
+    with pytest.raises(RuntimeError):
+        run_conversion(convert_config(existing))
+    assert existing.is_dir()
 
 
 # ---- full conversions (Ray, tiny kit) ----------------------------------------------------------------
@@ -138,6 +179,21 @@ def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path,
     assert sorted(keys) == clean and len(keys) == len(set(keys))
     assert second.written == manifest["good"] and second.written_this_run == manifest["good"] - first.written
     assert second.rejects == converted[1].rejects and not stale.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, value, setting", [("--resolutions", "32", "resolutions"),
+                                                  ("--min-size", "80", "min_size")])
+def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit,
+                                                                 flag, value, setting):
+    out, _ = converted
+    before = _snapshot(out)
+    result = _convert_cli("--input", sample_data, "--output", out, "--model", tiny_kit,
+                          "--resolutions", "32", "64", flag, value)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert out in result.stderr and setting in result.stderr and "new --output" in result.stderr
+    assert _snapshot(out) == before  # dataset.json, index and parts untouched
 
 
 def _bad_kinds(rows, manifest):
