@@ -25,6 +25,7 @@ import collections
 import io
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from diffusion.data import contract, readers
 from diffusion.models import sampling
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MIN_FID_IMAGES = 2  # a covariance needs two samples (a meaningful FID needs thousands)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -176,8 +178,8 @@ def frechet_distance(features_a: np.ndarray, features_b: np.ndarray) -> float:
     """
     from scipy import linalg
     for name, f in (("first", features_a), ("second", features_b)):
-        if len(f) < 2:
-            raise ValueError(f"FID needs at least 2 images per set; the {name} set has {len(f)}")
+        if len(f) < MIN_FID_IMAGES:
+            raise ValueError(f"FID needs at least {MIN_FID_IMAGES} images per set; the {name} set has {len(f)}")
     xa = features_a - features_a.mean(0)
     xb = features_b - features_b.mean(0)
     (na, dim), nb = xa.shape, len(xb)
@@ -241,7 +243,10 @@ def evaluate(images, *, clip_model: str, reference=None, fid_features: str = "cl
     prompted = [i for i, p in enumerate(prompts) if p]
     if prompted:
         result.update(clip_metrics(np.concatenate(clip_feats)[prompted], [prompts[i] for i in prompted], scorer))
-    if reference is not None:
+    if reference is not None and len(prompts) < MIN_FID_IMAGES:  # known before reading the reference
+        result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, got {len(prompts)}: "
+                                 f"generate more (e.g. --images-per-prompt 8) for a FID")
+    elif reference is not None:
         pairs = iter_images(reference, skipped) if _is_paths(reference) else iter(reference)
         ref_feats = [fid_model([im for im, _ in batch]) for batch in _batches(pairs, batch_size)]
         if not ref_feats:
@@ -303,6 +308,8 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
+    if "fid_skipped" in metrics:
+        print(f"evaluate: no FID: {metrics['fid_skipped']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -168,3 +168,20 @@ def test_cli_generates_from_a_checkpoint_then_scores(tiny_kit, tiny_clip, sample
 def test_cli_needs_images_or_a_checkpoint(tiny_clip):
     with pytest.raises(SystemExit):
         evaluate.main(["--clip-model", tiny_clip])
+
+
+def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip, sample_data, tmp_path):
+    """README's `python -m diffusion.evaluate --images grid.png --reference raw --clip-model DIR` on the
+    one-image grid `diffusion.generate` writes by default: CLIP score, and FID skipped with a reason."""
+    import subprocess
+    import sys
+    rng = np.random.default_rng(0)
+    grid = tmp_path / "grid.png"
+    sampling.save_grid(sampling.make_grid([_color_image("red", rng)], [_prompt("red")]), str(grid))
+    result = subprocess.run([sys.executable, "-m", "diffusion.evaluate", "--images", str(grid), "--reference",
+                             sample_data, "--clip-model", tiny_clip], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads(result.stdout)
+    assert metrics["num_images"] == 1 and np.isfinite(metrics["clip_score"])
+    assert "fid" not in metrics and "num_reference" not in metrics  # the reference was never read
+    assert "at least 2 images" in metrics["fid_skipped"] and "no FID" in result.stderr
