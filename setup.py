@@ -12,6 +12,7 @@ setup(
     description="Stable Diffusion pre-training from scratch at scale (Composer, streaming, Ray Data)",
     python_requires=">=3.11",
     packages=find_packages(include=["diffusion", "diffusion.*"]),
+    package_data={"diffusion.models": ["assets/tiny-vae/*"]},  # the fitted tiny VAE the tiny kit copies
     install_requires=[
         "torch>=2.6",
         "torchvision",

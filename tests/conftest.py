@@ -18,7 +18,8 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 @pytest.fixture(scope="session")
 def tiny_kit() -> str:
-    """A tiny diffusers-layout model directory (random UNet/text encoder, fitted VAE), cached."""
+    """A tiny diffusers-layout model directory (random UNet/text encoder, the shipped fitted VAE):
+    built in seconds, cached."""
     from diffusion.models.kit import ensure_kit
     return str(ensure_kit("tiny", CACHE / "kit" / "tiny"))
 

@@ -5,7 +5,9 @@
 - ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
   no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
 - ``tiny``: the same structure at small widths, CPU-fast: random seeded UNet and text encoder, and a
-  VAE fitted for a few minutes on sample scenes so decoded images can be judged by eye.
+  VAE fitted on sample scenes so decoded images can be judged by eye. The fitted VAE ships with the
+  package (``diffusion/models/assets/tiny-vae``, see :mod:`diffusion.models.vae_fit`), so the preset
+  builds in seconds; ``--refit-vae`` fits it again instead (a few minutes on CPU).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 
@@ -31,10 +33,13 @@ import torch
 
 from diffusion.models.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
-KIT_VERSION = 2  # bump when a preset's contents change: older kits are then rebuilt
+KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip")
 HELD_OUT_SEED = 1234  # sample scenes for judging the tiny VAE; fitting uses other seeds
+VAE_SEED = 2  # the tiny VAE's initial weights, before fitting
+TINY_VAE_ASSET = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-vae"
+FIT_INFO = "fit.json"  # beside the shipped VAE: how it was fitted and how well it reconstructs
 
 SD2_UNET = dict(
     sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
@@ -120,30 +125,39 @@ def build_sd2_base(out: pathlib.Path) -> dict:
     return {}
 
 
-def build_tiny(out: pathlib.Path, progress: bool = True) -> dict:
-    """Random seeded UNet and text encoder; a VAE fitted on sample scenes (a few minutes on CPU)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+def build_tiny(out: pathlib.Path, progress: bool = True, refit_vae: bool = False) -> dict:
+    """Random seeded UNet and text encoder; the shipped fitted VAE (or, with ``refit_vae``, a VAE
+    fitted here on sample scenes, a few minutes on CPU)."""
+    from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
-
-    from diffusion.models import vae_fit
 
     torch.manual_seed(0)
     UNet2DConditionModel(**TINY_UNET).save_pretrained(out / "unet")
     torch.manual_seed(1)
     CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
-
-    torch.manual_seed(2)
-    vae = AutoencoderKL(**TINY_VAE)
-    fit = vae_fit.fit_vae(vae, progress=progress)
-    held_out = vae_fit.sample_images(64, seed=HELD_OUT_SEED)
-    fit["psnr_held_out"] = round(vae_fit.reconstruction_psnr(vae, held_out), 2)
-    scaling = vae_fit.latent_scaling_factor(vae, vae_fit.sample_images(256, seed=HELD_OUT_SEED + 1))
-    vae.register_to_config(scaling_factor=round(scaling, 5))
-    vae.save_pretrained(out / "vae")
+    if refit_vae:
+        from diffusion.models import vae_fit
+        fit = vae_fit.fit_tiny_vae(out / "vae", progress=progress)
+        source = "fitted"
+    else:
+        fit = copy_tiny_vae(out / "vae")
+        source = "shipped"
     _write_common(out)
-    fit["scaling_factor"] = vae.config.scaling_factor
-    fit["seconds"] = round(fit["seconds"], 1)
-    return {"vae_fit": fit}
+    return {"vae": source, "vae_fit": fit}
+
+
+def copy_tiny_vae(out: pathlib.Path, asset: pathlib.Path = TINY_VAE_ASSET) -> dict:
+    """Copy the shipped fitted VAE (config and weights) to ``out``; returns its fit info."""
+    try:
+        with open(asset / FIT_INFO) as f:
+            fit = json.load(f)
+    except OSError as e:
+        raise FileNotFoundError(f"the shipped tiny VAE is missing ({e}); regenerate it with "
+                                f"python -m diffusion.models.vae_fit --out {asset}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        shutil.copyfile(asset / name, out / name)
+    return fit
 
 
 def build_tiny_clip(out: pathlib.Path) -> dict:
@@ -159,23 +173,29 @@ def build_tiny_clip(out: pathlib.Path) -> dict:
     return {}
 
 
-def build_kit(preset: str, out, progress: bool = True) -> pathlib.Path:
+def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) -> pathlib.Path:
     """Write ``preset`` into ``out`` (not atomically; see :func:`ensure_kit`), stamp file last."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown kit preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    _check_preset(preset, refit_vae)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if preset == "sd2-base":
         info = build_sd2_base(out)
     elif preset == "tiny":
-        info = build_tiny(out, progress=progress)
+        info = build_tiny(out, progress=progress, refit_vae=refit_vae)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
              **info}
     _write_json(out / STAMP, stamp)
     return out
+
+
+def _check_preset(preset: str, refit_vae: bool = False) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown kit preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if refit_vae and preset != "tiny":
+        raise ValueError(f"refitting the VAE applies to the tiny preset only, not {preset!r}")
 
 
 def read_stamp(out) -> dict | None:
@@ -201,14 +221,20 @@ def _build_lock(out: pathlib.Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def ensure_kit(preset: str, out, progress: bool = True, force: bool = False) -> pathlib.Path:
-    """The kit ``preset`` at ``out``, built first if missing, incomplete or from an older kit version."""
+def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, refit_vae: bool = False) -> pathlib.Path:
+    """The kit ``preset`` at ``out``, built first if missing, incomplete or from an older kit version.
+
+    ``force`` rebuilds a complete kit; ``refit_vae`` (tiny only) rebuilds with a VAE fitted here
+    instead of the shipped one.
+    """
+    _check_preset(preset, refit_vae)
     out = pathlib.Path(out).expanduser().absolute()
-    if not force and is_complete(preset, out):
+    rebuild = force or refit_vae
+    if not rebuild and is_complete(preset, out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out):
-        if not force and is_complete(preset, out):  # another process built it while we waited
+        if not rebuild and is_complete(preset, out):  # another process built it while we waited
             return out
         prefix = f".{out.name}.building-"
         for stale in out.parent.glob(prefix + "*"):  # left by a killed build; we hold the lock now
@@ -216,7 +242,7 @@ def ensure_kit(preset: str, out, progress: bool = True, force: bool = False) -> 
         building = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
         try:
             building.chmod(0o755)  # mkdtemp makes it private; the cache is shared
-            build_kit(preset, building, progress=progress)
+            build_kit(preset, building, progress=progress, refit_vae=refit_vae)
             if out.exists():
                 shutil.rmtree(out)  # a half-built, stale or forced kit
             os.replace(building, out)
@@ -230,8 +256,13 @@ def main(argv=None) -> None:
     parser.add_argument("--preset", required=True, choices=PRESETS)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete kit is there")
+    parser.add_argument("--refit-vae", action="store_true",
+                        help="tiny preset: fit the VAE here (a few minutes on CPU) instead of copying "
+                             "the shipped one")
     args = parser.parse_args(argv)
-    out = ensure_kit(args.preset, args.out, force=args.force)
+    if args.refit_vae and args.preset != "tiny":
+        parser.error("--refit-vae applies to the tiny preset only")
+    out = ensure_kit(args.preset, args.out, force=args.force, refit_vae=args.refit_vae)
     print(json.dumps({"kit": str(out), **(read_stamp(out) or {})}, indent=2))
 
 

@@ -6,12 +6,25 @@ on soft backgrounds) reaches a reconstruction PSNR above 22 dB at 64 px.
 
 Training draws ``mean + sigma * eps`` from the posterior, as the training loop does from stored
 moments, and a small KL term keeps the log-variance meaningful instead of collapsing to the clamp.
+
+The fit is deterministic (fixed seeds), so it is done once and its result ships with the package in
+``diffusion/models/assets/tiny-vae`` (diffusers layout: ``config.json`` and float32
+``diffusion_pytorch_model.safetensors``, plus ``fit.json``: the fit's steps, loss and time, the
+held-out PSNR and the latent scaling factor); the ``tiny`` kit copies it. To regenerate it
+(about 2.6 minutes on 2 CPU cores)::
+
+    python -m diffusion.models.vae_fit --out diffusion/models/assets/tiny-vae
+
+``python -m diffusion.models.kit --preset tiny --refit-vae --out DIR`` fits one into a kit instead.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
+import pathlib
 import time
 
 import numpy as np
@@ -113,3 +126,47 @@ def latent_scaling_factor(vae, images: torch.Tensor, seed: int = 0) -> float:
     posterior = vae.encode(images).latent_dist
     z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
     return 1.0 / z.std().item()
+
+
+def fit_tiny_vae(out, config: FitConfig = FitConfig(), progress: bool = True) -> dict:
+    """Fit the tiny kit's VAE from its seeded initial weights and save it to ``out`` (diffusers
+    layout, float32 safetensors) with its latent scaling factor; returns the fit info."""
+    from diffusers import AutoencoderKL
+
+    from diffusion.models.kit import HELD_OUT_SEED, TINY_VAE, VAE_SEED
+
+    torch.manual_seed(VAE_SEED)
+    vae = AutoencoderKL(**TINY_VAE)
+    fit = fit_vae(vae, config, progress=progress)
+    held_out = sample_images(64, seed=HELD_OUT_SEED)
+    fit["psnr_held_out"] = round(reconstruction_psnr(vae, held_out), 2)
+    scaling = latent_scaling_factor(vae, sample_images(256, seed=HELD_OUT_SEED + 1))
+    vae.register_to_config(scaling_factor=round(scaling, 5))
+    vae.save_pretrained(out, safe_serialization=True)  # float32: the weights were never cast
+    fit["scaling_factor"] = vae.config.scaling_factor
+    fit["seconds"] = round(fit["seconds"], 1)
+    fit.update(init_seed=VAE_SEED, fit_seed=config.seed, held_out_seed=HELD_OUT_SEED)
+    return fit
+
+
+def main(argv=None) -> None:
+    from diffusion.models.kit import FIT_INFO, TINY_VAE_ASSET
+
+    parser = argparse.ArgumentParser(description="Fit the tiny kit's VAE and save it with its fit info.")
+    parser.add_argument("--out", default=str(TINY_VAE_ASSET),
+                        help="folder for config.json, diffusion_pytorch_model.safetensors and fit.json "
+                             "(default: the shipped asset)")
+    parser.add_argument("--steps", type=int, default=FitConfig.steps, help="training steps (default: %(default)s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fit = fit_tiny_vae(out, FitConfig(steps=args.steps), progress=not args.quiet)
+    with open(out / FIT_INFO, "w") as f:
+        json.dump(fit, f, indent=2)
+        f.write("\n")
+    print(json.dumps({"vae": str(out), **fit}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,12 @@
 """The offline model kit: SD2-base configs with SD2's sizes, a usable tiny pipeline, atomic builds."""
 
 import json
+import pathlib
 
 import pytest
 import torch
 
-from diffusion.models import kit, loading
+from diffusion.models import kit, loading, vae_fit
 from diffusion.models.kit import ensure_kit
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -99,7 +100,6 @@ def test_tiny_clip_loads_offline(tmp_path):
     assert out.logits_per_image.shape == (1, 2) and torch.isfinite(out.logits_per_image).all()
 
 
-@pytest.mark.slow  # the first run fits the tiny VAE (about 3 minutes on 2 cores); cached afterwards
 def test_tiny_pipeline_generates_on_cpu(tiny_kit):
     from diffusers import StableDiffusionPipeline
 
@@ -110,12 +110,23 @@ def test_tiny_pipeline_generates_on_cpu(tiny_kit):
     assert (image >= 0).all() and (image <= 1).all() and image.std() > 0
 
 
-@pytest.mark.slow  # the first run fits the tiny VAE; cached afterwards
-def test_tiny_vae_reconstructs_held_out_scenes(tiny_kit):
-    from diffusion.models import vae_fit
+def test_tiny_kit_copies_the_shipped_vae_and_its_fit_info(tiny_kit):
+    stamp = kit.read_stamp(tiny_kit)
+    assert stamp["vae"] == "shipped"
+    assert stamp["vae_fit"] == json.loads((kit.TINY_VAE_ASSET / kit.FIT_INFO).read_text())
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        assert (pathlib.Path(tiny_kit) / "vae" / name).read_bytes() == (kit.TINY_VAE_ASSET / name).read_bytes()
+    assert loading.load_vae_config(tiny_kit)["scaling_factor"] == stamp["vae_fit"]["scaling_factor"]
 
-    vae = loading.load_vae(tiny_kit)
-    held_out = vae_fit.sample_images(96, seed=98765)  # neither the fitting nor the build's own check
+
+def test_shipped_vae_reconstructs_held_out_scenes():
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(kit.TINY_VAE_ASSET).eval()
+    assert all(p.dtype == torch.float32 for p in vae.parameters())
+    assert {k: vae.config[k] for k in kit.TINY_VAE if k != "scaling_factor"} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in kit.TINY_VAE.items() if k != "scaling_factor"}
+    held_out = vae_fit.sample_images(96, seed=98765)  # neither the fitting nor the fit's own check
     assert vae_fit.reconstruction_psnr(vae, held_out) >= 22.0
     # Latents are usable for training: scaled to about unit variance, log-variance not collapsed.
     with torch.no_grad():
@@ -123,3 +134,40 @@ def test_tiny_vae_reconstructs_held_out_scenes(tiny_kit):
     scaled = posterior.mean * vae.config.scaling_factor
     assert 0.5 < scaled.std().item() < 2.0
     assert -15 < posterior.logvar.mean().item() < 0
+    fit = json.loads((kit.TINY_VAE_ASSET / kit.FIT_INFO).read_text())
+    assert fit["psnr_held_out"] >= 22.0 and fit["scaling_factor"] == vae.config.scaling_factor
+
+
+def test_vae_fit_improves_reconstruction_in_seconds():
+    from diffusers import AutoencoderKL
+
+    images = vae_fit.sample_images(16, seed=4321)
+    torch.manual_seed(kit.VAE_SEED)
+    vae = AutoencoderKL(**kit.TINY_VAE).eval()
+    before = vae_fit.reconstruction_psnr(vae, images)
+    info = vae_fit.fit_vae(vae, vae_fit.FitConfig(steps=20, train_images=64), progress=False)
+    assert info["steps"] == 20 and info["seconds"] < 60
+    assert vae_fit.reconstruction_psnr(vae, images) > before + 1.0  # about 10.6 -> 12.3 dB
+
+
+def test_refit_vae_writes_a_fitted_vae_and_its_info(tmp_path, monkeypatch):
+    real = vae_fit.fit_tiny_vae
+    monkeypatch.setattr(vae_fit, "fit_tiny_vae",  # a few steps: the full fit is the asset's (minutes)
+                        lambda out, progress=True: real(out, vae_fit.FitConfig(steps=3, train_images=16), progress))
+    out = ensure_kit("tiny", tmp_path / "kit", progress=False, refit_vae=True)
+    stamp = kit.read_stamp(out)
+    assert stamp["vae"] == "fitted" and stamp["vae_fit"]["steps"] == 3
+    assert {"psnr_held_out", "scaling_factor", "loss", "seconds"} <= set(stamp["vae_fit"])
+    assert (out / "vae" / "diffusion_pytorch_model.safetensors").read_bytes() != (
+        kit.TINY_VAE_ASSET / "diffusion_pytorch_model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="tiny preset only"):
+        ensure_kit("sd2-base", tmp_path / "sd2", refit_vae=True)
+
+
+def test_vae_fit_cli_writes_the_asset_layout(tmp_path):
+    out = tmp_path / "tiny-vae"
+    vae_fit.main(["--out", str(out), "--steps", "2", "--quiet"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in kit.TINY_VAE_ASSET.iterdir())  # config.json, weights, fit.json
+    fit = json.loads((out / kit.FIT_INFO).read_text())
+    assert fit["steps"] == 2 and set(fit) == set(json.loads((kit.TINY_VAE_ASSET / kit.FIT_INFO).read_text()))
