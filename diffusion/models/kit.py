@@ -15,6 +15,11 @@
 directory beside the target, writes the stamp file last and renames the directory into place, so a
 killed build never leaves a half kit that looks complete; a file lock makes concurrent callers (test
 sessions sharing ``.cache/``) wait for one build instead of racing.
+
+It never deletes what it did not write. The stamp (``kit.json``) lists the files the kit wrote, and
+replacing a kit (older kit version, another preset with ``force``) removes only those. A folder that is
+not one of our kits, or a kit holding files it did not write, is refused with a :class:`KitError`
+naming them; so is another preset's kit unless ``force`` is given.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ HELD_OUT_SEED = 1234  # sample scenes for judging the tiny VAE; fitting uses oth
 VAE_SEED = 2  # the tiny VAE's initial weights, before fitting
 TINY_VAE_ASSET = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-vae"
 FIT_INFO = "fit.json"  # beside the shipped VAE: how it was fitted and how well it reconstructs
+
+# What each preset writes at its top level, for kits stamped before the stamp listed its files.
+_DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
+LEGACY_TOP_LEVEL = {
+    "sd2-base": _DIFFUSERS_LAYOUT,
+    "tiny": _DIFFUSERS_LAYOUT,
+    "tiny-clip": frozenset({  # CLIPModel, the CLIP tokenizer and image processor's save_pretrained
+        STAMP, "config.json", "model.safetensors", "pytorch_model.bin", "generation_config.json",
+        "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
+        "added_tokens.json", "preprocessor_config.json",
+    }),
+}
+
+
+class KitError(ValueError):
+    """A folder ``ensure_kit`` will not write into; the message names the folder and why, in one line."""
+
 
 SD2_UNET = dict(
     sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
@@ -186,7 +208,7 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
-             **info}
+             **info, "files": sorted(_files(out) | {STAMP})}
     _write_json(out / STAMP, stamp)
     return out
 
@@ -196,6 +218,17 @@ def _check_preset(preset: str, refit_vae: bool = False) -> None:
         raise ValueError(f"unknown kit preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if refit_vae and preset != "tiny":
         raise ValueError(f"refitting the VAE applies to the tiny preset only, not {preset!r}")
+
+
+def _files(root: pathlib.Path) -> set[str]:
+    """Every file (and symlink) under ``root``, as POSIX paths relative to it; links are not followed."""
+    found = set()
+    for parent, dirs, files in os.walk(root):
+        rel = pathlib.Path(parent).relative_to(root)
+        links = [d for d in dirs if os.path.islink(os.path.join(parent, d))]
+        for name in files + links:
+            found.add((rel / name).as_posix())
+    return found
 
 
 def read_stamp(out) -> dict | None:
@@ -221,11 +254,64 @@ def _build_lock(out: pathlib.Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _show(names, limit: int = 5) -> str:
+    names = [n if n.isprintable() else ascii(n) for n in sorted(names)]
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _owned_files(out: pathlib.Path, preset: str, force: bool) -> list[str]:
+    """The files of the existing kit at ``out`` that replacing it may delete, all of them ours.
+
+    Raises :class:`KitError` when ``out`` is not one of our kits, when it holds files the kit did not
+    write, or when it holds another preset's kit and ``force`` is not given.
+    """
+    if out.is_symlink():
+        raise KitError(f"{out} is a symbolic link; give the folder it points to, or a new folder")
+    if not out.is_dir():
+        raise KitError(f"{out} exists and is not a folder; choose an empty or new folder")
+    entries = [p.name for p in out.iterdir()]
+    if not entries:
+        return []
+    stamp = read_stamp(out)
+    found = stamp.get("preset") if isinstance(stamp, dict) else None
+    if found not in PRESETS:
+        raise KitError(f"{out} holds files that are not a model kit ({_show(entries)}); "
+                       "choose an empty or new folder")
+    present = _files(out)
+    listed = stamp.get("files")
+    if isinstance(listed, list):
+        ours = {str(f) for f in listed} | {STAMP}
+        foreign = present - ours
+    else:  # stamped before kits listed their files: ours only if it holds nothing but the preset's entries
+        foreign_entries = set(entries) - LEGACY_TOP_LEVEL[found]
+        foreign = {f for f in present if f.split("/")[0] in foreign_entries}
+    if foreign:
+        raise KitError(f"{out} holds a {found} kit and files it did not write ({_show(foreign)}); "
+                       "move them out or choose another folder")
+    if found != preset and not force:
+        raise KitError(f"{out} holds a {found} kit, not {preset}; use --force to replace it "
+                       "or choose another folder")
+    return sorted(present)
+
+
+def _remove_kit(out: pathlib.Path, files: list[str]) -> None:
+    """Delete the kit's own ``files`` and the folders they leave empty, then ``out`` itself."""
+    try:
+        for rel in files:
+            (out / rel).unlink(missing_ok=True)
+        for parent, _, _ in sorted(os.walk(out), key=lambda entry: -len(pathlib.Path(entry[0]).parts)):
+            os.rmdir(parent)  # fails, leaving it, if anything not ours appeared meanwhile
+    except OSError as e:
+        raise KitError(f"{out}: could not remove the old kit ({e.strerror}: {e.filename})") from None
+
+
 def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, refit_vae: bool = False) -> pathlib.Path:
     """The kit ``preset`` at ``out``, built first if missing, incomplete or from an older kit version.
 
-    ``force`` rebuilds a complete kit; ``refit_vae`` (tiny only) rebuilds with a VAE fitted here
-    instead of the shipped one.
+    ``force`` rebuilds a complete kit and may replace another preset's kit; ``refit_vae`` (tiny only)
+    rebuilds with a VAE fitted here instead of the shipped one. Only the kit's own files are ever
+    removed: see :func:`_owned_files` for what is refused with a :class:`KitError`.
     """
     _check_preset(preset, refit_vae)
     out = pathlib.Path(out).expanduser().absolute()
@@ -233,9 +319,11 @@ def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, ref
     if not rebuild and is_complete(preset, out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out):
+    with _build_lock(out):  # checks run under the lock: another process may be replacing the kit
         if not rebuild and is_complete(preset, out):  # another process built it while we waited
             return out
+        if out.exists() or out.is_symlink():
+            _owned_files(out, preset, force)  # refuse before spending time on a build
         prefix = f".{out.name}.building-"
         for stale in out.parent.glob(prefix + "*"):  # left by a killed build; we hold the lock now
             shutil.rmtree(stale, ignore_errors=True)
@@ -243,8 +331,8 @@ def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, ref
         try:
             building.chmod(0o755)  # mkdtemp makes it private; the cache is shared
             build_kit(preset, building, progress=progress, refit_vae=refit_vae)
-            if out.exists():
-                shutil.rmtree(out)  # a half-built, stale or forced kit
+            if out.exists() or out.is_symlink():  # a stale, other-preset or forced kit of ours
+                _remove_kit(out, _owned_files(out, preset, force))  # checked again: it may have changed
             os.replace(building, out)
         finally:
             shutil.rmtree(building, ignore_errors=True)
@@ -254,16 +342,23 @@ def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, ref
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write an offline diffusers-layout model kit.")
     parser.add_argument("--preset", required=True, choices=PRESETS)
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete kit is there")
+    parser.add_argument("--out", required=True, help="output directory: new, empty, or one of our kits")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if a complete kit is there, or replace another preset's kit; "
+                             "replaces only the kit's own files (listed in kit.json), never others")
     parser.add_argument("--refit-vae", action="store_true",
                         help="tiny preset: fit the VAE here (a few minutes on CPU) instead of copying "
                              "the shipped one")
     args = parser.parse_args(argv)
     if args.refit_vae and args.preset != "tiny":
         parser.error("--refit-vae applies to the tiny preset only")
-    out = ensure_kit(args.preset, args.out, force=args.force, refit_vae=args.refit_vae)
-    print(json.dumps({"kit": str(out), **(read_stamp(out) or {})}, indent=2))
+    try:
+        out = ensure_kit(args.preset, args.out, force=args.force, refit_vae=args.refit_vae)
+    except KitError as e:
+        raise SystemExit(f"kit: error: {e}") from None
+    stamp = read_stamp(out) or {}
+    stamp["files"] = len(stamp.get("files", ()))  # the list is in kit.json; a count is enough here
+    print(json.dumps({"kit": str(out), **stamp}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
-"""The offline model kit: SD2-base configs with SD2's sizes, a usable tiny pipeline, atomic builds."""
+"""The offline model kit: SD2-base configs with SD2's sizes, a usable tiny pipeline with the shipped
+fitted VAE, atomic builds that never delete what the kit did not write."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from diffusion.models import kit, loading, vae_fit
-from diffusion.models.kit import ensure_kit
+from diffusion.models.kit import KitError, ensure_kit
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _meta_params(module_factory) -> int:
@@ -56,16 +61,121 @@ def test_ensure_kit_is_idempotent(tmp_path, monkeypatch):
     assert ensure_kit("sd2-base", out) == out
 
 
-def test_half_built_or_stale_kit_is_rebuilt(tmp_path):
-    out = tmp_path / "kit"
-    (out / "unet").mkdir(parents=True)  # what a killed build without the stamp leaves
-    (out / "unet" / "leftover.bin").write_bytes(b"\0")
-    ensure_kit("sd2-base", out)
-    assert kit.is_complete("sd2-base", out) and not (out / "unet" / "leftover.bin").exists()
-
-    (out / kit.STAMP).write_text(json.dumps({"preset": "sd2-base", "kit_version": kit.KIT_VERSION - 1}))
+def test_stale_kit_is_rebuilt(tmp_path):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    (out / kit.STAMP).write_text(json.dumps({**kit.read_stamp(out), "kit_version": kit.KIT_VERSION - 1}))
     ensure_kit("sd2-base", out)
     assert kit.read_stamp(out)["kit_version"] == kit.KIT_VERSION
+
+
+def test_legacy_kit_without_a_file_list_is_replaced_only_if_it_holds_nothing_else(tmp_path):
+    def make_legacy(out):  # what kit version 2 wrote: a stamp without "files"
+        ensure_kit("sd2-base", out, force=True)
+        stamp = kit.read_stamp(out)
+        del stamp["files"]
+        (out / kit.STAMP).write_text(json.dumps({**stamp, "kit_version": 2}))
+
+    out = tmp_path / "kit"
+    make_legacy(out)
+    ensure_kit("sd2-base", out)
+    assert kit.read_stamp(out)["kit_version"] == kit.KIT_VERSION and "files" in kit.read_stamp(out)
+
+    make_legacy(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(KitError, match=r"holds a sd2-base kit and files it did not write \(notes.txt\)"):
+        ensure_kit("sd2-base", out)
+    assert (out / "notes.txt").read_text() == "mine" and kit.read_stamp(out)["kit_version"] == 2
+
+
+def test_stamp_lists_the_files_the_kit_wrote(tmp_path):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert kit.read_stamp(out)["files"] == files
+    assert "unet/config.json" in files and kit.STAMP in files
+
+
+def test_folder_without_a_stamp_is_not_ours(tmp_path):
+    out = tmp_path / "model"  # e.g. a diffusers model from elsewhere: same layout, no kit.json
+    (out / "unet").mkdir(parents=True)
+    (out / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
+    with pytest.raises(KitError, match="holds files that are not a model kit \\(unet\\)"):
+        ensure_kit("sd2-base", out, force=True)
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == b"weights"
+
+
+def test_empty_existing_folder_gets_a_kit(tmp_path):
+    out = tmp_path / "kit"
+    out.mkdir()
+    assert ensure_kit("tiny-clip", out, progress=False) == out
+    assert kit.is_complete("tiny-clip", out)
+
+
+def test_another_presets_kit_is_replaced_only_with_force(tmp_path):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    with pytest.raises(KitError, match="holds a sd2-base kit, not tiny-clip; use --force"):
+        ensure_kit("tiny-clip", out)
+    assert kit.is_complete("sd2-base", out)
+    ensure_kit("tiny-clip", out, force=True)
+    assert kit.is_complete("tiny-clip", out) and not (out / "unet").exists()
+
+
+def _files_with_bytes(folder: pathlib.Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _run_kit_cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "diffusion.models.kit", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _assert_one_line_error(result, *expected):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kit: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for text in expected:
+        assert text in lines[0]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_cli_refuses_a_folder_of_user_files_and_leaves_them(tmp_path, force):
+    out = tmp_path / "my project"
+    out.mkdir()
+    (out / "notes.txt").write_text("do not lose these notes\n")
+    (out / "important.csv").write_bytes(b"id,value\n1,42\n")
+    before = _files_with_bytes(out)
+    result = _run_kit_cli("--preset", "tiny-clip", "--out", str(out), *(["--force"] if force else []))
+    _assert_one_line_error(result, str(out), "not a model kit", "notes.txt", "important.csv")
+    assert _files_with_bytes(out) == before
+    assert sorted(p.name for p in out.iterdir()) == ["important.csv", "notes.txt"]
+
+
+def test_cli_refuses_to_replace_a_kit_holding_a_user_file_even_with_force(tmp_path):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    (out / "unet" / "my-notes.md").write_text("tried lr 1e-4")
+    before = _files_with_bytes(out)
+    result = _run_kit_cli("--preset", "sd2-base", "--out", str(out), "--force")
+    _assert_one_line_error(result, str(out), "unet/my-notes.md", "did not write")
+    assert _files_with_bytes(out) == before
+
+
+def test_cli_names_the_preset_found_and_force_says_what_it_replaces(tmp_path):
+    out = ensure_kit("sd2-base", tmp_path / "kit")
+    before = _files_with_bytes(out)
+    result = _run_kit_cli("--preset", "tiny-clip", "--out", str(out))
+    _assert_one_line_error(result, str(out), "holds a sd2-base kit", "--force")
+    assert _files_with_bytes(out) == before
+    help_text = " ".join(_run_kit_cli("--help").stdout.split())
+    assert "replaces only the kit's own files" in help_text
+
+
+def test_cli_builds_into_an_empty_folder(tmp_path):
+    out = tmp_path / "kit"
+    out.mkdir()
+    result = _run_kit_cli("--preset", "sd2-base", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["preset"] == "sd2-base" and kit.is_complete("sd2-base", out)
 
 
 def test_killed_build_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
