@@ -3,8 +3,8 @@
 Also ``python run.py ...`` for one process; with no YAML, the embedded CPU default yamls/tiny-cpu.yaml.
 """
 
-from diffusion.config import run_cli
-from diffusion.train import main
+from diffusion import cli
+from diffusion.train.trainer import main
 
 if __name__ == "__main__":
-    run_cli(main)
+    cli.run(main, "run.py")

@@ -12,7 +12,12 @@ setup(
     description="Stable Diffusion pre-training from scratch at scale (Composer, streaming, Ray Data)",
     python_requires=">=3.11",
     packages=find_packages(include=["diffusion", "diffusion.*"]),
-    package_data={"diffusion.models": ["assets/tiny-vae/*"]},  # the fitted tiny VAE the tiny kit copies
+    package_data={"diffusion.kit": ["assets/tiny-vae/*"]},  # the fitted tiny VAE the tiny kit copies
+    # `pip install .` puts the commands on PATH by name; each is also `python -m` / a script in convert/.
+    entry_points={"console_scripts": [
+        f"{name} = diffusion.cli:{name.replace('-', '_')}"
+        for name in ("sd-download", "sd-convert", "sd-train", "sd-online", "sd-generate", "sd-export",
+                     "sd-evaluate", "sd-cost", "sd-kit", "sd-sample-data", "sd-demo")]},
     install_requires=[
         "torch>=2.6",
         "torchvision",

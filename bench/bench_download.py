@@ -25,15 +25,15 @@ import time
 
 import numpy as np
 
-from diffusion.data.download_http import FetchConfig, Fetcher
-from diffusion.data.download_image import ImageRules, check_image
+from diffusion.download.http import FetchConfig, Fetcher
+from diffusion.download.image import ImageRules, check_image
 
 IMG2DATASET_PER_NODE = 1300  # images/s, 16-core node, published
 IMG2DATASET_CORES = 16
 
 
 def _scene_jpeg() -> bytes:
-    from diffusion.data.sample import render_scene
+    from diffusion.kit.sample import render_scene
     image, _ = render_scene(np.random.default_rng(0), 512, 384)
     buf = io.BytesIO()
     image.save(buf, "JPEG", quality=90)
@@ -88,7 +88,7 @@ def bench_ray(url: str, rows: int) -> tuple[int, float]:
     import pyarrow.parquet as pq
     import ray
 
-    from diffusion.data.download import DownloadConfig, download
+    from diffusion.download.job import DownloadConfig, download
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:

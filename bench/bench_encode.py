@@ -24,9 +24,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diffusion.data import contract  # noqa: E402
-from diffusion.data.encoders import LatentTextEncoder  # noqa: E402
-from diffusion.models.kit import ensure_kit  # noqa: E402
+from diffusion import schema  # noqa: E402
+from diffusion.convert.encoders import LatentTextEncoder  # noqa: E402
+from diffusion.kit.build import ensure_kit  # noqa: E402
 
 SD2_VAE_GFLOP = {256: 273.0, 512: 1117.0}
 SD2_TEXT_GFLOP = 45.0
@@ -49,12 +49,12 @@ def encoder_dir(kit: str, tmp: str) -> str:
 def batch_for(resolution: int, n: int, tokenizer) -> dict:
     rng = np.random.default_rng(0)
     captions = [f"a photo number {i} of a red circle above a blue square" for i in range(n)]
-    ids = tokenizer(captions, padding="max_length", max_length=contract.MAX_TOKENS, truncation=True,
+    ids = tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
                     return_tensors="np")["input_ids"].astype(np.int32)
-    return {contract.KEY: np.array([str(i) for i in range(n)]), contract.CAPTION: np.array(captions),
-            contract.WIDTH: np.full(n, resolution), contract.HEIGHT: np.full(n, resolution),
-            contract.INPUT_IDS: ids,
-            contract.image_column(resolution): rng.integers(0, 256, (n, resolution, resolution, 3), np.uint8)}
+    return {schema.KEY: np.array([str(i) for i in range(n)]), schema.CAPTION: np.array(captions),
+            schema.WIDTH: np.full(n, resolution), schema.HEIGHT: np.full(n, resolution),
+            schema.INPUT_IDS: ids,
+            schema.image_column(resolution): rng.integers(0, 256, (n, resolution, resolution, 3), np.uint8)}
 
 
 def main(argv=None) -> None:

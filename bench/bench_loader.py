@@ -3,8 +3,9 @@
     python bench/bench_loader.py DIR                  # converter output (index.json + dataset.json)
     python bench/bench_loader.py                      # synthetic MDS at SD2 shapes (256 px, D=1024)
 
-Reads through the training path (diffusion.data.mds_loader: LatentDataset and its collate, in the
-main process, so one core) with a StreamingDataLoader collating batches, after one warm-up pass that
+Reads through the training path (diffusion.train.mds_source's LatentDataset and the batch step of
+diffusion.train.batches, in the main process, so one core) with a StreamingDataLoader collating
+batches, after one warm-up pass that
 fills the page cache. Baseline, in the same run: streaming's own path, a plain StreamingDataset whose
 decoded samples the default collate stacks. Training consumes 137.5 img/s per A100 at 256 px
 (MosaicML), 1,100 per 8-GPU node; the headline is loader samples/s per core divided by the per-GPU
@@ -25,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from diffusion.data import contract  # noqa: E402
+from diffusion import schema  # noqa: E402
 
 CONSUMPTION_PER_GPU = {256: 137.5, 512: 36.25}  # MosaicML A100 training rates (DESIGN.md)
 
@@ -35,19 +36,19 @@ def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 102
     from streaming import MDSWriter
     rng = np.random.default_rng(seed)
     h = resolution // 8
-    columns = contract.mds_columns([resolution], text_dim)
+    columns = schema.mds_columns([resolution], text_dim)
     with MDSWriter(out=out, columns=columns, size_limit=1 << 26) as writer:
         for i in range(n):
             writer.write({
-                contract.vae_moments_column(resolution): rng.standard_normal((8, h, h), dtype=np.float32).astype(np.float16),
-                contract.TEXT_EMBEDS: rng.standard_normal((77, text_dim), dtype=np.float32).astype(np.float16),
-                contract.INPUT_IDS: rng.integers(0, 49408, 77, dtype=np.int32),
-                contract.CAPTION: f"synthetic caption {i}", contract.KEY: f"{i:09d}",
-                contract.WIDTH: resolution, contract.HEIGHT: resolution,
+                schema.vae_moments_column(resolution): rng.standard_normal((8, h, h), dtype=np.float32).astype(np.float16),
+                schema.TEXT_EMBEDS: rng.standard_normal((77, text_dim), dtype=np.float32).astype(np.float16),
+                schema.INPUT_IDS: rng.integers(0, 49408, 77, dtype=np.int32),
+                schema.CAPTION: f"synthetic caption {i}", schema.KEY: f"{i:09d}",
+                schema.WIDTH: resolution, schema.HEIGHT: resolution,
             })
-    contract.DatasetInfo(model="synthetic", scaling_factor=0.18215, resolutions=[resolution], text_dim=text_dim,
+    schema.DatasetInfo(model="synthetic", scaling_factor=0.18215, resolutions=[resolution], text_dim=text_dim,
                          count=n, rows_in=n).save(out)
-    np.save(os.path.join(out, contract.EMPTY_TEXT_EMBEDS), np.zeros((77, text_dim), np.float16))
+    np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), np.zeros((77, text_dim), np.float16))
     return out
 
 
@@ -55,7 +56,7 @@ class _PlainSamples:
     """The baseline: streaming's decoded sample, reduced to the batch columns, for the default collate."""
 
     def __init__(self, moments_column: str):
-        self.columns = (moments_column, contract.TEXT_EMBEDS, contract.INPUT_IDS)
+        self.columns = (moments_column, schema.TEXT_EMBEDS, schema.INPUT_IDS)
 
     def __call__(self, samples):
         import torch
@@ -67,16 +68,17 @@ def measure(directory: str, resolution: int, batch_size: int, passes: int, basel
     from streaming import StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
-    from diffusion.data.mds_loader import LatentDataset, collate
+    from diffusion.train.batches import CaptionDropout, StackSamples, ToModelBatch
+    from diffusion.train.mds_source import LatentDataset
     clean_stale_shared_memory()
     if baseline:
         dataset = StreamingDataset(local=directory, batch_size=batch_size, shuffle=True, shuffle_seed=0)
-        collate_fn = _PlainSamples(contract.vae_moments_column(resolution))
+        collate_fn = _PlainSamples(schema.vae_moments_column(resolution))
     else:
-        empty = np.load(os.path.join(directory, contract.EMPTY_TEXT_EMBEDS))
-        dataset = LatentDataset(remote=None, local=directory, resolution=resolution, empty_text_embeds=empty,
-                                caption_dropout=0.1, batch_size=batch_size, shuffle=True, shuffle_seed=0)
-        collate_fn = collate
+        empty = np.load(os.path.join(directory, schema.EMPTY_TEXT_EMBEDS))
+        dataset = LatentDataset(remote=None, local=directory, resolution=resolution, batch_size=batch_size,
+                                shuffle=True, shuffle_seed=0)
+        collate_fn = StackSamples(ToModelBatch(resolution, empty, CaptionDropout(0.1, seed=0)))
     loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
     for _ in loader:  # warm-up: page cache, index, shuffle
         pass
@@ -102,7 +104,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or write_synthetic(os.path.join(tmp, f"mds-{uuid.uuid4().hex[:8]}"), args.samples,
                                                 args.resolution or 256)
-        info = contract.DatasetInfo.load(directory)
+        info = schema.DatasetInfo.load(directory)
         resolution = args.resolution or info.resolutions[0]
         base, _ = measure(directory, resolution, args.batch_size, args.passes, baseline=True)
         rate, samples = measure(directory, resolution, args.batch_size, args.passes, baseline=False)
@@ -111,7 +113,7 @@ def main(argv=None):
     print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}), "
           f"batch {args.batch_size}, {samples} samples timed per loader, 1 process")
     print(f"{'loader':<28} {'samples/s/core':>15} {'need/GPU':>9} {'x per GPU':>10} {'cores/node':>11}")
-    for name, r in (("streaming's path (baseline)", base), ("LatentDataset + collate", rate)):
+    for name, r in (("streaming's path (baseline)", base), ("LatentDataset + StackSamples", rate)):
         print(f"{name:<28} {r:>15,.0f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
     print(f"ours / baseline: {rate / base:.2f}x")
     print(f"headline: one loader core feeds {rate / need:.1f}x the {resolution}px consumption of one A100 "

@@ -3,7 +3,7 @@
     python bench/bench_online.py [--rows 192] [--batches 20] [--batch-size 8] [--resolution 64]
     python bench/bench_online.py --kit /path/to/sd2-with-weights --resolution 256 --gpu   # on a GPU node
 
-Offline = convert the raw sample data to MDS once (``diffusion.data.convert``), then train with the
+Offline = convert the raw sample data to MDS once (``diffusion.convert.pipeline``), then train with the
 trainer ``run.py`` builds (one process, the whole global batch). Online = ``diffusion.online``: the same
 transform and encode operators on Ray feeding 2 Ray Train workers (half the batch each). Both train the
 same model for the same number of batches at the same global batch size.
@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from diffusion.data import encoders, transforms  # noqa: E402
+from diffusion.convert import encoders, transforms  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "yamls" / "tiny-cpu.yaml")
@@ -56,9 +56,9 @@ def common_overrides(args, work: str) -> list[str]:
 
 def run_offline(args, raw: str, work: str) -> dict:
     from diffusion.config import load_config
-    from diffusion.data.convert import ConvertConfig, run_conversion
-    from diffusion.online_train import LossHistory
-    from diffusion.train import build_trainer
+    from diffusion.convert.pipeline import ConvertConfig, run_conversion
+    from diffusion.train.ray_workers import LossHistory
+    from diffusion.train.trainer import build_trainer
 
     mds = os.path.join(work, "mds")
     start = time.perf_counter()
@@ -134,9 +134,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     import ray
-    from diffusion.data.sample import write_sample_data
+    from diffusion.kit.sample import write_sample_data
     if args.kit is None:
-        from diffusion.models.kit import ensure_kit
+        from diffusion.kit.build import ensure_kit
         args.kit = str(ensure_kit("tiny", ROOT / ".cache" / "kit" / "tiny"))
     if not ray.is_initialized():
         ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)

@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from diffusion.data import contract
+from diffusion import schema
 
 
 def mds_bytes(dataset: str) -> int:
@@ -26,10 +26,10 @@ def float32_parquet_bytes(samples: list[dict], resolutions) -> int:
     """The straightforward layout: every array as a flat float32 list column, parquet's default codec."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    arrays = [contract.vae_moments_column(r) for r in resolutions] + [contract.TEXT_EMBEDS]
+    arrays = [schema.vae_moments_column(r) for r in resolutions] + [schema.TEXT_EMBEDS]
     table = {name: [np.asarray(s[name], np.float32).ravel() for s in samples] for name in arrays}
-    table[contract.INPUT_IDS] = [np.asarray(s[contract.INPUT_IDS], np.int64) for s in samples]
-    for name in (contract.CAPTION, contract.KEY, contract.WIDTH, contract.HEIGHT):
+    table[schema.INPUT_IDS] = [np.asarray(s[schema.INPUT_IDS], np.int64) for s in samples]
+    for name in (schema.CAPTION, schema.KEY, schema.WIDTH, schema.HEIGHT):
         table[name] = [s[name] for s in samples]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "float32.parquet")
@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dataset", required=True)
     a = p.parse_args(argv)
     from streaming import StreamingDataset
-    info = contract.DatasetInfo.load(a.dataset)
+    info = schema.DatasetInfo.load(a.dataset)
     ds = StreamingDataset(local=a.dataset, shuffle=False, batch_size=1)
     samples = [ds[i] for i in range(len(ds))]
     ours = mds_bytes(a.dataset) / len(samples)

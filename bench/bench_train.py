@@ -171,7 +171,7 @@ def main(argv=None):
 
 
 def _default_kit(preset: str) -> str:
-    from diffusion.models.kit import ensure_kit
+    from diffusion.kit.build import ensure_kit
     cache = pathlib.Path(os.environ.get("DIFFUSION_TEST_CACHE", pathlib.Path(__file__).resolve().parents[1] / ".cache"))
     return str(ensure_kit(preset, cache / "kit" / preset, progress=False))
 

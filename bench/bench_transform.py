@@ -5,7 +5,7 @@
 Generates JPEGs of LAION-like sizes (400-1500 px a side) with the sample-data renderer, then times on
 one thread, in the same run: decoding alone (PIL full decode to RGB, the floor), the baseline (PIL full
 decode, torchvision Resize + CenterCrop, ToTensor + Normalize to float32, per image) and
-diffusion.data.transforms (draft-mode decode, EXIF, checks, centre crop, uint8 out). Goals: >= 2x the
+diffusion.convert.transforms (draft-mode decode, EXIF, checks, centre crop, uint8 out). Goals: >= 2x the
 baseline, and within 1.25x the decode-alone time.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion.data.sample import render_scene
-from diffusion.data.transforms import ImageChecks, center_square_crops, decode_image
+from diffusion.kit.sample import render_scene
+from diffusion.convert.transforms import ImageChecks, center_square_crops, decode_image
 
 
 def make_jpegs(n: int, seed: int = 0) -> list[bytes]:

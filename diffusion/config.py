@@ -4,7 +4,7 @@
 
 Every key is checked against the dataclasses below before anything is built, so a misspelt key fails at
 start with its dotted path, the valid keys and the closest match. ``algorithms``, ``callbacks`` and
-``loggers`` are maps ``name → keyword arguments``; the names are looked up in :mod:`diffusion.builders`
+``loggers`` are maps ``name → keyword arguments``; the names are looked up in :mod:`diffusion.components`
 and the arguments checked against the component's signature (``name: null`` switches one off).
 """
 
@@ -20,17 +20,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be trained: the message names the key and what would be valid."""
-
-
-def run_cli(main) -> None:
-    """Run a command-line ``main``; a config error exits with status 2 and one line, no traceback."""
-    try:
-        main()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+from diffusion import components
+from diffusion.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -82,7 +73,6 @@ class OnlineConfig:
     """
 
     input: str = ""  # raw image-caption data (parquet, webdataset tars, image folder), local or s3://
-    resolution: Optional[int] = None  # crop size; null: model.resolution (the two must agree)
     work_dir: str = "out/online"  # Ray Train run records and reject records (shared storage on a cluster)
     transform_batch_size: int = 32
     num_transformers: Optional[int] = None  # transform actors (CPU)
@@ -289,16 +279,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _check_components(cfg: Config) -> None:
     """Names of algorithms/callbacks/loggers exist; their keyword arguments match the signatures."""
-    from diffusion import builders
-    for section, registry in (("algorithms", builders.ALGORITHMS), ("callbacks", builders.CALLBACKS),
-                              ("loggers", builders.LOGGERS)):
+    for section, registry in (("algorithms", components.ALGORITHMS), ("callbacks", components.CALLBACKS),
+                              ("loggers", components.LOGGERS)):
         entries = getattr(cfg, section)
         for name in list(entries):
             if entries[name] is None:
                 continue
             if name not in registry:
                 raise ConfigError(_unknown_key(f"{section}.{name}", name, list(registry)))
-            builders.check_kwargs(section, name, entries[name])
+            components.check_kwargs(section, name, entries[name])
         setattr(cfg, section, {k: v for k, v in entries.items() if v is not None})
 
 

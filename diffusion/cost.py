@@ -196,4 +196,5 @@ def main(argv=None) -> CostProjection:
 
 
 if __name__ == "__main__":
-    main()
+    from diffusion import cli
+    cli.run(main, "cost")

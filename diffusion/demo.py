@@ -24,37 +24,6 @@ PROMPTS = ("a red circle", "a blue square", "a green triangle", "a yellow circle
 IMAGES_PER_PROMPT = 16
 
 
-def dominant_color(image, palette: dict, background: dict) -> str:
-    """The ``palette`` colour covering most pixels of ``image``.
-
-    Each pixel goes to its nearest colour among ``palette`` and ``background``; background colours
-    absorb pixels but never win, and pixels far from everything don't vote.
-    """
-    import numpy as np
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float32).reshape(-1, 3)
-    names = list(palette) + list(background)
-    centres = np.array([{**palette, **background}[n] for n in names], dtype=np.float32)
-    distance = np.linalg.norm(pixels[:, None, :] - centres[None, :, :], axis=-1)
-    nearest = distance.argmin(1)[distance.min(1) < 90.0]
-    votes = np.bincount(nearest, minlength=len(names))[: len(palette)]
-    return names[int(votes.argmax())]
-
-
-def prompt_adherence(images, prompts) -> float:
-    """Fraction of images whose dominant colour is the one their prompt names (chance: 1 in 6)."""
-    from diffusion.data.sample import BACKGROUNDS, COLORS
-    palette = {c: COLORS[c] for c in sorted({_prompt_color(p) for p in PROMPTS})}
-    background = {f"bg-{n}": v for n, v in BACKGROUNDS.items()}
-    background.update({c: v for c, v in COLORS.items() if c not in palette})
-    hits = [dominant_color(image, palette, background) == _prompt_color(prompt)
-            for image, prompt in zip(images, prompts)]
-    return sum(hits) / len(hits)
-
-
-def _prompt_color(prompt: str) -> str:
-    return prompt.split()[1]
-
-
 def _run(cmd: list[str], log: list) -> float:
     print("\n$ " + shlex.join(cmd), flush=True)
     start = time.time()
@@ -89,8 +58,8 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     start = time.time()
 
     if not os.path.exists(os.path.join(raw, "manifest.json")):
-        _run([py, "-m", "diffusion.data.sample", "--out", raw, "--n", str(n), "--seed", "0"], log)
-    _run([py, "-m", "diffusion.models.kit", "--preset", "tiny", "--out", kit], log)
+        _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", str(n), "--seed", "0"], log)
+    _run([py, "-m", "diffusion.kit.build", "--preset", "tiny", "--out", kit], log)
     if not os.path.exists(os.path.join(mds, "dataset.json")):
         _run([py, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit,
               "--resolutions", "64", "--visualize", "8", "--deterministic"], log)
@@ -106,7 +75,8 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
         gen += ["--prompt", prompt]
     _run(gen, log)
 
-    from diffusion.models.sampling import read_grid
+    from diffusion.evaluate import prompt_adherence
+    from diffusion.grid import read_grid
     images, prompts = read_grid(grid)
     adherence = prompt_adherence(images, prompts)
 
@@ -141,4 +111,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from diffusion import cli
+    cli.run(main, "demo")

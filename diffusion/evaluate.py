@@ -11,7 +11,7 @@ any of these. With ``--checkpoint`` the images are generated first
 (and kept with ``--save-images DIR``).
 
 ``--clip-model`` is a local directory or hub id that ``transformers.CLIPModel.from_pretrained`` loads
-(``python -m diffusion.models.kit --preset tiny-clip --out DIR`` writes a tiny offline one). FID features
+(``python -m diffusion.kit --preset tiny-clip --out DIR`` writes a tiny offline one). FID features
 are that model's L2-normalised image embeddings by default ("FID_CLIP": Inception weights cannot be
 downloaded everywhere, and CLIP features track human judgement at least as well); ``--fid-features
 inception --inception-weights FILE`` uses torchvision's Inception-v3 pool features from a local
@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion.data import contract, readers
+from diffusion import schema
+from diffusion.convert import readers
+from diffusion import grid
 from diffusion.models import sampling
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -62,8 +64,8 @@ def iter_images(paths, skipped: collections.Counter | None = None):
 
 def _file_images(path: str, skipped: collections.Counter):
     try:
-        if path.lower().endswith(".png") and sampling.is_grid(path):
-            yield from zip(*sampling.read_grid(path))
+        if path.lower().endswith(".png") and grid.is_grid(path):
+            yield from zip(*grid.read_grid(path))
             return
         with Image.open(path) as im:
             image = im.convert("RGB")
@@ -80,7 +82,7 @@ def _raw_images(path: str, skipped: collections.Counter):
     the converter's readers; a reference set for FID may have no captions."""
     for row in readers.iter_rows(path, readers.RawColumns(caption_required=False)):
         try:
-            with Image.open(io.BytesIO(row[contract.RAW_IMAGE])) as im:
+            with Image.open(io.BytesIO(row[schema.RAW_IMAGE])) as im:
                 image = im.convert("RGB")
         except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
             skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
@@ -88,7 +90,7 @@ def _raw_images(path: str, skipped: collections.Counter):
         if min(image.size) < 8:
             skipped[f"{path}: image under 8 px"] += 1
             continue
-        yield image, row[contract.RAW_CAPTION]
+        yield image, row[schema.RAW_CAPTION]
 
 
 def _batches(pairs, size: int):
@@ -114,7 +116,7 @@ class ClipScorer:
             self.tokenizer = AutoTokenizer.from_pretrained(ref)
         except OSError as e:
             raise ValueError(f"could not load CLIP model {ref!r} ({e}); pass a local directory, e.g. one "
-                             f"written by `python -m diffusion.models.kit --preset tiny-clip`") from e
+                             f"written by `python -m diffusion.kit --preset tiny-clip`") from e
         size = self.model.config.vision_config.image_size
         try:
             self.processor = CLIPImageProcessor.from_pretrained(ref)
@@ -258,6 +260,44 @@ def evaluate(images, *, clip_model: str, reference=None, fid_features: str = "cl
     return result
 
 
+# ---- prompt adherence on the procedural sample scenes (the demo's score) -----------------------------
+
+def dominant_color(image, palette: dict, background: dict) -> str:
+    """The ``palette`` colour covering most pixels of ``image``.
+
+    Each pixel goes to its nearest colour among ``palette`` and ``background``; background colours
+    absorb pixels but never win, and pixels far from everything don't vote.
+    """
+    pixels = np.asarray(image.convert("RGB"), dtype=np.float32).reshape(-1, 3)
+    names = list(palette) + list(background)
+    centres = np.array([{**palette, **background}[n] for n in names], dtype=np.float32)
+    distance = np.linalg.norm(pixels[:, None, :] - centres[None, :, :], axis=-1)
+    nearest = distance.argmin(1)[distance.min(1) < 90.0]
+    votes = np.bincount(nearest, minlength=len(names))[: len(palette)]
+    return names[int(votes.argmax())]
+
+
+def prompt_color(prompt: str) -> str:
+    """The sample-scene colour a prompt names ("an orange square" → "orange")."""
+    from diffusion.kit.sample import COLORS
+    named = [word for word in prompt.lower().split() if word in COLORS]
+    if not named:
+        raise ValueError(f"prompt {prompt!r} names none of the scene colours {sorted(COLORS)}")
+    return named[0]
+
+
+def prompt_adherence(images, prompts) -> float:
+    """Fraction of images whose dominant colour is the one their prompt names (chance: one over the
+    number of distinct colours the prompts name)."""
+    from diffusion.kit.sample import BACKGROUNDS, COLORS
+    palette = {c: COLORS[c] for c in sorted({prompt_color(p) for p in prompts})}
+    background = {f"bg-{n}": v for n, v in BACKGROUNDS.items()}
+    background.update({c: v for c, v in COLORS.items() if c not in palette})
+    hits = [dominant_color(image, palette, background) == prompt_color(prompt)
+            for image, prompt in zip(images, prompts)]
+    return sum(hits) / len(hits)
+
+
 def _is_paths(value) -> bool:
     if isinstance(value, (str, os.PathLike)):
         return True
@@ -313,4 +353,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from diffusion import cli
+    cli.run(main, "evaluate")

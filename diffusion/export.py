@@ -73,4 +73,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from diffusion import cli
+    cli.run(main, "export")

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from diffusion import grid
 from diffusion.models import sampling
 
 
@@ -42,8 +43,8 @@ def generate_grid(checkpoint: str, prompts: list[str], out: str, *, images_per_p
     """
     images = generate_images(checkpoint, prompts, images_per_prompt=images_per_prompt, **kwargs)
     labels = [p for p in prompts for _ in range(images_per_prompt)]
-    grid = sampling.make_grid(images, labels, columns=images_per_prompt if len(prompts) > 1 else None)
-    return sampling.save_grid(grid, out)
+    picture = grid.make_grid(images, labels, columns=images_per_prompt if len(prompts) > 1 else None)
+    return grid.save_grid(picture, out)
 
 
 def read_prompts(path: str) -> list[str]:
@@ -97,4 +98,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from diffusion import cli
+    cli.run(main, "generate")

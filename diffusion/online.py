@@ -18,10 +18,11 @@ import logging
 import os
 import sys
 
-from diffusion.config import Config, ConfigError, load_config, run_cli
-from diffusion.online_data import (ToTrainingBatch, build_stream, count_rejects, online_resolution,
-                                   plan_online_pools, stream_info)
-from diffusion.online_train import TrainPlacement, WorkerPlan, fit_on_ray
+from diffusion.config import Config, load_config
+from diffusion.errors import ConfigError
+from diffusion.train.batches import CaptionDropout, ToModelBatch
+from diffusion.train.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
+from diffusion.train.ray_workers import TrainPlacement, WorkerPlan, fit_on_ray
 
 log = logging.getLogger(__name__)
 DEFAULT_RUN_NAME = "online"
@@ -34,7 +35,7 @@ class OnlineTrainer:
         self.cfg, self.info = cfg, info
 
     def __call__(self, train_dataloader, callbacks):
-        from diffusion.train import build_trainer
+        from diffusion.train.trainer import build_trainer
         return build_trainer(self.cfg, train_dataloader=train_dataloader, info=self.info, extra_callbacks=callbacks)
 
 
@@ -60,9 +61,6 @@ def check_online(cfg: Config) -> None:
     o = cfg.data.online
     if o is None or not o.input:
         raise ConfigError("online mode needs data.online.input (raw parquet, webdataset tars or an image folder)")
-    if o.resolution is not None and o.resolution != cfg.model.resolution:
-        raise ConfigError(f"data.online.resolution={o.resolution} differs from model.resolution="
-                          f"{cfg.model.resolution}: the model trains on the crops the stream makes")
     if o.num_train_workers < 1:
         raise ConfigError(f"data.online.num_train_workers must be >= 1, got {o.num_train_workers}")
     if cfg.data.train.batch_size % o.num_train_workers:
@@ -126,7 +124,8 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
     info, empty_text_embeds = stream_info(cfg)
     plan = WorkerPlan(
         make_trainer=OnlineTrainer(cfg, info),
-        to_batch=ToTrainingBatch(online_resolution(cfg), empty_text_embeds, cfg.data.train.caption_dropout, t.seed),
+        to_batch=ToModelBatch(cfg.model.resolution, empty_text_embeds,
+                              CaptionDropout(cfg.data.train.caption_dropout, t.seed)),
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),
@@ -140,10 +139,21 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
                         **{k: v for k, v in summary.items() if k in known})
 
 
+ONLINE_HELP = """Train from raw image-caption data with no MDS step: Ray Data reads, transforms and encodes
+rows (the converter's operators) and streams them into Ray Train workers, each running run.py's trainer.
+
+Input: a YAML config like run.py's, plus a data.online section (raw input, work_dir, pools, workers).
+Output: checkpoints in trainer.save_folder (loadable by run.py), reject records in data.online.work_dir."""
+ONLINE_EXAMPLES = """examples:
+  python -m diffusion.kit.sample --out out/demo/raw --n 2048
+  python -m diffusion.online yamls/tiny-online-cpu.yaml trainer.max_duration=50ba"""
+
+
 def main(argv: list[str] | None = None) -> OnlineResult:
-    from diffusion.train import parse_args
+    from diffusion.train.trainer import parse_args
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    path, overrides = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m diffusion.online",
+                                 description=ONLINE_HELP, examples=ONLINE_EXAMPLES)
     result = run_online(load_config(path, overrides))
     losses = result.losses
     if result.finished:
@@ -158,4 +168,5 @@ def main(argv: list[str] | None = None) -> OnlineResult:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from diffusion import cli
+    cli.run(main, "online")

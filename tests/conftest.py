@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 def tiny_kit() -> str:
     """A tiny diffusers-layout model directory (random UNet/text encoder, the shipped fitted VAE):
     built in seconds, cached."""
-    from diffusion.models.kit import ensure_kit
+    from diffusion.kit.build import ensure_kit
     return str(ensure_kit("tiny", CACHE / "kit" / "tiny"))
 
 
@@ -35,21 +35,21 @@ def train_kit(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
-    from diffusion.models.kit import ensure_kit
+    from diffusion.kit.build import ensure_kit
     return str(ensure_kit("sd2-base", CACHE / "kit" / "sd2-base"))
 
 
 @pytest.fixture(scope="session")
 def tiny_clip() -> str:
     """A tiny random CLIP (text + vision) with the real tokenizer, for CLIP score and FID."""
-    from diffusion.models.kit import ensure_kit
+    from diffusion.kit.build import ensure_kit
     return str(ensure_kit("tiny-clip", CACHE / "kit" / "tiny-clip"))
 
 
 @pytest.fixture(scope="session")
 def sample_data(tmp_path_factory) -> str:
-    """A small LAION-style parquet dataset with its bad rows (see diffusion.data.sample)."""
-    from diffusion.data.sample import write_sample_data
+    """A small LAION-style parquet dataset with its bad rows (see diffusion.kit.sample)."""
+    from diffusion.kit.sample import write_sample_data
     out = tmp_path_factory.mktemp("sample")
     write_sample_data(out, n=96, seed=0, rows_per_shard=32)
     return str(out)

@@ -6,8 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from diffusion.data.sample import render_scene
-from diffusion.demo import PROMPTS, prompt_adherence, run_demo
+from diffusion.kit.sample import render_scene
+from diffusion.demo import PROMPTS, run_demo
+from diffusion.evaluate import prompt_adherence
 
 PROMPT_COLORS = {p.split()[1] for p in PROMPTS}
 

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from diffusion import evaluate
-from diffusion.data import contract
-from diffusion.data.sample import COLORS
-from diffusion.models import sampling
+from diffusion import schema
+from diffusion.kit.sample import COLORS
+from diffusion import grid
 
 
 def _color_image(name, rng, size=32):
@@ -96,7 +96,7 @@ def test_clip_score_rewards_matching_prompts(color_clip):
 def test_inputs_grids_captioned_files_and_parquet_with_bad_rows(tmp_path, sample_data):
     rng = np.random.default_rng(0)
     images = [_color_image(n, rng, 16) for n in ("red", "blue")]
-    sampling.save_grid(sampling.make_grid(images, ["red one", "blue one"]), str(tmp_path / "grid.png"))
+    grid.save_grid(grid.make_grid(images, ["red one", "blue one"]), str(tmp_path / "grid.png"))
     images[0].save(tmp_path / "single.png")
     (tmp_path / "single.txt").write_text("a lone red image\n")
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
@@ -125,11 +125,11 @@ def test_a_reference_parquet_without_captions_is_read_and_one_without_images_nam
         buffer = io.BytesIO()
         _color_image(name, rng, 16).save(buffer, format="PNG")
         encoded.append(buffer.getvalue())
-    pq.write_table(pa.table({contract.RAW_IMAGE: encoded}), tmp_path / "reference.parquet")
+    pq.write_table(pa.table({schema.RAW_IMAGE: encoded}), tmp_path / "reference.parquet")
     found = list(evaluate.iter_images(str(tmp_path / "reference.parquet")))
     assert [p for _, p in found] == [None, None, None] and found[0][0].size == (16, 16)
     pq.write_table(pa.table({"pixels": encoded}), tmp_path / "wrong.parquet")
-    with pytest.raises(ValueError, match=rf"wrong.parquet.*{contract.RAW_IMAGE}"):
+    with pytest.raises(ValueError, match=rf"wrong.parquet.*{schema.RAW_IMAGE}"):
         list(evaluate.iter_images(str(tmp_path / "wrong.parquet")))
 
 
@@ -176,9 +176,9 @@ def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip,
     import subprocess
     import sys
     rng = np.random.default_rng(0)
-    grid = tmp_path / "grid.png"
-    sampling.save_grid(sampling.make_grid([_color_image("red", rng)], [_prompt("red")]), str(grid))
-    result = subprocess.run([sys.executable, "-m", "diffusion.evaluate", "--images", str(grid), "--reference",
+    path = tmp_path / "grid.png"
+    grid.save_grid(grid.make_grid([_color_image("red", rng)], [_prompt("red")]), str(path))
+    result = subprocess.run([sys.executable, "-m", "diffusion.evaluate", "--images", str(path), "--reference",
                              sample_data, "--clip-model", tiny_clip], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = json.loads(result.stdout)

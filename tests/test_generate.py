@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from diffusion import generate
+from diffusion import grid
 from diffusion.models import loading, sampling
 
 PROMPTS = ["a red circle above a blue square", "a green triangle"]
@@ -99,13 +100,13 @@ def test_unconditional_input_is_the_empty_caption_embedding(sampler, unet):
 
 def test_grid_has_labels_and_round_trips_with_its_prompts(sampler, unet, tmp_path):
     images = sampler(unet, PROMPTS, steps=2)
-    grid = sampling.make_grid(images, PROMPTS, columns=2)
+    picture = grid.make_grid(images, PROMPTS, columns=2)
     tile = images[0].size[0]
-    assert grid.width == 2 * tile * max(1, -(-128 // tile))
-    label_strip = _pixels(grid)[grid.height - 10:, :, :]
+    assert picture.width == 2 * tile * max(1, -(-128 // tile))
+    label_strip = _pixels(picture)[picture.height - 10:, :, :]
     assert (label_strip < 100).any(), "no label text drawn under the tiles"
-    path = sampling.save_grid(grid, str(tmp_path / "g.png"))
-    back, prompts = sampling.read_grid(path)
+    path = grid.save_grid(picture, str(tmp_path / "g.png"))
+    back, prompts = grid.read_grid(path)
     assert prompts == PROMPTS
     for a, b in zip(images, back):
         assert np.array_equal(_pixels(a), _pixels(b))
@@ -113,20 +114,20 @@ def test_grid_has_labels_and_round_trips_with_its_prompts(sampler, unet, tmp_pat
 
 def test_grid_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="one prompt per image"):
-        sampling.make_grid([Image.new("RGB", (8, 8))], ["a", "b"])
+        grid.make_grid([Image.new("RGB", (8, 8))], ["a", "b"])
     plain = tmp_path / "plain.png"
     Image.new("RGB", (8, 8)).save(plain)
     with pytest.raises(ValueError, match="not a prompt grid"):
-        sampling.read_grid(str(plain))
+        grid.read_grid(str(plain))
 
 
 def test_cli_writes_a_labelled_grid_from_a_diffusers_directory(tiny_kit, tmp_path):
     out = tmp_path / "grid.png"
     generate.main(["--checkpoint", tiny_kit, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--steps", "2",
                    "--images-per-prompt", "2", "--scheduler", "dpm++", "--out", str(out)])
-    images, prompts = sampling.read_grid(str(out))
+    images, prompts = grid.read_grid(str(out))
     assert prompts == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
-    assert json.loads(Image.open(out).text[sampling.GRID_KEY])["columns"] == 2
+    assert json.loads(Image.open(out).text[grid.GRID_KEY])["columns"] == 2
 
 
 def test_cli_needs_a_prompt(tiny_kit, tmp_path):

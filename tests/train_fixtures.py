@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from diffusion.data import contract
+from diffusion import schema
 
 SCALING_FACTOR = 0.18215
 CLASSES = 4
@@ -27,7 +27,7 @@ def write_training_kit(out: str) -> str:
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig
 
-    from diffusion.models import kit
+    from diffusion.kit import build as kit
     root = os.path.abspath(out)
     with __import__("torch").device("meta"):
         UNet2DConditionModel(**kit.TINY_UNET).save_config(os.path.join(root, "unet"))
@@ -54,26 +54,26 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
     yy, xx = np.meshgrid(np.linspace(-1, 1, h), np.linspace(-1, 1, h), indexing="ij")
     patterns = np.stack([np.stack([np.sin((c + 1) * xx + k) * np.cos((k + 1) * yy) for k in range(4)])
                          for c in range(CLASSES)]) * 4.0  # unscaled latents are ~5x the scaled ones
-    class_embeds = rng.normal(size=(CLASSES, contract.MAX_TOKENS, text_dim))
-    columns = contract.mds_columns([resolution], text_dim)
+    class_embeds = rng.normal(size=(CLASSES, schema.MAX_TOKENS, text_dim))
+    columns = schema.mds_columns([resolution], text_dim)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
-    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + contract.MAX_TOKENS * (text_dim * 2 + 4) + 200)
+    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + schema.MAX_TOKENS * (text_dim * 2 + 4) + 200)
     with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
         for i in range(n):
             c = i % CLASSES
             mean = patterns[c] + 0.1 * rng.normal(size=patterns[c].shape)
             moments = np.concatenate([mean, np.full_like(mean, logvar)]).astype(np.float16)
             writer.write({
-                contract.vae_moments_column(resolution): moments,
-                contract.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
-                contract.INPUT_IDS: np.full(contract.MAX_TOKENS, c, dtype=np.int32),
-                contract.CAPTION: f"class {c}", contract.KEY: f"{i:06d}",
-                contract.WIDTH: resolution, contract.HEIGHT: resolution,
+                schema.vae_moments_column(resolution): moments,
+                schema.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
+                schema.INPUT_IDS: np.full(schema.MAX_TOKENS, c, dtype=np.int32),
+                schema.CAPTION: f"class {c}", schema.KEY: f"{i:06d}",
+                schema.WIDTH: resolution, schema.HEIGHT: resolution,
             })
-    contract.DatasetInfo(model=kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution], text_dim=text_dim,
+    schema.DatasetInfo(model=kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution], text_dim=text_dim,
                          count=n, rows_in=n).save(out)
     # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
-    np.save(os.path.join(out, contract.EMPTY_TEXT_EMBEDS), np.full((contract.MAX_TOKENS, text_dim), -1.0,
+    np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), np.full((schema.MAX_TOKENS, text_dim), -1.0,
                                                                    dtype=np.float16))
     return out
 

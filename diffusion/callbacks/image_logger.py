@@ -17,6 +17,8 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
 
+from diffusion import grid
+from diffusion.algorithms.ema import EMA
 from diffusion.models import sampling
 
 
@@ -71,13 +73,13 @@ class ImageLogger(Callback):
         with self._ema_weights(state):
             images = self._get_sampler(model)(unet, self.prompts, **self.sample_kwargs)
         labels = [p for p in self.prompts for _ in range(self.sample_kwargs["images_per_prompt"])]
-        grid = sampling.make_grid(images, labels, columns=self.sample_kwargs["images_per_prompt"])
+        picture = grid.make_grid(images, labels, columns=self.sample_kwargs["images_per_prompt"])
         batch = int(state.timestamp.batch)
-        logger.log_images(np.asarray(grid), name=self.name, channels_last=True, step=batch)
+        logger.log_images(np.asarray(picture), name=self.name, channels_last=True, step=batch)
         if self.save_folder and dist.get_global_rank() == 0:
             path = os.path.join(self.save_folder.format(run_name=state.run_name), f"{self.name}_{batch:08d}.png")
-            self.saved.append(sampling.save_grid(grid, path))
-        return grid
+            self.saved.append(grid.save_grid(picture, path))
+        return picture
 
     def _get_sampler(self, model) -> sampling.Sampler:
         if self._sampler is None:
@@ -93,7 +95,7 @@ class ImageLogger(Callback):
     def _ema_weights(self, state: State):
         if self.use_ema:
             for algorithm in state.algorithms:
-                if type(algorithm).__name__ == "EMA" and hasattr(algorithm, "ema_weights"):
+                if isinstance(algorithm, EMA):
                     return algorithm.ema_weights(state.model)
         return contextlib.nullcontext()
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from diffusion.models.sd import EXTRA_STATE_KEYS
+from diffusion.models.stable_diffusion import EXTRA_STATE_KEYS
 
 UNET_PREFIX = "unet."
 EXTRA_STATE = "_extra_state"

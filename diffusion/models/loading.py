@@ -2,7 +2,7 @@
 
 A *model reference* is either a Hugging Face hub id (``stabilityai/stable-diffusion-2-base``) or a
 local directory in the diffusers layout (``unet/ vae/ text_encoder/ tokenizer/ scheduler/
-model_index.json``), such as the ones ``python -m diffusion.models.kit`` writes. Every component
+model_index.json``), such as the ones ``python -m diffusion.kit`` writes. Every component
 loader below goes through :func:`resolve_model`, and nothing else in the codebase resolves references.
 """
 
@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 
+from diffusion.errors import ModelReferenceError
+
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
-
-
-class ModelReferenceError(ValueError):
-    """A model reference that is neither a usable local directory nor a downloadable hub id."""
 
 
 def resolve_model(ref: str, components=COMPONENTS) -> str:
@@ -45,7 +43,7 @@ def resolve_model(ref: str, components=COMPONENTS) -> str:
     except Exception as e:  # offline, unknown repo, gated, ...
         raise ModelReferenceError(
             f"could not fetch model {ref!r} from the hub ({type(e).__name__}: {e}); pass a local "
-            f"diffusers directory instead, e.g. one written by `python -m diffusion.models.kit`") from e
+            f"diffusers directory instead, e.g. one written by `python -m diffusion.kit`") from e
 
 
 def _component(ref: str, name: str) -> str:

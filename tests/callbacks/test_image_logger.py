@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 from composer import Trainer
-from composer.core import Algorithm
 from composer.loggers import LoggerDestination
 from composer.models import ComposerModel
 
 from diffusion.callbacks.image_logger import ImageLogger
+from diffusion import grid
+from diffusion.algorithms import ema
 from diffusion.models import sampling
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -53,8 +54,8 @@ class ImageCapture(LoggerDestination):
         self.images.append((name, step, np.asarray(images)))
 
 
-class EMA(Algorithm):
-    """Stand-in for diffusion.algorithms.ema.EMA's contract: ``ema_weights(model)`` swaps weights in and out."""
+class EMA(ema.EMA):
+    """The real EMA with a recognisable swap: ``ema_weights(model)`` halves the weights while inside."""
 
     def match(self, event, state):
         return False
@@ -93,9 +94,9 @@ def test_interval_logs_the_same_grid_for_unchanged_weights_and_saves_pngs(tiny_k
     assert [(name, step) for name, step, _ in logged] == [("samples", 1), ("samples", 2)]
     assert np.array_equal(logged[0][2], logged[1][2])  # fixed seed, lr 0: identical pictures
     assert len(callback.saved) == 2 and all(os.path.exists(p) for p in callback.saved)
-    images, prompts = sampling.read_grid(callback.saved[0])
+    images, prompts = grid.read_grid(callback.saved[0])
     assert prompts == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
-    assert np.array_equal(np.asarray(sampling.make_grid(images, prompts, columns=2)), logged[0][2])
+    assert np.array_equal(np.asarray(grid.make_grid(images, prompts, columns=2)), logged[0][2])
 
 
 @pytest.mark.slow  # two Composer fits; ~10 s alone, over 30 s on a loaded 2-core machine
@@ -112,7 +113,7 @@ def test_uses_ema_weights_when_ema_is_present_and_restores_training_weights(tiny
     halved = TinyDiffusion(tiny_kit)
     with EMA().ema_weights(halved):
         images = sampling.sample_images(halved.unet, tiny_kit, PROMPTS, steps=2)
-    assert np.abs(np.asarray(sampling.make_grid(images, PROMPTS, columns=1)).astype(int)
+    assert np.abs(np.asarray(grid.make_grid(images, PROMPTS, columns=1)).astype(int)
                   - with_ema[0][2].astype(int)).max() <= 1
 
 

@@ -52,4 +52,4 @@ def test_hub_id_offline_fails_with_a_helpful_message(tmp_path, monkeypatch):
     with pytest.raises(ModelReferenceError) as err:
         loading.resolve_model("stabilityai/stable-diffusion-2-base")
     assert "stabilityai/stable-diffusion-2-base" in str(err.value)
-    assert "python -m diffusion.models.kit" in str(err.value)
+    assert "python -m diffusion.kit" in str(err.value)

@@ -1,0 +1,108 @@
+"""One way for every command to start and to fail.
+
+``cli.run(main, "laion_to_mds")`` calls ``main(argv)``; a :class:`~diffusion.errors.UserError` or a
+missing/unreadable file the user named becomes one line on stderr (``laion_to_mds: error: ...``) and
+exit status 2, Ctrl-C a one-line note and status 130. ``--debug`` anywhere on the command line (or
+``DIFFUSION_DEBUG=1``) lets the traceback through instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Callable, Sequence
+
+from diffusion.errors import UserError
+
+DEBUG_FLAG = "--debug"
+# Errors of the user's own files and folders (a wrong path, a read-only output, a full disk).
+_FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.filename}: {error.strerror or error}"
+    return str(error)
+
+
+def run(main: Callable[[list[str]], object], prog: str, argv: Sequence[str] | None = None,
+        resumable: bool = False) -> None:
+    """Run ``main(argv)`` as the command ``prog`` (see the module docstring).
+
+    ``resumable`` commands say, when interrupted, that re-running the same command resumes.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv or os.environ.get("DIFFUSION_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    try:
+        main(argv)
+    except (UserError, *_FILE_ERRORS) as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {_describe(e)}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        hint = "; re-run the same command to resume" if resumable else ""
+        print(f"{prog}: interrupted{hint}", file=sys.stderr)
+        sys.exit(130)
+
+
+def _command(module: str, prog: str, resumable: bool = False) -> Callable[[], None]:
+    """A console script: ``module.main`` run as the command ``prog``."""
+    def start() -> None:
+        import importlib
+        run(importlib.import_module(module).main, prog, resumable=resumable)
+    start.__doc__ = f"The ``{prog}`` command: ``{module}.main``."
+    return start
+
+
+# `pip install .` puts these on PATH (setup.py's console_scripts); each is also `python -m <module>`.
+sd_download = _command("diffusion.download.job", "sd-download", resumable=True)
+sd_convert = _command("diffusion.convert.pipeline", "sd-convert", resumable=True)
+sd_train = _command("diffusion.train.trainer", "sd-train")
+sd_online = _command("diffusion.online", "sd-online")
+sd_generate = _command("diffusion.generate", "sd-generate")
+sd_export = _command("diffusion.export", "sd-export")
+sd_evaluate = _command("diffusion.evaluate", "sd-evaluate")
+sd_cost = _command("diffusion.cost", "sd-cost")
+sd_kit = _command("diffusion.kit.build", "sd-kit")
+sd_sample_data = _command("diffusion.kit.sample", "sd-sample-data")
+sd_demo = _command("diffusion.demo", "sd-demo")
+
+
+# ---- command-line flags from a config dataclass ------------------------------------------------------
+
+def flag(default=dataclasses.MISSING, help: str = "", **argparse_kwargs):
+    """A config field that is also a command-line flag ``--field-name`` (see :func:`add_flags`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "argparse": argparse_kwargs})
+
+
+def add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per :func:`flag` field of the dataclass ``cls``: the config is the single declaration."""
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):  # a switch: --x turns on what is off by default, --no-x the other way
+            if f.default:
+                name = "--no-" + f.name.replace("_", "-")
+            parser.add_argument(name, dest=f.name, action="store_false" if f.default else "store_true",
+                                help=f.metadata["help"])
+            continue
+        required = f.default is dataclasses.MISSING
+        shown = f.metadata["help"] + ("" if required or f.default is None else f" (default: {_show(f.default)})")
+        parser.add_argument(name, dest=f.name, required=required, help=shown,
+                            **({} if required else {"default": f.default}), **f.metadata["argparse"])
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def from_flags(cls, args: argparse.Namespace):
+    """The dataclass ``cls`` from parsed :func:`add_flags` arguments."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

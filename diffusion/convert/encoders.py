@@ -1,0 +1,123 @@
+"""The encode stage: uint8 crops and token ids in; VAE posterior moments and text embeddings out.
+
+:class:`LatentTextEncoder` is a Ray Data ``map_batches`` callable (a class, so the models load once per
+actor). It runs on CUDA in bf16 (fp16 where bf16 is unsupported) when a GPU is visible, else on CPU in
+fp32. Images arrive as uint8 and are scaled to [-1, 1] here, right next to the VAE, so no float copy of
+an image ever crosses a stage boundary.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from diffusion import schema
+from diffusion.models import loading
+
+STAGE_SECONDS = "_encode_seconds"  # per-row share of the batch's wall time, when timing is on
+
+
+def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """CUDA with bf16 (or fp16) when available, else CPU with fp32."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return device, torch.float32
+    return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def normalize_images(images: np.ndarray, device, dtype) -> torch.Tensor:
+    """uint8 (B, H, W, 3) -> float (B, 3, H, W) in [-1, 1], converted on the device."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(device, non_blocking=True)
+    return x.permute(0, 3, 1, 2).to(dtype).div(127.5).sub(1.0)
+
+
+class TextEncoder:
+    """Tokenizer + text encoder; the last hidden state is the conditioning (SD2)."""
+
+    def __init__(self, model: str, device=None, dtype=None):
+        self.device, default_dtype = pick_device_and_dtype(device)
+        self.dtype = dtype or default_dtype
+        self.tokenizer = loading.load_tokenizer(model)
+        self.model = loading.load_text_encoder(model, dtype=self.dtype).to(self.device)
+        self.dim = int(self.model.config.hidden_size)
+
+    @torch.inference_mode()
+    def encode_ids(self, input_ids: np.ndarray) -> np.ndarray:
+        if len(input_ids) == 0:
+            return np.zeros((0, schema.MAX_TOKENS, self.dim), np.float16)
+        ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
+        return self.model(ids).last_hidden_state.to(torch.float16).cpu().numpy()
+
+    def encode_captions(self, captions: list[str]) -> np.ndarray:
+        ids = self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
+                             return_tensors="np")["input_ids"]
+        return self.encode_ids(ids)
+
+
+class VaeEncoder:
+    """The VAE's posterior moments: mean and log-variance concatenated on the channel axis."""
+
+    def __init__(self, model: str, device=None, dtype=None):
+        self.device, default_dtype = pick_device_and_dtype(device)
+        self.dtype = dtype or default_dtype
+        self.model = loading.load_vae(model, dtype=self.dtype).to(self.device)
+        self.downsample = loading.vae_downsample(dict(self.model.config))
+        self.scaling_factor = float(self.model.config.scaling_factor)
+
+    @torch.inference_mode()
+    def moments(self, images: np.ndarray) -> np.ndarray:
+        if len(images) == 0:
+            r = np.asarray(images).shape[1] // self.downsample
+            return np.zeros((0, 2 * schema.LATENT_CHANNELS, r, r), np.float16)
+        posterior = self.model.encode(normalize_images(images, self.device, self.dtype)).latent_dist
+        return torch.cat([posterior.mean, posterior.logvar], dim=1).to(torch.float16).cpu().numpy()
+
+    @torch.inference_mode()
+    def decode_mean(self, moments: np.ndarray) -> np.ndarray:
+        """uint8 (B, H, W, 3) images decoded from the posterior means (for previews)."""
+        mean = torch.as_tensor(np.asarray(moments)[:, : schema.LATENT_CHANNELS], device=self.device)
+        x = self.model.decode(mean.to(self.dtype)).sample.float().clamp(-1, 1)
+        return ((x + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+class LatentTextEncoder:
+    """Ray ``map_batches`` callable: the transform's output in, the MDS columns out."""
+
+    def __init__(self, model: str, resolutions, device=None, cpu_threads: int | None = None,
+                 record_timing: bool = False):
+        if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
+            torch.set_num_threads(max(1, int(cpu_threads)))
+        self.vae = VaeEncoder(model, device)
+        self.text = TextEncoder(model, device)
+        self.resolutions = sorted({int(r) for r in resolutions})
+        self.record_timing = record_timing
+
+    def __call__(self, batch: dict) -> dict:
+        start = time.perf_counter()
+        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT,
+                                     schema.INPUT_IDS)}
+        out[schema.INPUT_IDS] = np.asarray(out[schema.INPUT_IDS], dtype=np.int32)
+        n = len(out[schema.KEY])
+        for r in self.resolutions:
+            out[schema.vae_moments_column(r)] = self.vae.moments(batch[schema.image_column(r)])
+        out[schema.TEXT_EMBEDS] = self.text.encode_ids(out[schema.INPUT_IDS])
+        for name, value in batch.items():  # carry the earlier stages' timings through to the sink
+            if name.startswith("_") and name.endswith("_seconds"):
+                out[name] = value
+        if self.record_timing:
+            out[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
+        return out
+
+
+def describe_dataset(model_ref: str, resolutions) -> tuple[schema.DatasetInfo, np.ndarray]:
+    """What training needs to know of samples encoded with ``model_ref`` (``dataset.json`` without the
+    counts) and the text embedding of "" (``empty_text_embeds.npy``), from the same text encoder the
+    encoder actors run: one description for the converter's output and the online stream."""
+    vae_config = loading.load_vae_config(model_ref)
+    text = TextEncoder(model_ref, device="cpu")
+    info = schema.DatasetInfo(model=model_ref, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
+                              resolutions=list(resolutions), text_dim=text.dim,
+                              downsample=loading.vae_downsample(vae_config))
+    return info, text.encode_captions([""])[0]

@@ -1,0 +1,322 @@
+"""Raw image-caption data -> MDS shards of VAE moments and text embeddings, as one Ray Data pipeline.
+
+    read (tasks) -> ImageCaptionTransform (CPU actors) -> LatentTextEncoder (GPU or CPU actors) -> MDSPartSink
+
+``run_conversion(ConvertConfig(...))`` is the whole job; ``convert/laion_to_mds.py`` is its command
+line. Re-running after a kill skips every key already written or rejected, so the finished output
+holds exactly what a clean run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from diffusion import schema
+from diffusion.cli import flag
+from diffusion.errors import ConfigError, OutputMismatchError
+from diffusion.convert.summary import ConversionSummary, done_keys, summarize
+from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
+from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts,
+                                     remove_temporary_parts, write_json_atomic)
+from diffusion.convert.readers import RawColumns, check_inputs, read_raw
+from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
+from diffusion.models import loading
+
+# Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
+GPU_BATCH = {256: 120, 512: 40}
+CPU_BATCH = 8
+SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
+
+
+def _size(value: str) -> int | str:
+    """``--shard-size``: bytes, or a size streaming parses (``64mb``)."""
+    return int(value) if str(value).isdigit() else value
+
+
+@dataclasses.dataclass
+class ConvertConfig:
+    """The converter's settings; each is also its command-line flag (``--field-name``)."""
+
+    input: str | list[str] = flag(help="raw data: parquet, webdataset tars or image folders (files, "
+                                       "directories, globs or s3:// URIs)", nargs="+")
+    output: str = flag(help="local directory or s3://bucket/prefix for the MDS shards")
+    model: str = flag(help="hub id or diffusers directory with the VAE, text encoder and tokenizer")
+    resolutions: tuple[int, ...] = flag((256,), "square crop sizes to encode, e.g. 256 512", type=int, nargs="+")
+    limit: int | None = flag(None, "read at most this many input rows", type=int)
+    batch_size: int | None = flag(None, "encoder batch (default: 120 @256, 40 @512 on GPU; 8 on CPU)", type=int)
+    transform_batch_size: int = flag(32, "rows per transform batch", type=int)
+    image_column: str = flag(schema.RAW_IMAGE, "input column with the encoded image bytes")
+    caption_column: str = flag(schema.RAW_CAPTION, "input column with the caption")
+    key_column: str = flag(schema.RAW_KEY, "input column with a stable row id")
+    min_size: int = flag(64, "reject images whose shorter side is smaller (pixels)", type=int)
+    max_aspect: float = flag(3.0, "reject images whose long side / short side is larger", type=float)
+    max_pixels: int = flag(8192 * 8192, "decompression-bomb guard: reject larger images (pixels)", type=int)
+    num_transformers: int | None = flag(None, "transform actors (default: from the cluster's CPUs)", type=int)
+    cpus_per_transformer: float | None = flag(None, "CPUs per transform actor", type=float)
+    num_encoders: int | None = flag(None, "encoder actors (default: one per GPU, else 1)", type=int)
+    encoder_gpus: float | None = flag(None, "GPUs per encoder actor (default 1 if the cluster has GPUs)",
+                                      type=float)
+    accelerator_type: str | None = flag(None, "Ray accelerator type for the encoders, e.g. A10G or H100")
+    shard_size: int | str = flag(1 << 26, "MDS shard size limit (bytes, or e.g. 64mb)", type=_size)
+    compression: str | None = flag("zstd", "MDS compression ('none' to disable)")
+    address: str | None = flag(None, "Ray cluster address (default: RAY_ADDRESS or a local instance)")
+    local_dir: str | None = flag(None, "staging directory for an s3:// output (stable across re-runs)")
+    visualize: int = flag(0, "write visualize.png: N input crops beside VAE decodings of their stored latents",
+                          type=int, metavar="N")
+    progress: bool = flag(True, "hide Ray's progress bars")
+    deterministic: bool = flag(False, "same input, same parts in the same order (so the same training order); "
+                                      "keeps Ray's row order, which can idle workers on a large cluster")
+
+    def __post_init__(self):
+        if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
+            self.input = self.input[0]
+        if self.compression in ("none", ""):
+            self.compression = None
+        self.resolutions = tuple(sorted({int(r) for r in self.resolutions}))
+        if not self.resolutions or min(self.resolutions) <= 0:
+            raise ConfigError(f"--resolutions must be positive, got {self.resolutions}")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"--limit must be positive, got {self.limit}")
+        if self.max_aspect < 1:
+            raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+
+    def output_settings(self) -> dict:
+        """The settings that decide what a sample holds or whether a row is kept: a re-run into an
+        existing output must match them, or its new parts would not belong with the old ones."""
+        model = os.path.abspath(os.path.expanduser(self.model)) if os.path.isdir(self.model) else self.model
+        return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
+                "caption_column": self.caption_column, "key_column": self.key_column,
+                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels}
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self.output
+
+    def staging_dir(self) -> str:
+        """Where parts are written: the output itself, or a local directory stable across re-runs."""
+        if not self.is_remote:
+            return os.path.abspath(os.path.expanduser(self.output))
+        if self.local_dir:
+            return os.path.abspath(self.local_dir)
+        digest = hashlib.sha1(self.output.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), "laion_to_mds", digest)
+
+
+@dataclasses.dataclass
+class PoolPlan:
+    num_transformers: int
+    cpus_per_transformer: float
+    num_encoders: int
+    cpus_per_encoder: float
+    gpus_per_encoder: float
+    encoder_batch: int
+
+
+def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
+    """Actor pools sized from the cluster, always leaving CPU for the read and write tasks.
+
+    A pool holding every CPU starves the read tasks and Ray Data stalls, so ~10% (at least one CPU)
+    stays free; on a 2-CPU machine that means one transformer and one encoder at half a CPU each.
+    """
+    cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
+    free = max(cpus - max(1.0, 0.1 * cpus), 0.5)
+    gpu_each = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if gpus else 0.0)
+    if gpu_each:
+        encoders = cfg.num_encoders or max(1, int(gpus // gpu_each))
+        enc_cpus = min(1.0, free / (2 * encoders))
+        batch = GPU_BATCH.get(max(cfg.resolutions), 120 if max(cfg.resolutions) < 512 else 40)
+    else:  # CPU encoding is the bottleneck: give it half of what is free
+        encoders = cfg.num_encoders or max(1, int(free // 8))
+        enc_cpus = free / 2 / encoders
+        batch = CPU_BATCH
+    tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
+    tr_cpus = max(tr_cpus, 0.25)
+    transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
+    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.batch_size or batch)
+
+
+def _init_ray(address: str | None):
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False,
+                 include_dashboard=False, configure_logging=False)
+    return ray
+
+
+class _DatasetInfoWriter:
+    """Runs after the index merge: dataset.json and empty_text_embeds.npy (the encoder run on "")."""
+
+    def __init__(self, cfg: ConvertConfig):
+        self.cfg = cfg
+
+    def __call__(self, out: str) -> None:
+        info, empty = describe_dataset(self.cfg.model, self.cfg.resolutions)
+        np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
+        summary = summarize(out)
+        info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
+        info.extra = {"compression": self.cfg.compression, "min_size": self.cfg.min_size,
+                      "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels}
+        info.save(out)
+
+
+def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
+    """The Ray Dataset from raw rows to encoded rows (not yet executed)."""
+    from ray.data import ActorPoolStrategy
+    columns = RawColumns(image=cfg.image_column, caption=cfg.caption_column, key=cfg.key_column)
+    checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
+    ds = read_raw(cfg.input, columns, skip_keys=skip_keys, limit=cfg.limit)
+    ds = ds.map_batches(
+        ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
+        fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
+                                   rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True),
+        compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
+    encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
+    if plan.gpus_per_encoder:
+        encoder_options["num_gpus"] = plan.gpus_per_encoder
+        if cfg.accelerator_type:
+            encoder_options["accelerator_type"] = cfg.accelerator_type
+    threads = None if plan.gpus_per_encoder else max(1, math.ceil(plan.cpus_per_encoder))
+    return ds.map_batches(
+        LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",
+        fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, cpu_threads=threads,
+                                   record_timing=True),
+        **encoder_options)
+
+
+def recorded_settings(out: str) -> dict:
+    """The settings an existing output was made with ({} for a new or empty one).
+
+    Outputs written before ``convert.json`` existed are described by their ``dataset.json``.
+    """
+    path = os.path.join(out, SETTINGS_JSON)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if os.path.exists(os.path.join(out, schema.DATASET_JSON)):
+        info = schema.DatasetInfo.load(out)
+        model = info.model
+        if os.path.isdir(model):
+            model = os.path.abspath(model)
+        return {"model": model, "resolutions": info.resolutions,
+                **{k: info.extra[k] for k in ("min_size", "max_aspect", "max_pixels") if k in info.extra}}
+    return {}
+
+
+def check_output_settings(out: str, settings: dict) -> None:
+    """Refuse to add to an output made with other settings, before anything in it is touched."""
+    recorded = recorded_settings(out)
+    differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
+    if differ:
+        what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
+        raise OutputMismatchError(
+            f"{out} was converted with other settings ({what}). A re-run resumes a conversion only with "
+            f"the same settings: repeat them, or write to a new --output.")
+
+
+def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
+    """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
+    start = time.perf_counter()
+    check_inputs(cfg.input, RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column))
+    loading.require_weights(cfg.model, ("vae", "text_encoder"))
+    text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+    downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
+    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample)
+    out = cfg.staging_dir()
+    settings = cfg.output_settings()
+    check_output_settings(out, settings)
+
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    try:
+        summary = _convert_into(cfg, out, settings, columns)
+    except BaseException:
+        if created and not _holds_progress(out):  # a failed first run leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    summary.wall_seconds = time.perf_counter() - start
+    return summary
+
+
+def _holds_progress(out: str) -> bool:
+    """Whether ``out`` holds work a re-run would keep: committed parts or recorded rejects."""
+    rejects = os.path.join(out, REJECTS_DIR)
+    return bool(committed_parts(out)) or (os.path.isdir(rejects) and bool(os.listdir(rejects)))
+
+
+def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -> ConversionSummary:
+    if not os.path.exists(os.path.join(out, SETTINGS_JSON)):
+        write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
+    remove_temporary_parts(out)
+    written, rejected = done_keys(out)
+    before = len(written)
+    sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
+                       on_complete=_DatasetInfoWriter(cfg))
+
+    ray = _init_ray(cfg.address)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = cfg.progress and ctx.enable_progress_bars
+    # The first N rows must be the same N on every run; --deterministic also fixes which rows share a
+    # part, hence the training order. Both hold blocks back until their predecessors are done.
+    if cfg.limit is not None or cfg.deterministic:
+        ctx.execution_options.preserve_order = True
+    plan = plan_pools(ray.cluster_resources(), cfg)
+    build_pipeline(cfg, out, written | set(rejected), plan).write_datasink(sink)
+    if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
+        sink.finalize()
+
+    summary = summarize(out)
+    summary.written_this_run = summary.written - before
+    if cfg.visualize:
+        from diffusion.convert.preview import write_visualization
+        write_visualization(out, cfg, cfg.visualize)
+    if cfg.is_remote:
+        upload_directory(out, cfg.output)
+    return summary
+
+
+def upload_directory(local: str, remote: str) -> None:
+    """Upload a finished local output (parts, index, dataset.json) with streaming's uploader."""
+    from streaming.base.storage.upload import CloudUploader
+    uploader = CloudUploader.get((local, remote), keep_local=True, exist_ok=True)
+    files = []
+    for root, dirs, names in os.walk(local):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [os.path.relpath(os.path.join(root, n), local) for n in names if not n.endswith(".tmp")]
+    # index.json last: a reader that sees the index finds every shard it lists.
+    for name in sorted(files, key=lambda f: f == INDEX_JSON):
+        uploader.upload_file(name)
+
+
+CONVERT_EXAMPLES = """examples:
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model stabilityai/stable-diffusion-2-base \\
+      --resolutions 256 512
+  python convert/laion_to_mds.py --input s3://bucket/raw/ --output s3://bucket/mds --model DIR --address auto
+
+Re-running the same command after a crash or Ctrl-C resumes: the output ends up with exactly the
+samples of a clean run. A re-run with other settings (model, resolutions, columns, image checks) is
+refused before anything is touched."""
+
+
+def main(argv=None) -> ConversionSummary:
+    """``python convert/laion_to_mds.py``: parse the flags (one per :class:`ConvertConfig` field), convert."""
+    import argparse
+
+    from diffusion import cli
+    parser = argparse.ArgumentParser(
+        prog="laion_to_mds", epilog=CONVERT_EXAMPLES,
+        description="Convert raw image-caption data into MDS shards of VAE moments and text embeddings "
+                    "(plus dataset.json and empty_text_embeds.npy) with a Ray Data pipeline.",
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32))
+    cli.add_flags(parser, ConvertConfig)
+    summary = run_conversion(cli.from_flags(ConvertConfig, parser.parse_args(argv)))
+    print(summary.table())
+    return summary

@@ -1,0 +1,72 @@
+"""Counting a conversion from what is on disk: committed parts, their stats, and the reject files.
+
+Counts come from files, not from the run's memory, so a resumed job reports the whole job, and keys
+recorded twice (an actor restarted, a batch redone after a kill) are counted once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+from diffusion.convert.sink import KEYS_JSON, REJECTS_DIR, STATS_JSON, committed_parts
+
+
+@dataclasses.dataclass
+class ConversionSummary:
+    written: int = 0
+    rejects: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
+    parts: int = 0
+    wall_seconds: float = 0.0  # this run only
+    written_this_run: int = 0
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over workers
+
+    @property
+    def rows_in(self) -> int:
+        return self.written + sum(self.rejects.values())
+
+    def table(self) -> str:
+        """The summary a user reads at the end of a run."""
+        lines = [f"{'rows in':<28}{self.rows_in:>10}", f"{'written':<28}{self.written:>10}"]
+        for reason, n in sorted(self.rejects.items()):
+            lines.append(f"{'rejected: ' + reason:<28}{n:>10}")
+        lines.append(f"{'parts':<28}{self.parts:>10}")
+        if self.wall_seconds > 0:
+            rate = self.written_this_run / self.wall_seconds
+            lines.append(f"{'images/s overall (this run)':<28}{rate:>10.1f}")
+        for stage, seconds in sorted(self.stage_seconds.items()):
+            if seconds > 0:
+                name = stage.removesuffix("_seconds")
+                lines.append(f"{'images/s per ' + name + ' worker':<28}{self.written / seconds:>10.1f}")
+        width = max(len(line) for line in lines)
+        return "\n".join(["-" * width, *lines, "-" * width])
+
+
+def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
+    """(keys held by committed parts, {rejected key: reason}) under a local output directory."""
+    written = set()
+    for part in committed_parts(out):
+        with open(os.path.join(out, part, KEYS_JSON)) as f:
+            written.update(json.load(f))
+    rejected = {}
+    for path in sorted(glob.glob(os.path.join(out, REJECTS_DIR, "*.json"))):
+        with open(path) as f:
+            rejected.update(json.load(f))
+    for key in written:  # a key both written and rejected cannot happen in one run; trust the part
+        rejected.pop(key, None)
+    return written, rejected
+
+
+def summarize(out: str) -> ConversionSummary:
+    written, rejected = done_keys(out)
+    summary = ConversionSummary(written=len(written), parts=len(committed_parts(out)))
+    for reason in rejected.values():
+        summary.rejects[reason] = summary.rejects.get(reason, 0) + 1
+    for part in committed_parts(out):
+        with open(os.path.join(out, part, STATS_JSON)) as f:
+            for name, value in json.load(f).items():
+                if name.endswith("_seconds"):
+                    summary.stage_seconds[name] = summary.stage_seconds.get(name, 0.0) + value
+    return summary

@@ -1,0 +1,203 @@
+"""The transform stage: raw rows in, validated uint8 square crops at every resolution plus token ids out.
+
+Each image is decoded once. JPEGs decode in draft mode at the smallest DCT scale (1/2, 1/4, 1/8) that
+still covers the largest crop, which is most of the saving over a full decode. Then: EXIF orientation,
+RGB (transparency composited on white), checks, the largest centre square, resized to each resolution,
+largest first, each smaller one from the previous (cheaper and no worse).
+
+:class:`ImageCaptionTransform` is a Ray Data ``map_batches`` callable (a class, so the tokenizer loads
+once per actor); offline conversion and online training use it unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import time
+import uuid
+import warnings
+
+import numpy as np
+from PIL import Image
+
+from diffusion import schema
+
+# Rejection reasons (the keys of ``rejects`` in stats and dataset.json).
+UNDECODABLE = "undecodable"
+TOO_MANY_PIXELS = "too_many_pixels"
+TOO_SMALL = "too_small"
+ASPECT_RATIO = "aspect_ratio"
+EMPTY_CAPTION = "empty_caption"
+
+STAGE_SECONDS = "_transform_seconds"  # per-row share of the batch's wall time, when timing is on
+_ORIENTATION = 0x0112
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+
+
+class Rejected(Exception):
+    """A row that is skipped and counted, with its reason."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageChecks:
+    min_size: int = 64  # shortest side, in pixels, of the original image
+    max_aspect: float = 3.0  # long side / short side
+    max_pixels: int = 8192 * 8192  # decompression-bomb guard: checked from the header, before decoding
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited on white (a black background would darken cut-outs)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grey: scale to 8 bits, not clip
+        image = Image.fromarray((np.asarray(image, dtype=np.float32) / 257.0).clip(0, 255).astype(np.uint8))
+    return image.convert("RGB")
+
+
+def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks()) -> tuple[Image.Image, int, int]:
+    """Decode ``data`` once, as small as covering a ``largest``-pixel square crop allows.
+
+    Returns the upright RGB image and the original (upright) width and height; raises
+    :class:`Rejected` for anything that must be skipped.
+    """
+    if not data:
+        raise Rejected(UNDECODABLE, "no image bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise Rejected(TOO_MANY_PIXELS, str(e)) from e
+    except Exception as e:  # PIL raises many types for garbage bytes
+        raise Rejected(UNDECODABLE, f"{type(e).__name__}: {e}") from e
+    width, height = image.size
+    if width * height > checks.max_pixels:
+        raise Rejected(TOO_MANY_PIXELS, f"{width}x{height}")
+    try:
+        orientation = image.getexif().get(_ORIENTATION, 1)
+    except Exception:  # a broken EXIF block is not a broken image
+        orientation = 1
+    if orientation in (5, 6, 7, 8):
+        width, height = height, width
+    short, long = min(width, height), max(width, height)
+    if short < checks.min_size:
+        raise Rejected(TOO_SMALL, f"{width}x{height}")
+    if long / short > checks.max_aspect:
+        raise Rejected(ASPECT_RATIO, f"{width}x{height}")
+    try:
+        if image.format == "JPEG":
+            # Both sides stay >= largest, so the centre square still covers the largest crop.
+            image.draft(image.mode if image.mode in ("L", "CMYK") else "RGB", (largest, largest))
+        image.load()
+    except Exception as e:  # truncated data, corrupt streams
+        raise Rejected(UNDECODABLE, f"{type(e).__name__}: {e}") from e
+    if orientation in _TRANSPOSE:
+        image = image.transpose(_TRANSPOSE[orientation])
+    return to_rgb(image), width, height
+
+
+def center_square_crops(image: Image.Image, resolutions) -> dict[int, np.ndarray]:
+    """The largest centre square of ``image`` at each resolution, uint8 HWC, largest first."""
+    w, h = image.size
+    side = min(w, h)
+    box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
+    crops, source = {}, image
+    for r in sorted(resolutions, reverse=True):
+        # Shrinking: PIL's antialiased bilinear (a triangle filter), which after a draft decode only has
+        # < 2x left to do and costs far less than bicubic; reducing_gap shrinks by whole factors first
+        # when more is left. Enlarging small images: bicubic.
+        shrinking = min(source.size) >= r
+        resample = Image.Resampling.BILINEAR if shrinking else Image.Resampling.BICUBIC
+        source = source.resize((r, r), resample, box=box, reducing_gap=3.0 if shrinking else None)
+        box = None
+        crops[r] = np.asarray(source, dtype=np.uint8)
+    return crops
+
+
+def write_rejects(directory: str, rejects: dict[str, str]) -> str:
+    """Record rejected keys (key -> reason) in a new small file, atomically, for counting and resume."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{uuid.uuid4().hex}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rejects, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+class ImageCaptionTransform:
+    """Ray ``map_batches`` callable: raw columns in; key, caption, size, token ids and crops out.
+
+    Output columns: ``KEY, CAPTION, WIDTH, HEIGHT, INPUT_IDS`` (int32, 77) and, per resolution R,
+    ``schema.image_column(R)`` (uint8 R x R x 3). Rejected rows are dropped; ``self.rejects`` counts
+    them by reason, and ``rejects_dir`` (when given) receives one file of ``{key: reason}`` per batch.
+    """
+
+    def __init__(self, model: str, resolutions, checks: ImageChecks = ImageChecks(),
+                 rejects_dir: str | None = None, record_timing: bool = False):
+        from diffusion.models.loading import load_tokenizer
+        self.tokenizer = load_tokenizer(model)
+        self.resolutions = sorted({int(r) for r in resolutions}, reverse=True)
+        self.checks = checks
+        self.rejects_dir = rejects_dir
+        self.record_timing = record_timing
+        self.rejects: dict[str, int] = {}
+
+    def tokenize(self, captions: list[str]) -> np.ndarray:
+        ids = self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
+                             return_tensors="np")["input_ids"]
+        return ids.astype(np.int32)
+
+    def transform_one(self, data: bytes, caption) -> tuple[dict[int, np.ndarray], int, int]:
+        if caption is None or not str(caption).strip():
+            raise Rejected(EMPTY_CAPTION)
+        image, width, height = decode_image(data, self.resolutions[0], self.checks)
+        return center_square_crops(image, self.resolutions), width, height
+
+    def __call__(self, batch: dict) -> dict:
+        start = time.perf_counter()
+        out = {c: [] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
+        crops = {r: [] for r in self.resolutions}
+        rejected = {}
+        for key, caption, data in zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
+                                      batch[schema.RAW_IMAGE]):
+            key = str(key)
+            try:
+                images, width, height = self.transform_one(data, caption)
+            except Rejected as e:
+                rejected[key] = e.reason
+                self.rejects[e.reason] = self.rejects.get(e.reason, 0) + 1
+                continue
+            out[schema.KEY].append(key)
+            out[schema.CAPTION].append(str(caption).strip())
+            out[schema.WIDTH].append(width)
+            out[schema.HEIGHT].append(height)
+            for r in self.resolutions:
+                crops[r].append(images[r])
+        if rejected and self.rejects_dir:
+            write_rejects(self.rejects_dir, rejected)
+        n = len(out[schema.KEY])
+        result = {schema.KEY: np.array(out[schema.KEY], dtype=object),
+                  schema.CAPTION: np.array(out[schema.CAPTION], dtype=object),
+                  schema.WIDTH: np.array(out[schema.WIDTH], dtype=np.int64),
+                  schema.HEIGHT: np.array(out[schema.HEIGHT], dtype=np.int64),
+                  schema.INPUT_IDS: (self.tokenize(out[schema.CAPTION]) if n
+                                       else np.zeros((0, schema.MAX_TOKENS), np.int32))}
+        for r in self.resolutions:
+            result[schema.image_column(r)] = np.stack(crops[r]) if n else np.zeros((0, r, r, 3), np.uint8)
+        if self.record_timing:
+            result[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
+        return result

@@ -1,0 +1,1 @@
+"""Download: url+caption lists → img2dataset-compatible image shards."""

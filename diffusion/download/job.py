@@ -1,0 +1,209 @@
+"""Download url+caption lists into img2dataset-compatible image shards, with Ray Data.
+
+``download(DownloadConfig(input=..., output=...))`` plans shards from the input (see
+:mod:`diffusion.download.plan`), skips the shards a previous run finished, and runs the rest as
+one Ray Data ``map_batches`` with one shard per batch (:mod:`diffusion.download.shard`). Output,
+beside each other in ``output``:
+
+- ``NNNNN.parquet``: ``key, url, caption, jpg, width, height, original_width, original_height, status,
+  error`` plus kept input columns. Failed rows stay, with an empty image and the reason in ``error``
+  (``"http_404: …"``, ``"timeout: …"``; the code before the colon is what the stats count).
+- ``NNNNN_stats.json``: img2dataset's fields (count, successes, failed_to_download, failed_to_resize,
+  duration, status_dict) plus ``failures`` by reason.
+- ``download_plan.json`` (what a re-run must match) and ``summary.json`` (the totals).
+
+The converter reads the parquet shards directly and keeps ``status == "success"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import pyarrow.fs as pa_fs
+
+from diffusion.download.http import FetchConfig
+from diffusion.errors import ConfigError, OutputMismatchError
+from diffusion.download.image import RESIZE_MODES, ImageRules
+from diffusion.download.plan import InputColumns, ShardSpec, open_filesystem, plan_shards
+from diffusion.download.shard import OUTPUT_FIELDS, ShardJob, ShardNaming, download_shard, read_stats
+
+PLAN_JSON = "download_plan.json"
+SUMMARY_JSON = "summary.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DownloadConfig:
+    input: str  # a file or directory of parquet/csv/jsonl, local or s3://
+    output: str  # directory (local or s3://) for the shards
+    columns: InputColumns = InputColumns()
+    input_format: str | None = None  # default: from each file's extension
+    rows_per_shard: int = 10_000
+    threads: int = 64  # concurrent requests per shard
+    concurrency: int | None = None  # shards in flight; default: as many as the CPUs allow at num_cpus
+    num_cpus: float = 0.25  # per shard task: downloading waits on the network, not the CPU
+    fetch: FetchConfig = FetchConfig()
+    image: ImageRules = ImageRules()
+
+
+@dataclasses.dataclass
+class DownloadSummary:
+    shards: int
+    skipped_shards: int  # finished by an earlier run
+    count: int  # rows in all shards
+    successes: int
+    failures: dict  # reason -> rows, over all shards
+    downloaded: int  # rows processed by this run
+    duration: float  # seconds, this run
+    output: str
+
+    @property
+    def images_per_s(self) -> float:
+        return self.downloaded / self.duration if self.duration > 0 else 0.0
+
+    def __str__(self) -> str:
+        failures = ", ".join(f"{r} {n}" for r, n in sorted(self.failures.items(), key=lambda kv: -kv[1]))
+        return (f"{self.successes}/{self.count} images downloaded into {self.shards} shards at {self.output} "
+                f"({self.skipped_shards} shards already done); failures: {failures or 'none'}; "
+                f"this run: {self.downloaded} rows in {self.duration:.1f} s = {self.images_per_s:.1f} rows/s")
+
+
+def _check_config(config: DownloadConfig) -> None:
+    reserved = {name for name, _ in OUTPUT_FIELDS}
+    clash = reserved.intersection(config.columns.keep)
+    if clash:
+        raise ConfigError(f"--keep-columns {sorted(clash)} would overwrite output columns {sorted(reserved)}")
+    if config.threads < 1 or config.num_cpus <= 0:
+        raise ConfigError(f"threads must be >= 1 and num_cpus > 0, got {config.threads}, {config.num_cpus}")
+
+
+def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
+    """What a re-run into the same output must match for shard N to mean the same rows."""
+    _, input_root = open_filesystem(config.input)
+    ranges = [(os.path.relpath(s.path, input_root), s.start, s.stop) for s in shards]
+    return {"rows_per_shard": config.rows_per_shard, "columns": config.columns.names(),
+            "shards": len(shards), "shard_ranges_sha256": hashlib.sha256(json.dumps(ranges).encode()).hexdigest(),
+            "image": dataclasses.asdict(config.image)}
+
+
+def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: str) -> None:
+    path = f"{root}/{PLAN_JSON}"
+    if fs.get_file_info(path).type == pa_fs.FileType.File:
+        with fs.open_input_stream(path) as f:
+            previous = json.loads(f.read())
+        changed = sorted(k for k in fingerprint if previous.get(k) != fingerprint[k])
+        if changed:
+            raise OutputMismatchError(f"{output} holds a download with a different plan ({', '.join(changed)} changed); "
+                             f"resume with the same input and options, or choose a new --output")
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps(fingerprint, indent=2).encode())
+
+
+def _download_batch(batch: dict, job: ShardJob) -> dict:
+    """Ray Data UDF: one shard spec in, one row of its stats out."""
+    results = collections.defaultdict(list)
+    for i in range(len(batch["shard_id"])):
+        spec = ShardSpec(int(batch["shard_id"][i]), str(batch["path"][i]), int(batch["start"][i]),
+                         int(batch["stop"][i]))
+        stats = download_shard(job, spec)
+        for name in ("shard_id", "count", "successes", "skipped"):
+            results[name].append(stats[name])
+    return dict(results)
+
+
+def download(config: DownloadConfig) -> DownloadSummary:
+    """Run (or resume) the download; returns the totals, also written to ``summary.json``."""
+    _check_config(config)
+    shards, formats = plan_shards(config.input, config.columns, config.rows_per_shard, config.input_format)
+    fs, root = open_filesystem(config.output)
+    fs.create_dir(root, recursive=True)
+    _claim_output(fs, root, _plan_fingerprint(config, shards), config.output)
+    naming = ShardNaming.for_plan(len(shards), config.rows_per_shard)
+    job = ShardJob(config.input, config.output, formats, config.columns, naming, config.fetch, config.image,
+                   config.threads)
+    todo = [s for s in shards if fs.get_file_info(f"{root}/{naming.stats(s.shard_id)}").type
+            != pa_fs.FileType.File]
+
+    start = time.time()
+    if todo:
+        import ray
+        items = [dataclasses.asdict(s) for s in todo]
+        ds = ray.data.from_items(items, override_num_blocks=len(items))  # one shard per task
+        ds = ds.map_batches(_download_batch, batch_size=1, batch_format="numpy", fn_kwargs={"job": job},
+                            num_cpus=config.num_cpus, concurrency=config.concurrency)
+        ds.take_all()
+    duration = time.time() - start
+
+    stats = [read_stats(fs, root, naming, s.shard_id) for s in shards]
+    failures = collections.Counter()
+    for s in stats:
+        failures.update(s["failures"])
+    summary = DownloadSummary(
+        shards=len(shards), skipped_shards=len(shards) - len(todo), count=sum(s["count"] for s in stats),
+        successes=sum(s["successes"] for s in stats), failures=dict(sorted(failures.items())),
+        downloaded=sum(s.stop - s.start for s in todo), duration=duration, output=config.output)
+    with fs.open_output_stream(f"{root}/{SUMMARY_JSON}") as f:
+        f.write(json.dumps({**dataclasses.asdict(summary), "images_per_s": summary.images_per_s},
+                           indent=2).encode())
+    return summary
+
+
+DOWNLOAD_EXAMPLES = """examples:
+  python convert/download_laion.py --input laion/part-00000.parquet --output out/raw
+  python convert/download_laion.py --input s3://bucket/urls/ --output out/raw --resize-mode center_crop \\
+      --image-size 512 --address auto
+
+Re-running the same command resumes: finished shards are skipped."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="download_laion", epilog=DOWNLOAD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Download a LAION-style url+caption list into image shards (img2dataset-compatible "
+                    "NNNNN.parquet + NNNNN_stats.json) with Ray Data; the converter reads them directly.")
+    p.add_argument("--input", required=True, help="parquet/csv/jsonl file or directory, local or s3://")
+    p.add_argument("--output", required=True, help="output directory for NNNNN.parquet + NNNNN_stats.json")
+    p.add_argument("--input-format", choices=("parquet", "csv", "jsonl"), help="default: from the extension")
+    p.add_argument("--url-col", default="URL", help="input column holding the image URL (default: URL)")
+    p.add_argument("--caption-col", default="TEXT", help="input column holding the caption (default: TEXT)")
+    p.add_argument("--keep-columns", default="", help="comma-separated input columns to carry over")
+    p.add_argument("--rows-per-shard", type=int, default=10_000, help="rows per output shard (default: 10000)")
+    p.add_argument("--threads", type=int, default=64, help="concurrent requests per shard")
+    p.add_argument("--concurrency", type=int, help="shards in flight (default: from the cluster's CPUs)")
+    p.add_argument("--num-cpus", type=float, default=0.25, help="CPUs reserved per shard task")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request attempt")
+    p.add_argument("--retries", type=int, default=2, help="retries on timeouts and 5xx")
+    p.add_argument("--max-bytes", type=int, default=20 * 2**20, help="largest body fetched (default: 20 MiB)")
+    p.add_argument("--max-redirects", type=int, default=5, help="redirects followed per URL (default: 5)")
+    p.add_argument("--min-size", type=int, default=64, help="minimum shorter side, pixels")
+    p.add_argument("--max-pixels", type=int, default=2**25, help="decompression-bomb guard (default: 2**25)")
+    p.add_argument("--resize-mode", choices=RESIZE_MODES, default="no", help="resize on download (default: no)")
+    p.add_argument("--image-size", type=int, default=512, help="target size with --resize-mode (default: 512)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local instance)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> DownloadSummary:
+    args = parse_args(argv)
+    keep = tuple(c.strip() for c in args.keep_columns.split(",") if c.strip())
+    config = DownloadConfig(
+        input=args.input, output=args.output, input_format=args.input_format,
+        columns=InputColumns(args.url_col, args.caption_col, keep), rows_per_shard=args.rows_per_shard,
+        threads=args.threads, concurrency=args.concurrency, num_cpus=args.num_cpus,
+        fetch=FetchConfig(timeout=args.timeout, retries=args.retries, max_bytes=args.max_bytes,
+                          max_redirects=args.max_redirects),
+        image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, resize_mode=args.resize_mode,
+                         image_size=args.image_size))
+    if args.address:
+        import ray
+        ray.init(address=args.address)
+    summary = download(config)
+    print(summary)
+    return summary
+

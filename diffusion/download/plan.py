@@ -1,0 +1,148 @@
+"""Input side of the downloader: list url+caption files (local or ``s3://``), plan shards, read a shard.
+
+Shards are planned from the input alone, so a re-run produces the same shards with the same keys:
+files in sorted order, each cut into ``rows_per_shard`` consecutive rows (a file's last shard may be
+shorter; shards never span files, like img2dataset). Parquet row counts come from the footer; csv and
+jsonl files are read once to count rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.fs as pa_fs
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from diffusion.errors import ConfigError, InputError
+
+FORMATS = {".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputColumns:
+    url: str = "URL"  # LAION's names
+    caption: str = "TEXT"
+    keep: tuple[str, ...] = ()  # extra input columns carried into the output
+
+    def names(self) -> list[str]:
+        return [self.url, self.caption, *[c for c in self.keep if c not in (self.url, self.caption)]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    shard_id: int
+    path: str  # file path inside the input's filesystem
+    start: int  # first row of the file in this shard
+    stop: int  # one past the last row
+
+
+def open_filesystem(uri: str) -> tuple[pa_fs.FileSystem, str]:
+    """(filesystem, path) for a local path or a URI pyarrow knows (``s3://bucket/key?endpoint_override=…``)."""
+    if "://" not in uri:
+        uri = os.path.abspath(uri)
+    return pa_fs.FileSystem.from_uri(uri)
+
+
+def list_input_files(uri: str, input_format: str | None = None) -> list[tuple[str, str]]:
+    """Sorted ``(path, format)`` of the input files at ``uri`` (one file or a directory tree)."""
+    fs, root = open_filesystem(uri)
+    info = fs.get_file_info(root)
+    if info.type == pa_fs.FileType.NotFound:
+        raise InputError(f"input {uri!r} does not exist")
+    infos = [info] if info.type == pa_fs.FileType.File else fs.get_file_info(pa_fs.FileSelector(root, recursive=True))
+    files = []
+    for entry in infos:
+        if entry.type != pa_fs.FileType.File:
+            continue
+        fmt = input_format or FORMATS.get(os.path.splitext(entry.path)[1].lower())
+        if fmt is None and info.type == pa_fs.FileType.File:
+            raise InputError(f"{entry.path}: unknown input format; pass --input-format parquet|csv|jsonl")
+        if fmt:
+            files.append((entry.path, fmt))
+    if not files:
+        raise InputError(f"no parquet, csv or jsonl files under {uri!r}")
+    return sorted(files)
+
+
+def read_input(fs: pa_fs.FileSystem, path: str, fmt: str, columns: InputColumns) -> pa.Table:
+    """The ``columns`` of one input file, url and caption as strings; a missing column is an error."""
+    names = columns.names()
+    text = {columns.url: pa.string(), columns.caption: pa.string()}
+    if fmt == "parquet":
+        with fs.open_input_file(path) as f:
+            parquet = pq.ParquetFile(f)
+            _require(path, names, parquet.schema_arrow.names)
+            table = parquet.read(columns=names)
+    elif fmt == "csv":
+        with fs.open_input_stream(path) as f:
+            table = pa_csv.read_csv(f, convert_options=pa_csv.ConvertOptions(column_types=text))
+    elif fmt == "jsonl":
+        with fs.open_input_stream(path) as f:
+            table = pa_json.read_json(f)  # no explicit schema: it would hide a missing column as nulls
+    else:
+        raise InputError(f"{path}: unknown input format {fmt!r} (parquet, csv or jsonl)")
+    _require(path, names, table.column_names)
+    return _as_text(table.select(names), columns)
+
+
+def _as_text(table: pa.Table, columns: InputColumns) -> pa.Table:
+    """URL and caption as strings (a csv caption "1984" would otherwise parse as a number)."""
+    for i, name in enumerate((columns.url, columns.caption)):
+        table = table.set_column(i, name, table[name].cast(pa.string()))
+    return table
+
+
+def _require(path: str, wanted: list[str], present: list[str]) -> None:
+    missing = [c for c in wanted if c not in present]
+    if missing:
+        raise InputError(f"{path}: no column {missing} (it has {present}); set --url-col/--caption-col/"
+                         f"--keep-columns to the input's names")
+
+
+def count_rows(fs: pa_fs.FileSystem, path: str, fmt: str, columns: InputColumns) -> int:
+    if fmt == "parquet":
+        with fs.open_input_file(path) as f:
+            parquet = pq.ParquetFile(f)
+            _require(path, columns.names(), parquet.schema_arrow.names)
+            return parquet.metadata.num_rows
+    return read_input(fs, path, fmt, columns).num_rows
+
+
+def plan_shards(uri: str, columns: InputColumns, rows_per_shard: int,
+                input_format: str | None = None) -> tuple[list[ShardSpec], dict[str, str]]:
+    """Every shard of the input, in order, and each file's format."""
+    if rows_per_shard <= 0:
+        raise ConfigError(f"rows_per_shard must be positive, got {rows_per_shard}")
+    fs, _ = open_filesystem(uri)
+    files = list_input_files(uri, input_format)
+    shards: list[ShardSpec] = []
+    for path, fmt in files:
+        try:
+            n = count_rows(fs, path, fmt, columns)
+        except pa.ArrowException as e:  # a damaged file, or another format under a .parquet name
+            raise InputError(f"{path}: not a readable {fmt} file ({e})") from None
+        for start in range(0, n, rows_per_shard):
+            shards.append(ShardSpec(len(shards), path, start, min(start + rows_per_shard, n)))
+    return shards, dict(files)
+
+
+def read_shard(uri: str, spec: ShardSpec, fmt: str, columns: InputColumns) -> pa.Table:
+    """The input rows of one shard. Parquet reads only the row groups the shard overlaps."""
+    fs, _ = open_filesystem(uri)
+    if fmt != "parquet":
+        return read_input(fs, spec.path, fmt, columns).slice(spec.start, spec.stop - spec.start)
+    with fs.open_input_file(spec.path) as f:
+        parquet = pq.ParquetFile(f)
+        groups, first_row, offset = [], None, 0
+        for g in range(parquet.metadata.num_row_groups):
+            n = parquet.metadata.row_group(g).num_rows
+            if offset < spec.stop and offset + n > spec.start:
+                groups.append(g)
+                first_row = offset if first_row is None else first_row
+            offset += n
+        table = parquet.read_row_groups(groups, columns=columns.names())
+    return _as_text(table.slice(spec.start - (first_row or 0), spec.stop - spec.start), columns)

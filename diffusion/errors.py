@@ -1,0 +1,34 @@
+"""The errors a user can cause, as opposed to bugs: every command shows them as one line, no traceback.
+
+Each names what was wrong (the file, row, key or setting) and what to do. :func:`diffusion.cli.run`
+turns them into ``<command>: error: <message>`` and exit status 2; ``--debug`` (or
+``DIFFUSION_DEBUG=1``) shows the traceback instead.
+"""
+
+
+class UserError(ValueError):
+    """Something the user gave cannot be used as asked; the message says what and why."""
+
+
+class ConfigError(UserError):
+    """A configuration that cannot be trained: the message names the key and what would be valid."""
+
+
+class InputError(UserError):
+    """An input that cannot be read as asked: missing, unreadable, or lacking a named column."""
+
+
+class ModelReferenceError(UserError):
+    """A model reference that is neither a usable local directory nor a downloadable hub id."""
+
+
+class OutputMismatchError(UserError):
+    """A re-run into an existing output whose samples were made with other settings."""
+
+
+class DatasetMismatchError(UserError):
+    """The shards were converted for a different resolution or text encoder than the model needs."""
+
+
+class KitError(UserError):
+    """A model kit that cannot be written where asked (e.g. a folder holding files that are not a kit)."""

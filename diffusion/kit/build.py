@@ -1,0 +1,351 @@
+"""The offline model kit: diffusers-layout model directories written without hub access.
+
+``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip} --out DIR``
+
+- ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
+  no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
+- ``tiny``: the same structure at small widths, CPU-fast: random seeded UNet and text encoder, and a
+  VAE fitted on sample scenes so decoded images can be judged by eye. The fitted VAE ships with the
+  package (``diffusion/kit/assets/tiny-vae``, see :mod:`diffusion.kit.vae_fit`), so the preset
+  builds in seconds; ``--refit-vae`` fits it again instead (a few minutes on CPU).
+- ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
+  for CLIP-score / FID tests.
+
+:func:`ensure_kit` builds a kit only when it is missing or incomplete. It builds in a temporary
+directory beside the target, writes the stamp file last and renames the directory into place, so a
+killed build never leaves a half kit that looks complete; a file lock makes concurrent callers (test
+sessions sharing ``.cache/``) wait for one build instead of racing.
+
+It never deletes what it did not write. The stamp (``kit.json``) lists the files the kit wrote, and
+replacing a kit (older kit version, another preset with ``force``) removes only those. A folder that is
+not one of our kits, or a kit holding files it did not write, is refused with a :class:`KitError`
+naming them; so is another preset's kit unless ``force`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import torch
+
+from diffusion.errors import KitError
+from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_ASSET, VAE_SEED  # noqa: F401
+from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
+
+KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
+STAMP = "kit.json"
+PRESETS = ("tiny", "sd2-base", "tiny-clip")
+
+# What each preset writes at its top level, for kits stamped before the stamp listed its files.
+_DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
+LEGACY_TOP_LEVEL = {
+    "sd2-base": _DIFFUSERS_LAYOUT,
+    "tiny": _DIFFUSERS_LAYOUT,
+    "tiny-clip": frozenset({  # CLIPModel, the CLIP tokenizer and image processor's save_pretrained
+        STAMP, "config.json", "model.safetensors", "pytorch_model.bin", "generation_config.json",
+        "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
+        "added_tokens.json", "preprocessor_config.json",
+    }),
+}
+
+
+SD2_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True,
+)
+SD2_VAE = dict(
+    sample_size=512, in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.18215,
+)
+# SD2-base's text encoder config, special-token ids included (the pooled output is unused).
+SD2_TEXT = dict(
+    hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=23, hidden_act="gelu",
+    vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_LENGTH, projection_dim=512,
+    bos_token_id=0, eos_token_id=2, pad_token_id=1,
+)
+SCHEDULER = dict(
+    num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+    prediction_type="epsilon", clip_sample=False, set_alpha_to_one=False, steps_offset=1,
+)
+SCHEDULER_CLASS = "DDIMScheduler"  # same config keys as DDPM (training) and deterministic to sample with
+
+_TINY_TOKENS = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_LENGTH,
+                    bos_token_id=49406, eos_token_id=49407, pad_token_id=0)
+TINY_TEXT = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_hidden_layers=2,
+                 hidden_act="gelu", projection_dim=64, **_TINY_TOKENS)
+TINY_UNET = dict(
+    sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=TINY_TEXT["hidden_size"], attention_head_dim=(2, 4), use_linear_projection=True,
+)
+
+
+def model_index() -> dict:
+    import diffusers
+    return {
+        "_class_name": "StableDiffusionPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "scheduler": ["diffusers", SCHEDULER_CLASS],
+        "safety_checker": [None, None],
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+    }
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _write_common(out: pathlib.Path) -> None:
+    """Tokenizer, scheduler and model_index.json: identical in every diffusers-layout preset."""
+    import diffusers
+    write_clip_tokenizer(out / "tokenizer")
+    getattr(diffusers, SCHEDULER_CLASS)(**SCHEDULER).save_config(out / "scheduler")
+    _write_json(out / "model_index.json", model_index())
+
+
+def build_sd2_base(out: pathlib.Path) -> dict:
+    """Configs only: modules are built on the meta device, so nothing is allocated."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig
+    with torch.device("meta"):
+        UNet2DConditionModel(**SD2_UNET).save_config(out / "unet")
+        AutoencoderKL(**SD2_VAE).save_config(out / "vae")
+    config = CLIPTextConfig(**SD2_TEXT)
+    config.architectures = ["CLIPTextModel"]
+    config.save_pretrained(out / "text_encoder")
+    _write_common(out)
+    return {}
+
+
+def build_tiny(out: pathlib.Path, progress: bool = True, refit_vae: bool = False) -> dict:
+    """Random seeded UNet and text encoder; the shipped fitted VAE (or, with ``refit_vae``, a VAE
+    fitted here on sample scenes, a few minutes on CPU)."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    UNet2DConditionModel(**TINY_UNET).save_pretrained(out / "unet")
+    torch.manual_seed(1)
+    CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
+    if refit_vae:
+        from diffusion.kit import vae_fit
+        fit = vae_fit.fit_tiny_vae(out / "vae", progress=progress)
+        source = "fitted"
+    else:
+        fit = copy_tiny_vae(out / "vae")
+        source = "shipped"
+    _write_common(out)
+    return {"vae": source, "vae_fit": fit}
+
+
+def copy_tiny_vae(out: pathlib.Path, asset: pathlib.Path = TINY_VAE_ASSET) -> dict:
+    """Copy the shipped fitted VAE (config and weights) to ``out``; returns its fit info."""
+    try:
+        with open(asset / FIT_INFO) as f:
+            fit = json.load(f)
+    except OSError as e:
+        raise FileNotFoundError(f"the shipped tiny VAE is missing ({e}); regenerate it with "
+                                f"python -m diffusion.kit.vae_fit --out {asset}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        shutil.copyfile(asset / name, out / name)
+    return fit
+
+
+def build_tiny_clip(out: pathlib.Path) -> dict:
+    """A tiny random CLIPModel with the CLIP tokenizer and a 64 px image processor in one directory."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+    text = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, **_TINY_TOKENS)
+    vision = dict(image_size=64, patch_size=8, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=4, num_hidden_layers=2)
+    torch.manual_seed(3)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).save_pretrained(out)
+    write_clip_tokenizer(out)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(out)
+    return {}
+
+
+def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) -> pathlib.Path:
+    """Write ``preset`` into ``out`` (not atomically; see :func:`ensure_kit`), stamp file last."""
+    _check_preset(preset, refit_vae)
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if preset == "sd2-base":
+        info = build_sd2_base(out)
+    elif preset == "tiny":
+        info = build_tiny(out, progress=progress, refit_vae=refit_vae)
+    else:
+        info = build_tiny_clip(out)
+    stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
+             **info, "files": sorted(_files(out) | {STAMP})}
+    _write_json(out / STAMP, stamp)
+    return out
+
+
+def _check_preset(preset: str, refit_vae: bool = False) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown kit preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if refit_vae and preset != "tiny":
+        raise ValueError(f"refitting the VAE applies to the tiny preset only, not {preset!r}")
+
+
+def _files(root: pathlib.Path) -> set[str]:
+    """Every file (and symlink) under ``root``, as POSIX paths relative to it; links are not followed."""
+    found = set()
+    for parent, dirs, files in os.walk(root):
+        rel = pathlib.Path(parent).relative_to(root)
+        links = [d for d in dirs if os.path.islink(os.path.join(parent, d))]
+        for name in files + links:
+            found.add((rel / name).as_posix())
+    return found
+
+
+def read_stamp(out) -> dict | None:
+    try:
+        with open(pathlib.Path(out) / STAMP) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(preset: str, out) -> bool:
+    stamp = read_stamp(out)
+    return bool(stamp) and stamp.get("preset") == preset and stamp.get("kit_version") == KIT_VERSION
+
+
+@contextlib.contextmanager
+def _build_lock(out: pathlib.Path):
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _show(names, limit: int = 5) -> str:
+    names = [n if n.isprintable() else ascii(n) for n in sorted(names)]
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _owned_files(out: pathlib.Path, preset: str, force: bool) -> list[str]:
+    """The files of the existing kit at ``out`` that replacing it may delete, all of them ours.
+
+    Raises :class:`KitError` when ``out`` is not one of our kits, when it holds files the kit did not
+    write, or when it holds another preset's kit and ``force`` is not given.
+    """
+    if out.is_symlink():
+        raise KitError(f"{out} is a symbolic link; give the folder it points to, or a new folder")
+    if not out.is_dir():
+        raise KitError(f"{out} exists and is not a folder; choose an empty or new folder")
+    entries = [p.name for p in out.iterdir()]
+    if not entries:
+        return []
+    stamp = read_stamp(out)
+    found = stamp.get("preset") if isinstance(stamp, dict) else None
+    if found not in PRESETS:
+        raise KitError(f"{out} holds files that are not a model kit ({_show(entries)}); "
+                       "choose an empty or new folder")
+    present = _files(out)
+    listed = stamp.get("files")
+    if isinstance(listed, list):
+        ours = {str(f) for f in listed} | {STAMP}
+        foreign = present - ours
+    else:  # stamped before kits listed their files: ours only if it holds nothing but the preset's entries
+        foreign_entries = set(entries) - LEGACY_TOP_LEVEL[found]
+        foreign = {f for f in present if f.split("/")[0] in foreign_entries}
+    if foreign:
+        raise KitError(f"{out} holds a {found} kit and files it did not write ({_show(foreign)}); "
+                       "move them out or choose another folder")
+    if found != preset and not force:
+        raise KitError(f"{out} holds a {found} kit, not {preset}; use --force to replace it "
+                       "or choose another folder")
+    return sorted(present)
+
+
+def _remove_kit(out: pathlib.Path, files: list[str]) -> None:
+    """Delete the kit's own ``files`` and the folders they leave empty, then ``out`` itself."""
+    try:
+        for rel in files:
+            (out / rel).unlink(missing_ok=True)
+        for parent, _, _ in sorted(os.walk(out), key=lambda entry: -len(pathlib.Path(entry[0]).parts)):
+            os.rmdir(parent)  # fails, leaving it, if anything not ours appeared meanwhile
+    except OSError as e:
+        raise KitError(f"{out}: could not remove the old kit ({e.strerror}: {e.filename})") from None
+
+
+def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, refit_vae: bool = False) -> pathlib.Path:
+    """The kit ``preset`` at ``out``, built first if missing, incomplete or from an older kit version.
+
+    ``force`` rebuilds a complete kit and may replace another preset's kit; ``refit_vae`` (tiny only)
+    rebuilds with a VAE fitted here instead of the shipped one. Only the kit's own files are ever
+    removed: see :func:`_owned_files` for what is refused with a :class:`KitError`.
+    """
+    _check_preset(preset, refit_vae)
+    out = pathlib.Path(out).expanduser().absolute()
+    rebuild = force or refit_vae
+    if not rebuild and is_complete(preset, out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):  # checks run under the lock: another process may be replacing the kit
+        if not rebuild and is_complete(preset, out):  # another process built it while we waited
+            return out
+        if out.exists() or out.is_symlink():
+            _owned_files(out, preset, force)  # refuse before spending time on a build
+        prefix = f".{out.name}.building-"
+        for stale in out.parent.glob(prefix + "*"):  # left by a killed build; we hold the lock now
+            shutil.rmtree(stale, ignore_errors=True)
+        building = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+        try:
+            building.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+            build_kit(preset, building, progress=progress, refit_vae=refit_vae)
+            if out.exists() or out.is_symlink():  # a stale, other-preset or forced kit of ours
+                _remove_kit(out, _owned_files(out, preset, force))  # checked again: it may have changed
+            os.replace(building, out)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Write an offline diffusers-layout model kit.")
+    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument("--out", required=True, help="output directory: new, empty, or one of our kits")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if a complete kit is there, or replace another preset's kit; "
+                             "replaces only the kit's own files (listed in kit.json), never others")
+    parser.add_argument("--refit-vae", action="store_true",
+                        help="tiny preset: fit the VAE here (a few minutes on CPU) instead of copying "
+                             "the shipped one")
+    args = parser.parse_args(argv)
+    if args.refit_vae and args.preset != "tiny":
+        parser.error("--refit-vae applies to the tiny preset only")
+    out = ensure_kit(args.preset, args.out, force=args.force, refit_vae=args.refit_vae)
+    stamp = read_stamp(out) or {}
+    stamp["files"] = len(stamp.get("files", ()))  # the list is in kit.json; a count is enough here
+    print(json.dumps({"kit": str(out), **stamp}, indent=2))
+
+
+if __name__ == "__main__":
+    from diffusion import cli
+    cli.run(main, "kit")

@@ -1,0 +1,208 @@
+"""Procedural LAION-style sample data: the embedded default dataset for the demo and the tests.
+
+``python -m diffusion.kit.sample --out DIR --n N --seed S`` writes parquet shards with the raw columns
+of the data contract (``key, caption, jpg, width, height, url``). Each good row is a drawn scene with a
+compositional caption ("a red circle above a blue square"), a random size and aspect ratio, stored as
+JPEG or PNG, sometimes grayscale, RGBA or CMYK. A small known set of rows is bad on purpose (truncated
+bytes, not an image, empty caption, a 1x1 image); ``manifest.json`` says how many of each, so tests can
+expect exact counts. The output is a pure function of ``(n, seed)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from diffusion import schema
+
+COLORS = {
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
+    "purple": (140, 60, 180), "orange": (245, 140, 30), "white": (245, 245, 245), "black": (20, 20, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+RELATIONS = {"above": (0, -1), "below": (0, 1), "to the left of": (-1, 0), "to the right of": (1, 0)}
+BACKGROUNDS = {"gray": (128, 128, 128), "white": (235, 235, 235), "black": (25, 25, 25), "beige": (225, 210, 170)}
+BAD_KINDS = ("truncated", "not_image", "empty_caption", "tiny")
+BAD_FRACTION = 0.02  # of each kind, at least one each
+MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 1024, 2.5
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill) -> None:
+    if shape == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.85), (cx - r, cy + r * 0.85)], fill=fill)
+
+
+def render_scene(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:
+    """Draw one scene at ``width`` x ``height`` and return it (RGB) with its caption.
+
+    Shapes stay inside the centre square, which is the crop training sees, so the caption holds for
+    the crop too.
+    """
+    bg_name = rng.choice(list(BACKGROUNDS))
+    bg = np.array(BACKGROUNDS[bg_name], dtype=np.float32)
+    # A soft gradient plus noise, so the background is not one flat value.
+    ramp = np.linspace(-12, 12, width, dtype=np.float32)[None, :, None] * rng.uniform(-1, 1)
+    noise = rng.normal(0, 4, size=(height, width, 1)).astype(np.float32)
+    pixels = np.clip(bg + ramp + noise, 0, 255).astype(np.uint8)
+    image = Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).copy())
+    draw = ImageDraw.Draw(image)
+
+    side = min(width, height)
+    x0, y0 = (width - side) / 2, (height - side) / 2
+    palette = [c for c in COLORS if c != bg_name]
+    color1, shape1 = rng.choice(palette), rng.choice(SHAPES)
+    if rng.random() < 0.5:  # one large shape near the centre
+        r = side * rng.uniform(0.22, 0.34)
+        cx = x0 + side / 2 + rng.uniform(-0.1, 0.1) * side
+        cy = y0 + side / 2 + rng.uniform(-0.1, 0.1) * side
+        _draw_shape(draw, shape1, cx, cy, r, COLORS[color1])
+        caption = f"{_a(color1)} {shape1}"
+        if rng.random() < 0.5:
+            caption += f" on {_a(bg_name)} background"
+    else:  # two shapes in a spatial relation
+        color2 = rng.choice([c for c in palette if c != color1])
+        shape2 = rng.choice(SHAPES)
+        relation = rng.choice(list(RELATIONS))
+        dx, dy = RELATIONS[relation]
+        r = side * rng.uniform(0.14, 0.2)
+        off = side * 0.25
+        cx, cy = x0 + side / 2, y0 + side / 2
+        _draw_shape(draw, shape1, cx + dx * off, cy + dy * off, r, COLORS[color1])
+        _draw_shape(draw, shape2, cx - dx * off, cy - dy * off, r, COLORS[color2])
+        caption = f"{_a(color1)} {shape1} {relation} {_a(color2)} {shape2}"
+    return image, caption
+
+
+def _random_size(rng: np.random.Generator) -> tuple[int, int]:
+    while True:
+        w, h = (int(v) for v in rng.integers(MIN_SIDE, MAX_SIDE + 1, size=2))
+        if max(w, h) / min(w, h) <= MAX_ASPECT:
+            return w, h
+
+
+def _encode(rng: np.random.Generator, image: Image.Image) -> bytes:
+    """Store the image the way web data comes: mostly JPEG, some PNG, a few odd modes."""
+    buf = io.BytesIO()
+    roll = rng.random()
+    if roll < 0.05:
+        image.convert("L").save(buf, "JPEG", quality=90)
+    elif roll < 0.10:
+        image.convert("CMYK").save(buf, "JPEG", quality=90)
+    elif roll < 0.15:
+        rgba = image.convert("RGBA")
+        alpha = np.full((image.height, image.width), 255, np.uint8)
+        alpha[: image.height // 8] = 0  # a transparent strip outside the centre square's shapes
+        rgba.putalpha(Image.fromarray(alpha))
+        rgba.save(buf, "PNG")
+    elif roll < 0.35:
+        image.save(buf, "PNG")
+    else:
+        image.save(buf, "JPEG", quality=int(rng.integers(75, 96)))
+    return buf.getvalue()
+
+
+def _bad_row(kind: str, rng: np.random.Generator) -> tuple[bytes, str, int, int]:
+    if kind == "tiny":
+        buf = io.BytesIO()
+        Image.new("RGB", (1, 1), (200, 0, 0)).save(buf, "PNG")
+        return buf.getvalue(), "a red dot", 1, 1
+    if kind == "not_image":
+        return b"<!doctype html><html><body>404 Not Found</body></html>", "a page, not a picture", 0, 0
+    w, h = _random_size(rng)
+    image, caption = render_scene(rng, w, h)
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    if kind == "truncated":
+        return data[: len(data) // 2], caption, w, h
+    return data, "", w, h  # empty_caption
+
+
+def _bad_rows_plan(n: int, rng: np.random.Generator) -> dict[int, str]:
+    per_kind = max(1, round(n * BAD_FRACTION))
+    if n < per_kind * len(BAD_KINDS):
+        return {}
+    rows = rng.choice(n, size=per_kind * len(BAD_KINDS), replace=False)
+    return {int(i): BAD_KINDS[j // per_kind] for j, i in enumerate(rows)}
+
+
+def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 128) -> dict:
+    """Write ``n`` rows as parquet shards under ``out``; returns the manifest (also saved as JSON)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    plan = _bad_rows_plan(n, rng)
+    rows = {name: [] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE,
+                                  schema.WIDTH, schema.HEIGHT, schema.RAW_URL)}
+    shards = []
+
+    def flush():
+        if not rows[schema.RAW_KEY]:
+            return
+        path = os.path.join(out, f"part-{len(shards):05d}.parquet")
+        arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
+                                  (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int32()),
+                                        (schema.HEIGHT, pa.int32()), (schema.RAW_URL, pa.string())])
+        pq.write_table(pa.table(rows, schema=arrow_schema), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        shards.append(os.path.basename(path))
+        for column in rows.values():
+            column.clear()
+
+    for i in range(n):
+        row_rng = np.random.default_rng([seed, i])  # each row depends on (seed, i) alone
+        if i in plan:
+            data, caption, w, h = _bad_row(plan[i], row_rng)
+        else:
+            w, h = _random_size(row_rng)
+            image, caption = render_scene(row_rng, w, h)
+            data = _encode(row_rng, image)
+        rows[schema.RAW_KEY].append(f"{i:09d}")
+        rows[schema.RAW_CAPTION].append(caption)
+        rows[schema.RAW_IMAGE].append(data)
+        rows[schema.WIDTH].append(w)
+        rows[schema.HEIGHT].append(h)
+        rows[schema.RAW_URL].append(f"https://example.invalid/sample/{seed}/{i:09d}.jpg")
+        if len(rows[schema.RAW_KEY]) == rows_per_shard:
+            flush()
+    flush()
+
+    bad = {kind: sum(1 for k in plan.values() if k == kind) for kind in BAD_KINDS}
+    manifest = {"rows": n, "good": n - len(plan), "bad": bad, "seed": seed, "shards": shards,
+                "bad_keys": {f"{i:09d}": kind for i, kind in sorted(plan.items())}}
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return manifest
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--n", type=int, default=256, help="number of rows")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows-per-shard", type=int, default=128)
+    args = parser.parse_args(argv)
+    manifest = write_sample_data(args.out, args.n, args.seed, args.rows_per_shard)
+    print(f"wrote {manifest['rows']} rows ({manifest['good']} good, bad: {manifest['bad']}) "
+          f"in {len(manifest['shards'])} shards to {args.out}")
+
+
+if __name__ == "__main__":
+    from diffusion import cli
+    cli.run(main, "sample")

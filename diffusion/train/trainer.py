@@ -1,0 +1,172 @@
+"""Config → Composer ``Trainer``: ``composer run.py yamls/x.yaml key=value ...`` ends up here.
+
+Read top to bottom: data description → model → loaders → optimizer and schedule → algorithms,
+callbacks, loggers → Trainer. Parallelism (DDP or FSDP) is Composer's; the model knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import yaml
+from composer import Trainer
+from composer.algorithms import GradientClipping
+from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
+                            LinearWithWarmupScheduler)
+from composer.utils import dist
+
+from diffusion import components
+from diffusion.config import Config, load_config
+from diffusion import schema
+from diffusion.train import mds_source
+from diffusion.models.stable_diffusion import StableDiffusion, build_model
+
+DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "yamls", "tiny-cpu.yaml")
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    fused = torch.cuda.is_available() if o.fused is None else o.fused
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                             fused=fused)
+
+
+def build_scheduler(cfg: Config):
+    s = cfg.scheduler
+    if s.name == "constant_with_warmup":
+        return ConstantWithWarmupScheduler(t_warmup=s.t_warmup)
+    if s.name == "linear_with_warmup":
+        return LinearWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+    return CosineAnnealingWithWarmupScheduler(t_warmup=s.t_warmup, alpha_f=s.alpha_f)
+
+
+def build_parallelism(cfg: Config) -> dict | None:
+    """FSDP through Composer (SHARD_GRAD_OP by default); None means DDP (or a single process)."""
+    fsdp = cfg.trainer.fsdp
+    if fsdp is None:
+        return None
+    return {"fsdp": {"sharding_strategy": fsdp.sharding_strategy, "mixed_precision": fsdp.mixed_precision,
+                     "state_dict_type": fsdp.state_dict_type, "limit_all_gathers": fsdp.limit_all_gathers,
+                     "forward_prefetch": fsdp.forward_prefetch, "backward_prefetch": fsdp.backward_prefetch,
+                     "activation_checkpointing": cfg.trainer.activation_checkpointing, "use_orig_params": True}}
+
+
+def prepare_model(cfg: Config, model: StableDiffusion) -> StableDiffusion:
+    """Memory layout and (without FSDP, which does its own) activation checkpointing."""
+    if cfg.trainer.channels_last:
+        model.unet.to(memory_format=torch.channels_last)
+    if cfg.trainer.activation_checkpointing and cfg.trainer.fsdp is None:
+        model.unet.enable_gradient_checkpointing()
+    return model
+
+
+def _run_name(cfg: Config) -> str | None:
+    t = cfg.trainer
+    if t.run_name:
+        return t.run_name
+    # autoresume finds the run's checkpoints by name: derive a stable one from the save folder.
+    if t.autoresume and t.save_folder:
+        return os.path.basename(os.path.normpath(t.save_folder)) or "diffusion"
+    return None
+
+
+def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo | None = None,
+                  extra_callbacks=()) -> Trainer:
+    """The Composer trainer for ``cfg``.
+
+    Online mode (:mod:`diffusion.online`) passes its own ``train_dataloader`` (batches of the same
+    contract) and the data description ``info`` in place of the MDS loader and ``dataset.json``, and
+    ``extra_callbacks`` of its own; everything else is built exactly as for offline training.
+    """
+    t = cfg.trainer
+    device = t.device or ("gpu" if torch.cuda.is_available() else "cpu")
+    dist.initialize_dist(device, timeout=t.dist_timeout)
+    mds_source.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
+
+    if info is None:
+        info = mds_source.read_dataset_info(cfg.data.train.path, cfg.data.train.download_timeout)
+    model = prepare_model(cfg, build_model(cfg.model, info, seed=t.seed))
+    loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
+                       world_size=dist.get_world_size(), seed=t.seed)
+    train_loader = (train_dataloader if train_dataloader is not None
+                    else mds_source.build_dataloader(cfg.data.train, **loader_args))
+    eval_loader = mds_source.build_dataloader(cfg.data.eval, **loader_args) if cfg.data.eval else None
+
+    optimizer = build_optimizer(cfg, model)
+    algorithms = components.build_components("algorithms", cfg.algorithms)
+    if t.grad_clip_norm:
+        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=t.grad_clip_norm))
+
+    return Trainer(
+        model=model, train_dataloader=train_loader, eval_dataloader=eval_loader, max_duration=t.max_duration,
+        eval_interval=t.eval_interval if eval_loader else 1, eval_subset_num_batches=t.eval_subset_num_batches,
+        optimizers=optimizer, schedulers=build_scheduler(cfg), step_schedulers_every_batch=True,
+        algorithms=algorithms, callbacks=components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks),
+        loggers=components.build_components("loggers", cfg.loggers), progress_bar=False, log_to_console=False,
+        run_name=_run_name(cfg), seed=t.seed, device=device,
+        precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
+        device_train_microbatch_size=t.device_train_microbatch_size,
+        parallelism_config=build_parallelism(cfg), compile_config={} if t.compile else None,
+        save_folder=t.save_folder, save_interval=t.save_interval,
+        save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
+        autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
+        load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
+
+
+def finished_message(trainer: Trainer) -> str | None:
+    """Why ``trainer.fit()`` would have nothing to do (autoresume loaded a run that reached its
+    ``max_duration``), or None. Re-running a finished run is then a report, not a crash."""
+    state = trainer.state
+    if state.max_duration is None or state.timestamp.get(state.max_duration.unit) < state.max_duration:
+        return None
+    return (f"run already finished: the checkpoint is at {state.timestamp.get(state.max_duration.unit)} of "
+            f"trainer.max_duration={state.max_duration}; raise trainer.max_duration to train further")
+
+
+TRAIN_HELP = """Train the Stable Diffusion UNet with Composer on MDS shards written by convert/laion_to_mds.py.
+
+Input: a YAML config (sections model, data, optimizer, scheduler, algorithms, callbacks, loggers,
+trainer; see diffusion/config.py) and any number of section.key=value overrides. Output: checkpoints
+in trainer.save_folder (Composer format, EMA weights included), logs through the configured loggers."""
+TRAIN_EXAMPLES = """examples:
+  composer run.py yamls/sd2-base-256.yaml                       # every GPU of this node
+  composer -n 8 --world_size 16 --node_rank 0 --master_addr HOST run.py yamls/sd2-base-256.yaml
+  python run.py yamls/tiny-cpu.yaml trainer.max_duration=100ba  # one process, CPU"""
+
+
+def parse_args(argv: list[str], prog: str = "run.py", description: str = TRAIN_HELP,
+               examples: str = TRAIN_EXAMPLES) -> tuple[str, list[str]]:
+    """``[config.yaml] [key=value ...]``; without a YAML, the embedded CPU default (tiny-cpu.yaml)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", default=DEFAULT_YAML,
+                        help="YAML config (default: yamls/tiny-cpu.yaml, the CPU demo)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override any config key, e.g. optimizer.lr=2e-4 trainer.max_duration=1000ba")
+    args = parser.parse_args(argv)
+    if "=" in args.config:  # overrides only: the default YAML
+        return DEFAULT_YAML, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(path, overrides)
+    if dist.get_global_rank() == 0:
+        print(f"# config: {path} {' '.join(overrides)}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+              flush=True)
+    trainer = build_trainer(cfg)
+    finished = finished_message(trainer)
+    if finished:
+        if dist.get_global_rank() == 0:
+            print(finished, flush=True)
+        trainer.close()
+        return trainer
+    trainer.logger.log_hyperparameters(cfg.to_dict())
+    trainer.fit()
+    trainer.close()
+    return trainer

@@ -1,0 +1,258 @@
+import hashlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusion import schema
+from diffusion.convert.pipeline import ConvertConfig, PoolPlan, plan_pools, run_conversion
+from diffusion.convert.sink import TMP_PREFIX
+from diffusion.convert.readers import iter_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REASON = {"truncated": "undecodable", "not_image": "undecodable", "tiny": "too_small",
+          "empty_caption": "empty_caption"}
+
+
+def _expected_rejects(bad_kinds) -> dict:
+    rejects = {}
+    for kind in bad_kinds:
+        rejects[REASON[kind]] = rejects.get(REASON[kind], 0) + 1
+    return rejects
+
+
+def _snapshot(directory) -> dict:
+    """{relative path: sha1} of every file under ``directory``."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = hashlib.sha1(f.read()).hexdigest()
+    return files
+
+
+def _convert_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--no-progress",
+                           *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def _read_back(local, remote=None):
+    from streaming import StreamingDataset
+    ds = StreamingDataset(local=str(local), remote=remote, shuffle=False, batch_size=1)
+    return [ds[i] for i in range(len(ds))]
+
+
+# ---- pool sizing (fast) ----------------------------------------------------------------------------
+
+def test_two_cpus_leave_room_for_read_tasks():
+    plan = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m"))
+    assert plan.num_transformers == 1 and plan.num_encoders == 1 and plan.gpus_per_encoder == 0
+    assert plan.num_transformers * plan.cpus_per_transformer + plan.cpus_per_encoder <= 1.0
+
+
+def test_gpus_get_one_encoder_each_and_flags_override():
+    cfg = ConvertConfig(input="x", output="y", model="m", resolutions=(512,))
+    plan = plan_pools({"CPU": 64.0, "GPU": 8.0}, cfg)
+    assert (plan.num_encoders, plan.gpus_per_encoder, plan.encoder_batch) == (8, 1.0, 40)
+    assert plan.num_transformers >= 40
+    cfg = ConvertConfig(input="x", output="y", model="m", num_transformers=3, cpus_per_transformer=2,
+                        encoder_gpus=0.5, batch_size=7)
+    assert plan_pools({"CPU": 64.0, "GPU": 2.0}, cfg) == PoolPlan(3, 2, 4, 1.0, 0.5, 7)
+
+
+def test_cli_wrong_column_names_file_and_columns(sample_data, tiny_kit):
+    result = _convert_cli("--input", sample_data, "--output", "unused", "--model", tiny_kit, "--image-column", "img")
+    assert result.returncode != 0
+    assert "part-00000.parquet" in result.stderr and "'img'" in result.stderr and "url" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_weightless_model_is_one_line_and_writes_nothing(sample_data, sd2_kit, tmp_path):
+    out = tmp_path / "mds"
+    result = _convert_cli("--input", sample_data, "--output", out, "--model", sd2_kit)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "no weights" in result.stderr and "vae" in result.stderr
+    assert not out.exists()
+
+
+def test_failed_first_run_leaves_no_output_folder(convert_config, tmp_path, monkeypatch):
+    from diffusion.convert import pipeline as convert
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("a worker died before anything was committed")
+    monkeypatch.setattr(convert, "_convert_into", crash)
+    out = tmp_path / "new"
+    with pytest.raises(RuntimeError):
+        run_conversion(convert_config(out))
+    assert not out.exists()
+    existing = tmp_path / "existing"  # a folder the user made: never removed
+    existing.mkdir()
+    with pytest.raises(RuntimeError):
+        run_conversion(convert_config(existing))
+    assert existing.is_dir()
+
+
+# ---- full conversions (Ray, tiny kit) ----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sample_converts_with_exact_counts(converted, manifest):
+    out, summary = converted
+    expected_rejects = _expected_rejects(k for k, n in manifest["bad"].items() for _ in range(n))
+    assert summary.written == manifest["good"] and summary.rejects == expected_rejects
+    assert summary.rows_in == manifest["rows"]
+    info = schema.DatasetInfo.load(out)
+    assert (info.count, info.rows_in, info.rejects) == (manifest["good"], manifest["rows"], expected_rejects)
+    assert info.resolutions == [32, 64]
+    assert "rows in" in summary.table() and "rejected: undecodable" in summary.table()
+
+
+@pytest.mark.slow
+def test_shards_read_back_with_streaming(converted, manifest, sample_data):
+    out, _ = converted
+    samples = _read_back(out)
+    good = {r[schema.RAW_KEY]: r for r in iter_rows(sample_data)
+            if r[schema.RAW_KEY] not in manifest["bad_keys"]}
+    assert sorted(s[schema.KEY] for s in samples) == sorted(good)
+    info = schema.DatasetInfo.load(out)
+    s = samples[0]
+    for r in info.resolutions:
+        assert s[schema.vae_moments_column(r)].shape == (8, r // info.downsample, r // info.downsample)
+        assert s[schema.vae_moments_column(r)].dtype == np.float16
+    assert s[schema.TEXT_EMBEDS].shape == (77, info.text_dim)
+    assert s[schema.INPUT_IDS].dtype == np.int32
+    assert s[schema.CAPTION] == good[s[schema.KEY]][schema.RAW_CAPTION]
+    assert (s[schema.WIDTH], s[schema.HEIGHT]) == (good[s[schema.KEY]][schema.WIDTH],
+                                                       good[s[schema.KEY]][schema.HEIGHT])
+    with open(os.path.join(out, "index.json")) as f:
+        shards = json.load(f)["shards"]
+    assert all(sh["compression"] == "zstd" and sh["hashes"] for sh in shards)
+    empty = np.load(os.path.join(out, schema.EMPTY_TEXT_EMBEDS))
+    assert empty.shape == (77, info.text_dim)
+
+
+@pytest.mark.slow
+def test_stored_moments_match_a_direct_vae_encode(converted, convert_config, tiny_kit):
+    from diffusion.convert.preview import input_crops
+    from diffusion.convert.encoders import TextEncoder, VaeEncoder
+    out, _ = converted
+    samples = _read_back(out)[:4]
+    vae, text = VaeEncoder(tiny_kit, device="cpu"), TextEncoder(tiny_kit, device="cpu")
+    crops = input_crops(convert_config(out), [s[schema.KEY] for s in samples])
+    for r in (32, 64):
+        direct = vae.moments(np.stack([crops[s[schema.KEY]][r] for s in samples])).astype(np.float32)
+        stored = np.stack([s[schema.vae_moments_column(r)] for s in samples]).astype(np.float32)
+        np.testing.assert_allclose(stored, direct, atol=1e-2, rtol=1e-2)
+    embeds = text.encode_captions([s[schema.CAPTION] for s in samples]).astype(np.float32)
+    np.testing.assert_allclose(np.stack([s[schema.TEXT_EMBEDS] for s in samples]).astype(np.float32),
+                               embeds, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.load(os.path.join(out, schema.EMPTY_TEXT_EMBEDS)).astype(np.float32),
+                               text.encode_captions([""])[0].astype(np.float32), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.slow
+def test_visualize_writes_crops_beside_decodings(converted):
+    out, _ = converted
+    image = Image.open(os.path.join(out, "visualize.png"))
+    assert image.size == (2 * 64, 2 * 64)  # 2 samples: crop | decoding at the largest resolution
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path, manifest):
+    clean = sorted(s[schema.KEY] for s in _read_back(converted[0]))
+    out = tmp_path / "resumed"
+    first = run_conversion(convert_config(out, limit=40))  # the "crash": stopped after 40 rows
+    assert 0 < first.written < manifest["good"]
+    stale = out / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
+    stale.mkdir()
+    (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
+    second = run_conversion(convert_config(out))
+    keys = [s[schema.KEY] for s in _read_back(out)]
+    assert sorted(keys) == clean and len(keys) == len(set(keys))
+    assert second.written == manifest["good"] and second.written_this_run == manifest["good"] - first.written
+    assert second.rejects == converted[1].rejects and not stale.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, value, setting", [("--resolutions", "32", "resolutions"),
+                                                  ("--min-size", "80", "min_size")])
+def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit,
+                                                                 flag, value, setting):
+    out, _ = converted
+    before = _snapshot(out)
+    result = _convert_cli("--input", sample_data, "--output", out, "--model", tiny_kit,
+                          "--resolutions", "32", "64", flag, value)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert out in result.stderr and setting in result.stderr and "new --output" in result.stderr
+    assert _snapshot(out) == before  # dataset.json, index and parts untouched
+
+
+def _bad_kinds(rows, manifest):
+    return [manifest["bad_keys"][r[schema.RAW_KEY]] for r in rows if r[schema.RAW_KEY] in manifest["bad_keys"]]
+
+
+@pytest.mark.slow
+def test_webdataset_and_folder_inputs(sample_data, manifest, convert_config, tmp_path, ray_local):
+    rows = list(iter_rows(sample_data))[:24]
+    tars = tmp_path / "wds"
+    tars.mkdir()
+    with tarfile.open(tars / "00000.tar", "w") as tar:
+        for r in rows[:12]:
+            for ext, data in ((".jpg", r[schema.RAW_IMAGE]), (".txt", r[schema.RAW_CAPTION].encode())):
+                info = tarfile.TarInfo(r[schema.RAW_KEY] + ext)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for r in rows[12:]:
+        (folder / f"{r[schema.RAW_KEY]}.jpg").write_bytes(r[schema.RAW_IMAGE])
+        (folder / f"{r[schema.RAW_KEY]}.txt").write_text(r[schema.RAW_CAPTION])
+    for source, part in ((tars, rows[:12]), (folder, rows[12:])):
+        summary = run_conversion(convert_config(tmp_path / f"out-{source.name}", input=str(source),
+                                                resolutions=(32,)))
+        bad = _bad_kinds(part, manifest)
+        assert summary.written == len(part) - len(bad), source.name
+        assert summary.rejects == _expected_rejects(bad), source.name
+        keys = {s[schema.KEY] for s in _read_back(tmp_path / f"out-{source.name}")}
+        assert keys == {r[schema.RAW_KEY] for r in part} - set(manifest["bad_keys"])
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    from moto.server import ThreadedMotoServer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+                        "S3_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    import boto3
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="laion")
+    yield endpoint
+    server.stop()
+
+
+@pytest.mark.slow
+def test_s3_output_reads_back_from_s3(sample_data, manifest, convert_config, tmp_path, s3_server, ray_local):
+    rows = list(iter_rows(sample_data))[:16]
+    summary = run_conversion(convert_config("s3://laion/mds", local_dir=str(tmp_path / "staging"),
+                                            resolutions=(32,), limit=16))
+    samples = _read_back(tmp_path / "cache", remote="s3://laion/mds")
+    expected = {r[schema.RAW_KEY] for r in rows} - set(manifest["bad_keys"])
+    assert {s[schema.KEY] for s in samples} == expected and summary.written == len(expected)
+    import boto3
+    names = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="laion")["Contents"]}
+    assert {"mds/index.json", "mds/dataset.json", f"mds/{schema.EMPTY_TEXT_EMBEDS}"} <= names

@@ -1,0 +1,95 @@
+import io
+import json
+import tarfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from diffusion import schema
+from diffusion.convert.readers import InputError, RawColumns, check_inputs, iter_rows, read_raw
+
+
+def _jpeg(size=(80, 60), color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def test_parquet_rows_in_order_with_keys_and_captions(sample_data, manifest):
+    rows = list(iter_rows(sample_data))
+    assert len(rows) == manifest["rows"]
+    assert [r[schema.RAW_KEY] for r in rows[:3]] == ["000000000", "000000001", "000000002"]
+    assert all(isinstance(r[schema.RAW_IMAGE], bytes) for r in rows)
+
+
+def test_configurable_columns_and_derived_stable_keys(tmp_path):
+    table = pa.table({"image_bytes": [_jpeg(), _jpeg()], "text": ["a red square", "another"]})
+    pq.write_table(table, tmp_path / "web-0007.parquet")
+    columns = RawColumns(image="image_bytes", caption="text", key="id")
+    first = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, columns)]
+    again = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, columns)]
+    assert first == again == ["web-0007-000000000", "web-0007-000000001"]
+    assert [r[schema.RAW_CAPTION] for r in iter_rows(tmp_path, columns)] == ["a red square", "another"]
+
+
+def test_wrong_column_names_the_file_and_its_columns(sample_data):
+    with pytest.raises(InputError) as e:
+        check_inputs(sample_data, RawColumns(image="image"))
+    message = str(e.value)
+    assert "part-00000.parquet" in message and "'image'" in message
+    assert schema.RAW_IMAGE in message and schema.RAW_URL in message  # the columns it does have
+
+
+def test_missing_and_unreadable_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        check_inputs(tmp_path / "nope")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match="broken.parquet"):
+        check_inputs(tmp_path)
+
+
+def test_download_output_keeps_only_successes(tmp_path):
+    table = pa.table({schema.RAW_KEY: ["a", "b", "c"], schema.RAW_CAPTION: ["x", "y", "z"],
+                      schema.RAW_IMAGE: [_jpeg(), None, _jpeg()],
+                      schema.RAW_STATUS: ["success", "failed_to_download", "success"]})
+    pq.write_table(table, tmp_path / "00000.parquet")
+    assert [r[schema.RAW_KEY] for r in iter_rows(tmp_path)] == ["a", "c"]
+
+
+def _write_tar(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for key, parts in samples:
+            for ext, data in parts.items():
+                info = tarfile.TarInfo(f"{key}{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_tar_as_img2dataset_writes_it(tmp_path):
+    meta = json.dumps({"url": "http://x", "width": 80, "height": 60, "status": "success"}).encode()
+    _write_tar(tmp_path / "00000.tar", [
+        ("000000010", {".jpg": _jpeg(), ".txt": b"a red square", ".json": meta}),
+        ("000000011", {".jpg": _jpeg(), ".txt": b"a blue dot"}),
+        ("000000012", {".txt": b"caption without image"}),
+    ])
+    rows = list(iter_rows(tmp_path))
+    assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION]) for r in rows] == [
+        ("000000010", "a red square"), ("000000011", "a blue dot")]
+    assert rows[0][schema.WIDTH] == 80
+
+
+def test_folder_of_images_with_sidecars(tmp_path):
+    (tmp_path / "cats").mkdir()
+    (tmp_path / "cats" / "one.jpg").write_bytes(_jpeg())
+    (tmp_path / "cats" / "one.txt").write_text("a red cat\n")
+    (tmp_path / "two.png").write_bytes(_jpeg())  # content sniffed by PIL later, not by suffix
+    rows = {r[schema.RAW_KEY]: r[schema.RAW_CAPTION] for r in iter_rows(tmp_path)}
+    assert rows == {"cats/one": "a red cat", "two": None}  # a missing sidecar is a missing caption
+
+
+def test_read_raw_skips_done_keys_before_decoding(sample_data, manifest, ray_local):
+    skip = {f"{i:09d}" for i in range(10)}
+    keys = [r[schema.RAW_KEY] for r in read_raw(sample_data, skip_keys=skip).take_all()]
+    assert len(keys) == manifest["rows"] - 10 and not skip & set(keys)

@@ -1,0 +1,347 @@
+"""The downloader against a local HTTP server on 127.0.0.1 that serves every kind of answer the web gives."""
+
+import collections
+import glob
+import http.server
+import io
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from diffusion import schema
+from diffusion.download.job import DownloadConfig, download
+from diffusion.download.http import USER_AGENT, FetchConfig, Fetcher, FetchError
+from diffusion.download.image import ImageRules, check_image
+from diffusion.download.plan import InputColumns, ShardSpec, plan_shards
+from diffusion.download.shard import ShardJob, ShardNaming, download_shard
+
+FETCH = FetchConfig(timeout=0.5, retries=2, backoff=0.01, max_bytes=200_000, max_redirects=3)
+RULES = ImageRules(min_size=16)
+SLOW_S = 1.0  # > FETCH.timeout
+
+
+def _image_bytes(fmt: str, size=(64, 48), seed=0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+JPEG, PNG, TINY = _image_bytes("JPEG"), _image_bytes("PNG", (40, 40)), _image_bytes("PNG", (8, 8))
+
+# path -> expected status of the row ("success" or the failure reason), in the order the input lists them
+CASES = {
+    "/ok.jpg": "success",
+    "/ok.png": "success",
+    "/moved": "success",  # 301 to /ok.jpg
+    "/flaky": "success",  # 500, then 200 on the retry
+    "/missing": "http_404",
+    "/down": "http_503",  # 503 every time
+    "/slow": "timeout",
+    "/big": "too_large",  # Content-Length over the limit
+    "/big-stream": "too_large",  # no Content-Length: stopped while streaming
+    "/truncated.jpg": "decode_error",
+    "/page.html": "not_image",
+    "/tiny.png": "too_small",
+    "/loop": "too_many_redirects",
+    "/to-file": "redirect_scheme",
+}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    hits: collections.Counter  # set per server
+    agents: list
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def _send(self, status, body=b"", content_type="image/jpeg", headers=(), length=True):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if length:
+            self.send_header("Content-Length", str(len(body)))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+            pass
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        self.hits[path] += 1
+        self.agents.append(self.headers.get("User-Agent"))
+        if path == "/ok.jpg":
+            self._send(200, JPEG)
+        elif path == "/ok.png":
+            self._send(200, PNG, "image/png")
+        elif path == "/tiny.png":
+            self._send(200, TINY, "image/png")
+        elif path == "/moved":
+            self._send(301, headers=[("Location", "/ok.jpg")])
+        elif path.startswith("/flaky"):
+            self._send(500 if self.hits[path] == 1 else 200, JPEG)
+        elif path == "/missing":
+            self._send(404, b"not here", "text/plain")
+        elif path == "/down":
+            self._send(503, b"busy", "text/plain")
+        elif path == "/slow":
+            time.sleep(SLOW_S)
+            self._send(200, JPEG)
+        elif path == "/big":
+            self._send(200, b"\xff" * 300_000)
+        elif path == "/big-stream":
+            self._send(200, b"\xff" * 300_000, length=False)
+        elif path == "/truncated.jpg":
+            self._send(200, JPEG[: len(JPEG) // 2])
+        elif path == "/page.html":
+            self._send(200, b"<!doctype html><html><body>an image was here</body></html>", "text/html")
+        elif path == "/loop":
+            self._send(302, headers=[("Location", "/loop")])
+        elif path == "/to-file":
+            self._send(302, headers=[("Location", "file:///etc/passwd")])
+        else:
+            self._send(404, b"unknown test path", "text/plain")
+
+
+class LocalServer:
+    def __init__(self):
+        handler = type("Handler", (_Handler,), {"hits": collections.Counter(), "agents": []})
+        self.handler = handler
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_port}{path}"
+
+    @property
+    def hits(self) -> collections.Counter:
+        return self.handler.hits
+
+    def reset(self):
+        self.handler.hits.clear()
+        self.handler.agents.clear()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LocalServer()
+    yield s
+    s.httpd.shutdown()
+
+
+def _write_input(path, urls, fmt="parquet", extra=None):
+    rows = {"URL": urls, "TEXT": [f"caption {i}" for i in range(len(urls))], **(extra or {})}
+    if fmt == "parquet":
+        pq.write_table(pa.table(rows), path, row_group_size=3)  # shards cross row-group boundaries
+    elif fmt == "csv":
+        import pyarrow.csv as pa_csv
+        pa_csv.write_csv(pa.table(rows), path)
+    else:
+        with open(path, "w") as f:
+            for i in range(len(urls)):
+                f.write(json.dumps({k: v[i] for k, v in rows.items()}) + "\n")
+    return str(path)
+
+
+def _read_output(out) -> pa.Table:
+    files = sorted(glob.glob(os.path.join(out, "*.parquet")))
+    return pa.concat_tables([pq.read_table(f) for f in files])
+
+
+def _reason(row) -> str:
+    return row[schema.RAW_STATUS] if row[schema.RAW_STATUS] == "success" else row[schema.RAW_ERROR].split(":")[0]
+
+
+# ---- the fetcher and the image check, without Ray -------------------------------------------------
+
+def test_fetcher_retries_only_timeouts_and_5xx_and_names_itself(server):
+    server.reset()
+    fetcher = Fetcher(FETCH, pool_size=4)
+    assert fetcher.fetch(server.url("/flaky-a")) == JPEG
+    for path, reason in [("/missing", "http_404"), ("/down", "http_503"), ("/slow", "timeout")]:
+        with pytest.raises(FetchError) as err:
+            fetcher.fetch(server.url(path))
+        assert err.value.reason == reason
+    assert server.hits["/flaky-a"] == 2
+    assert server.hits["/missing"] == 1  # a 404 is final
+    assert server.hits["/down"] == FETCH.retries + 1
+    assert server.hits["/slow"] == FETCH.retries + 1
+    assert set(server.handler.agents) == {USER_AGENT} and "sd-pretrain-downloader" in USER_AGENT
+
+
+def test_fetcher_refuses_other_schemes_and_endless_redirects(server):
+    server.reset()
+    fetcher = Fetcher(FETCH)
+    with pytest.raises(FetchError, match=r"redirect_scheme: 'file:///etc/passwd'.*only http and https"):
+        fetcher.fetch(server.url("/to-file"))
+    with pytest.raises(FetchError, match="unsupported_scheme"):
+        fetcher.fetch("ftp://127.0.0.1/x.jpg")
+    with pytest.raises(FetchError, match="too_many_redirects"):
+        fetcher.fetch(server.url("/loop"))
+    assert server.hits["/loop"] == FETCH.max_redirects + 1
+
+
+@pytest.mark.parametrize("mode,size,expected", [("no", 32, (64, 48)), ("center_crop", 32, (32, 32)),
+                                                  ("keep_ratio", 24, (32, 24)), ("keep_ratio", 100, (64, 48))])
+def test_check_image_resize_modes(mode, size, expected):
+    checked = check_image(JPEG, ImageRules(min_size=16, resize_mode=mode, image_size=size))
+    assert (checked.width, checked.height) == expected
+    assert (checked.original_width, checked.original_height) == (64, 48)
+    assert Image.open(io.BytesIO(checked.data)).size == expected
+    if mode == "no":
+        assert checked.data == JPEG  # the original bytes, untouched
+
+
+def test_check_image_refuses_giants_before_decoding():
+    with pytest.raises(FetchError, match="too_many_pixels"):
+        check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48 - 1))
+
+
+# ---- one shard, without Ray ----------------------------------------------------------------------
+
+def test_shard_rows_statuses_and_stats(server, tmp_path):
+    server.reset()
+    paths = list(CASES) + ["ftp://127.0.0.1/x.jpg", None]
+    expected = list(CASES.values()) + ["unsupported_scheme", "invalid_url"]
+    src = _write_input(tmp_path / "in.parquet", [p if p is None or "://" in p else server.url(p) for p in paths],
+                       extra={"similarity": [0.5] * len(paths)})
+    columns = InputColumns(keep=("similarity",))
+    naming = ShardNaming.for_plan(1, 100)
+    job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, columns, naming, FETCH, RULES, threads=8)
+    os.makedirs(tmp_path / "out")
+    stats = download_shard(job, ShardSpec(7, src, 0, len(paths)))
+
+    table = pq.read_table(tmp_path / "out" / "00007.parquet").to_pylist()
+    assert [_reason(r) for r in table] == expected  # input order, one row per input row
+    assert [r[schema.RAW_KEY] for r in table] == [f"00007{i:02d}" for i in range(len(paths))]
+    assert [r[schema.RAW_CAPTION] for r in table] == [f"caption {i}" for i in range(len(paths))]
+    assert all(r["similarity"] == 0.5 for r in table)
+    ok = [r for r in table if r[schema.RAW_STATUS] == schema.RAW_STATUS_SUCCESS]
+    assert [(r[schema.WIDTH], r[schema.HEIGHT]) for r in ok] == [(64, 48), (40, 40), (64, 48), (64, 48)]
+    assert ok[0][schema.RAW_IMAGE] == JPEG and ok[1][schema.RAW_IMAGE] == PNG
+    failed = [r for r in table if r[schema.RAW_STATUS] == schema.RAW_STATUS_FAILED]
+    assert all(r[schema.RAW_IMAGE] == b"" and r[schema.WIDTH] is None for r in failed)
+
+    on_disk = json.loads((tmp_path / "out" / "00007_stats.json").read_text())
+    assert on_disk["count"] == len(paths) and on_disk["successes"] == 4
+    assert on_disk["failures"] == dict(sorted(collections.Counter(e for e in expected if e != "success").items()))
+    assert on_disk["failed_to_resize"] == 3  # decode_error, not_image, too_small
+    assert on_disk["failed_to_download"] == len(paths) - 4 - 3
+    assert on_disk["status_dict"]["success"] == 4 and on_disk["duration"] > 0
+    assert stats["skipped"] is False
+    assert download_shard(job, ShardSpec(7, src, 0, len(paths)))["skipped"] is True  # finished: not redone
+    assert not glob.glob(str(tmp_path / "out" / "*.tmp"))
+
+
+# ---- the Ray job ---------------------------------------------------------------------------------
+
+def _config(src, out, **kw):
+    return DownloadConfig(input=str(src), output=str(out), rows_per_shard=4, threads=4, fetch=FETCH,
+                          image=RULES, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_plan_reads_csv_and_jsonl(tmp_path, fmt):
+    src = _write_input(tmp_path / f"in.{fmt}", [f"http://127.0.0.1:1/{i}.jpg" for i in range(10)], fmt)
+    shards, formats = plan_shards(src, InputColumns(), rows_per_shard=4)
+    assert [(s.start, s.stop) for s in shards] == [(0, 4), (4, 8), (8, 10)]
+    assert formats == {src: fmt}
+    with pytest.raises(ValueError, match=r"in\.%s: no column \['url'\]" % fmt):
+        plan_shards(src, InputColumns(url="url"), rows_per_shard=4)
+
+
+def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_local):
+    server.reset()
+    urls = [server.url(p if p != "/flaky" else f"/flaky-{i}") for i, p in enumerate(CASES)]  # 14 rows
+    os.makedirs(tmp_path / "in")
+    _write_input(tmp_path / "in" / "a.parquet", urls[:10])
+    _write_input(tmp_path / "in" / "b.parquet", urls[10:])
+    out = tmp_path / "out"
+    summary = download(_config(tmp_path / "in", out))
+
+    failures = collections.Counter(v for v in CASES.values() if v != "success")
+    assert (summary.shards, summary.count, summary.successes) == (4, 14, 4)  # a: 4+4+2 rows, b: 4
+    assert summary.failures == dict(sorted(failures.items()))
+    assert summary.downloaded == 14 and summary.images_per_s > 0
+    table = _read_output(out)
+    assert sorted(table[schema.RAW_KEY].to_pylist()) == [f"00000{i}" for i in range(4)] + [
+        f"00001{i}" for i in range(4)] + [f"00002{i}" for i in range(2)] + [f"00003{i}" for i in range(4)]
+    assert sorted(_reason(r) for r in table.to_pylist()) == sorted(CASES.values())
+    assert json.loads((out / "summary.json").read_text())["successes"] == 4
+
+    # What a kill leaves: shard 1's parquet renamed but no stats yet, shard 2 half-written under .tmp.
+    (out / "00001_stats.json").unlink()
+    (out / "00002.parquet").rename(out / "00002.parquet.tmp")
+    (out / "00002_stats.json").unlink()
+    server.reset()
+    again = download(_config(tmp_path / "in", out))
+    assert (again.skipped_shards, again.downloaded) == (2, 6)
+    assert sum(server.hits.values()) > 0 and not any(k.startswith("/ok") for k in server.hits)  # shard 0 not refetched
+    resumed = _read_output(out)
+    assert resumed.num_rows == 14 and len(set(resumed[schema.RAW_KEY].to_pylist())) == 14  # nothing lost or doubled
+    assert (again.count, again.successes, again.failures) == (14, 4, summary.failures)
+
+    with pytest.raises(ValueError, match="different plan.*rows_per_shard"):
+        download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=5, fetch=FETCH))
+
+
+def test_s3_input_and_output(server, tmp_path, monkeypatch):
+    """Input listed and read from s3://, shard and stats written to s3:// (a local moto server)."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        port = moto.get_host_and_port()[1]
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        s3.create_bucket(Bucket="laion")
+        src = _write_input(tmp_path / "in.parquet", [server.url("/ok.jpg"), server.url("/missing")])
+        s3.upload_file(src, "laion", "urls/part-0.parquet")
+        query = f"?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+        columns, uri, out = InputColumns(), f"s3://laion/urls{query}", f"s3://laion/raw{query}"
+
+        shards, formats = plan_shards(uri, columns, rows_per_shard=4)
+        assert [(s.path, s.start, s.stop) for s in shards] == [("laion/urls/part-0.parquet", 0, 2)]
+        job = ShardJob(uri, out, formats, columns, ShardNaming(), FETCH, RULES, threads=2)
+        assert download_shard(job, shards[0])["successes"] == 1
+
+        listing = s3.list_objects_v2(Bucket="laion", Prefix="raw/")["Contents"]
+        keys = sorted(o["Key"] for o in listing if not o["Key"].endswith("/"))  # pyarrow's directory marker
+        assert keys == ["raw/00000.parquet", "raw/00000_stats.json"]
+        body = s3.get_object(Bucket="laion", Key="raw/00000.parquet")["Body"].read()
+        rows = pq.read_table(io.BytesIO(body)).to_pylist()
+        assert [_reason(r) for r in rows] == ["success", "http_404"] and rows[0][schema.RAW_IMAGE] == JPEG
+    finally:
+        moto.stop()
+
+
+def test_cli_downloads_csv_with_renamed_columns_and_resize(server, tmp_path, ray_local, capsys):
+    import runpy
+    cli = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "convert", "download_laion.py"))
+    src = tmp_path / "in.csv"
+    src.write_text(f"link,alt,lang\n{server.url('/ok.jpg')},a noisy photo,en\n{server.url('/missing')},gone,de\n")
+    out = tmp_path / "out"
+    cli["main"](["--input", str(src), "--output", str(out), "--url-col", "link", "--caption-col", "alt",
+                 "--keep-columns", "lang", "--resize-mode", "center_crop", "--image-size", "32",
+                 "--min-size", "16", "--timeout", "2"])
+    printed = capsys.readouterr().out
+    assert "1/2 images downloaded" in printed and "http_404 1" in printed
+    rows = _read_output(out).to_pylist()
+    assert [(r[schema.RAW_CAPTION], r["lang"], _reason(r)) for r in rows] == [
+        ("a noisy photo", "en", "success"), ("gone", "de", "http_404")]
+    assert Image.open(io.BytesIO(rows[0][schema.RAW_IMAGE])).size == (32, 32)
+    assert (rows[0][schema.RAW_ORIGINAL_WIDTH], rows[0][schema.RAW_ORIGINAL_HEIGHT]) == (64, 48)

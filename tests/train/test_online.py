@@ -1,0 +1,183 @@
+"""Online mode: raw sample data → transform → encode → 2 Ray Train workers running the Composer trainer.
+
+The slow tests run the whole thing on the local 2-CPU Ray with the tiny kit: the loss falls, bad rows
+are counted like the converter counts them, the checkpoint continues offline in ``run.py``'s trainer,
+and a worker killed mid-run is restarted and training still reaches ``max_duration``.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fault_injector
+from fault_injector import FaultInjector
+from diffusion.config import ConfigError, load_config
+from diffusion import schema
+from diffusion.convert import transforms
+from diffusion.online import check_online, run_online
+from diffusion.train.batches import CaptionDropout, ToModelBatch
+from diffusion.train.stream_source import data_resources, plan_online_pools
+from diffusion.train.ray_workers import ShardBatches, TrainPlacement
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+REASON = {"truncated": transforms.UNDECODABLE, "not_image": transforms.UNDECODABLE,
+          "tiny": transforms.TOO_SMALL, "empty_caption": transforms.EMPTY_CAPTION}
+
+# Ray's workers cannot import tests/ modules: ship the injector's code with the pickled callback.
+import ray.cloudpickle  # noqa: E402
+ray.cloudpickle.register_pickle_by_value(fault_injector)
+
+
+def online_config(kit, raw, tmp_path, *extra, batches=6):
+    return load_config(TINY, [
+        f"model.ref={kit}", f"data.online.input={raw}", f"data.online.work_dir={tmp_path / 'work'}",
+        "data.online.num_encoders=1", "data.online.num_train_workers=2", "data.train.batch_size=8",
+        f"trainer.max_duration={batches}ba", f"trainer.save_folder={tmp_path / 'ckpt'}", "trainer.save_interval=2ba",
+        "trainer.autoresume=true", "loggers={}", "callbacks={}", "scheduler.t_warmup=0ba",
+        # The plumbing under test, not the demo's colour recipe: epsilon's loss falls within a few batches.
+        "model.prediction_type=epsilon", "model.offset_noise=0.0", *extra])
+
+
+def expected_rejects(sample_data) -> dict:
+    with open(os.path.join(sample_data, "manifest.json")) as f:
+        bad = json.load(f)["bad"]
+    counts = {}
+    for kind, n in bad.items():
+        counts[REASON[kind]] = counts.get(REASON[kind], 0) + n
+    return counts
+
+
+# ---- the pieces, fast -------------------------------------------------------------------------------
+
+def test_default_pools_fit_two_cpus_with_room_for_a_read():
+    cfg = load_config(TINY, ["data.online.input=x"])
+    plan = plan_online_pools({"CPU": 2.0}, cfg)
+    o = cfg.data.online
+    held = (o.num_train_workers * o.train_cpus + plan.num_transformers * plan.cpus_per_transformer
+            + plan.num_encoders * plan.cpus_per_encoder)
+    assert held <= 2.0 - 1.0  # a read task needs a whole CPU, or Ray Data waits for it forever
+    assert plan.num_transformers >= 1 and plan.num_encoders >= 1 and plan.gpus_per_encoder == 0
+
+
+def test_gpu_cluster_splits_gpus_between_trainers_and_encoders():
+    cfg = load_config(TINY, ["data.online.input=x", "data.online.num_train_workers=4", "data.online.train_gpus=1",
+                             "data.online.train_cpus=8", "data.online.encoder_accelerator_type=A10G",
+                             "data.online.train_accelerator_type=H100"])
+    assert data_resources({"CPU": 64, "GPU": 8}, cfg) == {"CPU": 32.0, "GPU": 4.0}
+    plan = plan_online_pools({"CPU": 64, "GPU": 8}, cfg)
+    assert (plan.num_encoders, plan.gpus_per_encoder) == (4, 1.0)
+    scaling = TrainPlacement(num_workers=4, use_gpu=True, cpus_per_worker=8, accelerator_type="H100").scaling_config()
+    assert scaling.use_gpu and scaling.accelerator_type == "H100" and scaling.resources_per_worker == {
+        "CPU": 8, "GPU": 1.0}
+
+
+def test_training_all_cpus_is_refused_with_the_reason():
+    cfg = load_config(TINY, ["data.online.input=x", "data.online.train_cpus=1.0"])
+    with pytest.raises(ValueError, match="nothing is left to read"):
+        plan_online_pools({"CPU": 2.0}, cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "data.online.input"),
+    (["data.online.input=x", "data.online.num_train_workers=3"], "does not divide evenly"),
+])
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_online(load_config(TINY, overrides))
+
+
+def test_batches_follow_the_contract_and_drop_captions_to_the_empty_embedding():
+    n, d = 400, 8
+    empty = np.full((schema.MAX_TOKENS, d), -1.0, np.float16)
+    columns = {schema.vae_moments_column(64): np.zeros((n, 8, 8, 8), np.float16),
+               schema.TEXT_EMBEDS: np.ones((n, schema.MAX_TOKENS, d), np.float16),
+               schema.INPUT_IDS: np.zeros((n, schema.MAX_TOKENS), np.int32),
+               schema.CAPTION: np.array(["a"] * n, dtype=object),
+               schema.KEY: np.array([f"{i:09d}" for i in range(n)], dtype=object)}
+    batch = ToModelBatch(64, empty, CaptionDropout(0.25, seed=0))(columns, 0)
+    assert set(batch) == {schema.BATCH_MOMENTS, schema.BATCH_TEXT_EMBEDS, schema.BATCH_INPUT_IDS}
+    assert batch[schema.BATCH_MOMENTS].shape == (n, 8, 8, 8) and batch[schema.BATCH_INPUT_IDS].dtype == torch.long
+    dropped = (batch[schema.BATCH_TEXT_EMBEDS] == -1).all(dim=(1, 2))
+    kept = (batch[schema.BATCH_TEXT_EMBEDS] == 1).all(dim=(1, 2))
+    assert bool((dropped | kept).all()) and 0.15 < dropped.float().mean() < 0.35
+
+
+class FakeShard:
+    """Stands in for a Ray Data shard: the same rows every pass."""
+
+    def __init__(self, rows):
+        self.rows, self.passes = rows, 0
+
+    def iter_batches(self, batch_size, batch_format, drop_last, prefetch_batches):
+        self.passes += 1
+        for start in range(0, len(self.rows) - batch_size + 1, batch_size):
+            yield {"x": np.arange(start, start + batch_size), "_encode_seconds": np.full(batch_size, 0.5)}
+
+
+def test_shard_batches_loop_over_passes_and_sum_stage_times():
+    shard = FakeShard(range(5))
+    batches = ShardBatches(shard, batch_size=2, to_batch=lambda c, epoch: c["x"].tolist(), max_passes=3)
+    assert list(batches) == [[0, 1], [2, 3]] * 3  # the partial batch of each pass is dropped
+    assert batches.stage_seconds == {"_encode_seconds": 6 * 2 * 0.5} and batches.batch_size == 2
+    assert len(batches.waits) == 6 and batches.passes == 3
+
+
+def test_shard_batches_fail_clearly_on_an_empty_stream():
+    with pytest.raises(RuntimeError, match="no full batch of 8 rows"):
+        next(iter(ShardBatches(FakeShard(range(3)), batch_size=8, to_batch=lambda c, epoch: c)))
+
+
+def test_fault_injector_stays_quiet_off_its_batch_and_after_it_fired(tmp_path):
+    from types import SimpleNamespace
+    marker = tmp_path / "fired"
+    state = SimpleNamespace(timestamp=SimpleNamespace(batch=3))
+    FaultInjector(at_batch=4, marker=str(marker), rank=0).batch_end(state, None)  # other batch: nothing
+    marker.write_text("already")
+    state.timestamp.batch = 4
+    FaultInjector(at_batch=4, marker=str(marker), rank=0).batch_end(state, None)  # already fired: nothing
+    assert marker.read_text() == "already"
+
+
+# ---- end to end on the local Ray, slow -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, sample_data, ray_local, tmp_path):
+    result = run_online(online_config(tiny_kit, sample_data, tmp_path))
+    assert result.batch == 6 and result.resumed_from == 0
+    losses = [loss for _, loss in result.losses]
+    assert [b for b, _ in result.losses] == list(range(1, 7))
+    assert np.mean(losses[-2:]) < 0.9 * np.mean(losses[:2]), losses
+    assert result.rejects == expected_rejects(sample_data)
+    assert result.stage_seconds.get(transforms.STAGE_SECONDS, 0) > 0
+
+    # The checkpoint starts offline training in run.py's trainer, on MDS shards, from the same weights.
+    from train_fixtures import tiny_overrides, write_latent_mds
+    from diffusion.train.trainer import build_trainer
+    checkpoint = tmp_path / "ckpt" / "latest-rank0.pt"
+    assert checkpoint.exists()
+    online_state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]["model"]
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=tiny_kit, n=16)
+    cfg = load_config(TINY, tiny_overrides(tiny_kit, mds, batches=2, extra=(
+        f"trainer.load_path={checkpoint}", "trainer.load_weights_only=true")))
+    trainer = build_trainer(cfg)
+    loaded = trainer.state.model.state_dict()
+    torch.testing.assert_close(loaded["unet.conv_in.weight"], online_state["unet.conv_in.weight"])
+    trainer.fit()
+    assert int(trainer.state.timestamp.batch) == 2
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_training_completes(tiny_kit, sample_data, ray_local, tmp_path):
+    marker = tmp_path / "killed-once"
+    injector = FaultInjector(at_batch=3, marker=str(marker), rank=1)
+    result = run_online(online_config(tiny_kit, sample_data, tmp_path), extra_callbacks=[injector])
+    assert marker.exists()  # the fault happened...
+    assert result.resumed_from == 2  # ...the new worker group resumed from the checkpoint before it...
+    assert result.batch == 6 and [b for b, _ in result.losses] == [3, 4, 5, 6]  # ...and finished the run
+    again = run_online(online_config(tiny_kit, sample_data, tmp_path))  # the same command once more
+    assert again.finished and "already finished" in again.finished and again.batch == 6 and not again.losses

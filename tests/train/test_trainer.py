@@ -1,0 +1,142 @@
+"""Training end to end on CPU: the loss falls; a killed-and-resumed run equals a straight one."""
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from composer.core import Callback
+
+from diffusion.config import load_config
+from diffusion import schema
+from diffusion.models.checkpoint import load_unet
+from diffusion.train.trainer import build_trainer
+from train_fixtures import tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+
+
+class RecordOrder(Callback):
+    """The sample indices of every batch, in training order."""
+
+    def __init__(self):
+        self.batches = []
+
+    def before_forward(self, state, logger):
+        self.batches.append(state.batch[schema.BATCH_SAMPLE_INDEX].tolist())
+
+
+@pytest.fixture(scope="module")
+def mds(train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=train_kit, n=48)
+
+
+def _fit(kit, mds, *overrides, batches, save_folder=None):
+    cfg = load_config(TINY, tiny_overrides(kit, mds, batches=batches, save_folder=save_folder, extra=overrides))
+    trainer = build_trainer(cfg)
+    order = RecordOrder()
+    trainer.state.callbacks.append(order)
+    trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
+    ema = [a for a in trainer.state.algorithms if type(a).__name__ == "EMA"]
+    ema_params = {k: v.clone() for k, v in ema[0].state_dict()["ema_params"].items()} if ema else None
+    model = trainer.state.model
+    trainer.close()
+    del trainer
+    gc.collect()  # releases the StreamingDataset's shared memory before the next run reuses the folder
+    return model, weights, ema_params, order.batches
+
+
+def _eval_loss(model, mds, kit):
+    from diffusion.config import EvalLoaderConfig
+    from diffusion.train import mds_source
+    from train_fixtures import kit_text_dim
+    loader = mds_source.build_dataloader(EvalLoaderConfig(path=mds, batch_size=48, num_workers=0),
+                                         resolution=64, text_dim=kit_text_dim(kit))
+    batch = next(iter(loader))
+    model.eval()
+    out = model.eval_forward(batch)
+    del loader
+    return ((out["prediction"] - out["target"]) ** 2).mean().item()
+
+
+@pytest.mark.slow
+def test_loss_falls(train_kit, mds):
+    model, *_ = _fit(train_kit, mds, "algorithms={}", batches=1)
+    before = _eval_loss(model, mds, train_kit)
+    model, *_ = _fit(train_kit, mds, "algorithms={}", "optimizer.lr=3e-3", batches=30)
+    after = _eval_loss(model, mds, train_kit)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_the_same_seed_trains_the_same_weights_and_another_seed_does_not(train_kit, mds):
+    # The UNet's random init comes from trainer.seed too: a re-run reproduces a run exactly.
+    _, first, _, order = _fit(train_kit, mds, "algorithms={}", batches=2)
+    _, again, _, order_again = _fit(train_kit, mds, "algorithms={}", batches=2)
+    _, other, _, _ = _fit(train_kit, mds, "algorithms={}", "trainer.seed=18", batches=2)
+    assert order_again == order
+    for name in first:
+        assert torch.equal(again[name], first[name]), name
+    assert not torch.equal(other["unet.conv_in.weight"], first["unet.conv_in.weight"])
+
+
+@pytest.mark.slow
+def test_resume_equals_a_straight_run(train_kit, mds, tmp_path):
+    """2N batches straight == N, kill, autoresume, N: same data order, weights, EMA and checkpointed model."""
+    n = 4
+    straight = tmp_path / "straight"
+    _, weights, ema, order = _fit(train_kit, mds, "trainer.save_interval=4ba", batches=2 * n,
+                                  save_folder=str(straight))
+    # "kill" after N batches: a fresh run folder holding only the first checkpoint, then autoresume
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    first = next(p for p in os.listdir(straight) if p.endswith(f"ba{n}-rank0.pt"))
+    shutil.copy(straight / first, resumed / first)
+    os.symlink(first, resumed / "latest-rank0.pt")
+    _, weights2, ema2, order2 = _fit(train_kit, mds, "trainer.save_interval=4ba", "trainer.autoresume=true",
+                                     batches=2 * n, save_folder=str(resumed))
+    assert order2 == order[n:]  # continued mid-epoch (48 samples = 6 batches/epoch) in the same order
+    assert len(order2) == n
+    for name in weights:
+        torch.testing.assert_close(weights2[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+    for name in ema:
+        torch.testing.assert_close(ema2[name], ema[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the checkpoint alone rebuilds the UNet, with EMA weights by default
+    unet, info = load_unet(str(resumed / "latest-rank0.pt"))
+    assert info["ema_used"] and info["resolution"] == 64 and info["model_ref"] == train_kit
+    torch.testing.assert_close(unet.state_dict()["conv_in.weight"], ema["unet.conv_in.weight"])
+    raw, info = load_unet(str(resumed / "latest-rank0.pt"), ema=False)
+    assert not info["ema_used"]
+    torch.testing.assert_close(raw.state_dict()["conv_in.weight"], weights["unet.conv_in.weight"])
+
+
+def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp_path):
+    _, weights, _, _ = _fit(train_kit, mds, "trainer.save_interval=3ba", batches=3, save_folder=str(tmp_path / "p1"))
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=2, extra=(
+        f"trainer.load_path={tmp_path / 'p1' / 'latest-rank0.pt'}", "trainer.load_weights_only=true",
+        "trainer.load_strict=false")))
+    trainer = build_trainer(cfg)
+    assert int(trainer.state.timestamp.batch) == 0  # fresh schedule
+    assert not trainer.state.optimizers[0].state  # fresh optimizer
+    loaded = trainer.state.model.state_dict()
+    torch.testing.assert_close(loaded["unet.conv_in.weight"], weights["unet.conv_in.weight"])
+    trainer.close()
+
+
+def test_rerunning_a_finished_run_reports_it_and_exits_zero(train_kit, mds, tmp_path):
+    """`composer run.py x.yaml` again after the run finished: a report, not Composer's max_duration error."""
+    args = [sys.executable, os.path.join(ROOT, "run.py"), TINY,
+            *tiny_overrides(train_kit, mds, batches=2, save_folder=str(tmp_path / "ckpt"),
+                            extra=("trainer.autoresume=true", "trainer.save_interval=2ba"))]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = sorted(os.listdir(tmp_path / "ckpt"))
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "run already finished" in again.stdout and "2ba" in again.stdout
+    assert "Traceback" not in again.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt")) == checkpoints  # nothing trained or saved
