@@ -66,3 +66,19 @@ def ray_local():
     ctx.enable_progress_bars = False
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def fake_checkpoint(tiny_kit, tmp_path) -> str:
+    """A Composer checkpoint in training's format: raw weights perturbed, EMA weights the kit's."""
+    import torch
+    from sampling_helpers import kit_unet
+    unet = kit_unet(tiny_kit)
+    ema = {f"unet.{k}": v.clone() for k, v in unet.state_dict().items()}
+    raw = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in ema.items()}
+    raw["_extra_state"] = {"model_ref": tiny_kit, "unet_config": dict(unet.config), "scaling_factor": 0.5,
+                           "prediction_type": "v_prediction", "resolution": 32,
+                           "text_dim": unet.config.cross_attention_dim}
+    path = tmp_path / "ep0-ba4-rank0.pt"
+    torch.save({"state": {"model": raw, "algorithms": [("EMA", {"ema_params": ema})]}}, path)
+    return str(path)

@@ -9,7 +9,7 @@ import torch
 
 from diffusion import export
 from diffusion.models import sampling
-from test_generate import PROMPTS, _kit_unet, _pixels, fake_checkpoint  # noqa: F401  (fixture)
+from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels
 
 
 def _load(directory):

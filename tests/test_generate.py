@@ -11,18 +11,7 @@ from PIL import Image
 from diffusion import generate
 from diffusion import grid
 from diffusion.models import loading, sampling
-
-PROMPTS = ["a red circle above a blue square", "a green triangle"]
-
-
-def _pixels(image) -> np.ndarray:
-    return np.asarray(image, dtype=np.int16)
-
-
-def _kit_unet(kit):
-    from diffusers import UNet2DConditionModel
-    return UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet")).eval()
-
+from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels
 
 @pytest.fixture(scope="module")
 def sampler(tiny_kit):
@@ -32,20 +21,6 @@ def sampler(tiny_kit):
 @pytest.fixture(scope="module")
 def unet(tiny_kit):
     return _kit_unet(tiny_kit)
-
-
-@pytest.fixture
-def fake_checkpoint(tiny_kit, tmp_path) -> str:
-    """A Composer checkpoint in training's format: raw weights perturbed, EMA weights the kit's."""
-    unet = _kit_unet(tiny_kit)
-    ema = {f"unet.{k}": v.clone() for k, v in unet.state_dict().items()}
-    raw = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in ema.items()}
-    raw["_extra_state"] = {"model_ref": tiny_kit, "unet_config": dict(unet.config), "scaling_factor": 0.5,
-                           "prediction_type": "v_prediction", "resolution": 32,
-                           "text_dim": unet.config.cross_attention_dim}
-    path = tmp_path / "ep0-ba4-rank0.pt"
-    torch.save({"state": {"model": raw, "algorithms": [("EMA", {"ema_params": ema})]}}, path)
-    return str(path)
 
 
 def test_same_seed_same_images_whatever_the_batch_other_seed_differs(sampler, unet):

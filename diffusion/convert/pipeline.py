@@ -27,7 +27,7 @@ from diffusion.convert.summary import ConversionSummary, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts,
                                      remove_temporary_parts, write_json_atomic)
-from diffusion.convert.readers import RawColumns, check_inputs, read_raw
+from diffusion.convert.readers import KEY_SCHEME, RawColumns, check_inputs, read_raw
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
 
@@ -95,7 +95,8 @@ class ConvertConfig:
         model = os.path.abspath(os.path.expanduser(self.model)) if os.path.isdir(self.model) else self.model
         return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
                 "caption_column": self.caption_column, "key_column": self.key_column,
-                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels}
+                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
+                "key_scheme": KEY_SCHEME}
 
     @property
     def is_remote(self) -> bool:
@@ -173,7 +174,8 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
     from ray.data import ActorPoolStrategy
     columns = RawColumns(image=cfg.image_column, caption=cfg.caption_column, key=cfg.key_column)
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
-    ds = read_raw(cfg.input, columns, skip_keys=skip_keys, limit=cfg.limit)
+    ds = read_raw(cfg.input, columns, skip_keys=skip_keys, limit=cfg.limit,
+                  rejects_dir=os.path.join(out, REJECTS_DIR))
     ds = ds.map_batches(
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
@@ -200,13 +202,13 @@ def recorded_settings(out: str) -> dict:
     path = os.path.join(out, SETTINGS_JSON)
     if os.path.exists(path):
         with open(path) as f:
-            return json.load(f)
+            return {"key_scheme": 1, **json.load(f)}  # written before keys were derived from paths
     if os.path.exists(os.path.join(out, schema.DATASET_JSON)):
         info = schema.DatasetInfo.load(out)
         model = info.model
         if os.path.isdir(model):
             model = os.path.abspath(model)
-        return {"model": model, "resolutions": info.resolutions,
+        return {"model": model, "resolutions": info.resolutions, "key_scheme": 1,
                 **{k: info.extra[k] for k in ("min_size", "max_aspect", "max_pixels") if k in info.extra}}
     return {}
 
@@ -257,7 +259,7 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
         write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
     remove_temporary_parts(out)
     written, rejected = done_keys(out)
-    before = len(written)
+    before = summarize(out).written
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg))
 

@@ -109,15 +109,37 @@ def _open(uri: str):
         raise InputError(f"cannot open input {uri}: {e}") from e
 
 
-def derived_key(uri: str, index: int) -> str:
-    """A stable key for a row without one: the file's name and the row's index in it."""
-    stem = posixpath.basename(uri).split(".")[0]
-    return f"{stem}-{index:09d}"
+KEY_SCHEME = 2  # how rows without a key get one; an output made with another scheme is not resumed
+DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row of the same file
 
 
-def _batches(rows: Iterator[dict]) -> Iterator[dict]:
+def input_names(files: list[str]) -> dict[str, str]:
+    """Each input file's name relative to the inputs' common folder (``en/part-00000.parquet``): unique
+    per file, and the same on every run with the same inputs, so keys derived from it never collide."""
+    paths = [filesystem_for(f)[1] for f in files]
+    root = posixpath.commonpath(paths) if len(paths) > 1 else posixpath.dirname(paths[0])
+    if root in paths:  # one file given twice, or a single file: its own folder
+        root = posixpath.dirname(root)
+    return {f: posixpath.relpath(p, root) if root else p for f, p in zip(files, paths)}
+
+
+def derived_key(name: str, index: int) -> str:
+    """A stable key for a row without one: its file's name under the input root and its row index."""
+    return f"{name}:{index:09d}"
+
+
+def _batches(rows: Iterator[dict], name: str, on_duplicate=None) -> Iterator[dict]:
+    """Rows → column batches; a key seen before in this file is not a row but a ``duplicate_key``
+    reject, reported to ``on_duplicate({reject id: reason})`` (the converter records it for counting)."""
     batch = {c: [] for c in RAW_COLUMNS}
-    for row in rows:
+    seen: set[str] = set()
+    for index, row in enumerate(rows):
+        key = row[schema.RAW_KEY]
+        if key in seen:
+            if on_duplicate is not None:
+                on_duplicate({f"{key}#{name}:{index}": DUPLICATE_KEY})
+            continue
+        seen.add(key)
         for c in RAW_COLUMNS:
             batch[c].append(row.get(c))
         if len(batch[schema.RAW_KEY]) == ROWS_PER_BATCH:
@@ -146,7 +168,7 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
                          f"{', '.join(names)} (choose with --image-column/--caption-column)")
 
 
-def _parquet_rows(uri: str, columns: RawColumns) -> Iterator[dict]:
+def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
     import pyarrow.parquet as pq
     check_parquet_columns(uri, columns)
     with _open(uri) as f:
@@ -161,14 +183,14 @@ def _parquet_rows(uri: str, columns: RawColumns) -> Iterator[dict]:
                 # img2dataset/download output: failed rows have no image, so only successes are rows.
                 if schema.RAW_STATUS in row and row[schema.RAW_STATUS] != "success":
                     continue
-                yield {schema.RAW_KEY: row.get(columns.key) or derived_key(uri, i),
+                yield {schema.RAW_KEY: row.get(columns.key) or derived_key(name, i),
                        schema.RAW_CAPTION: row.get(columns.caption), schema.RAW_IMAGE: row[columns.image],
                        schema.WIDTH: row.get(schema.WIDTH), schema.HEIGHT: row.get(schema.HEIGHT)}
 
 
 # ---- webdataset ----------------------------------------------------------------------------------
 
-def _webdataset_rows(uri: str) -> Iterator[dict]:
+def _webdataset_rows(uri: str, name: str) -> Iterator[dict]:
     """Samples of an img2dataset tar: ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), consecutive members."""
     def sample(key, parts, index):
         image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
@@ -178,7 +200,7 @@ def _webdataset_rows(uri: str) -> Iterator[dict]:
         if meta.get(schema.RAW_STATUS, "success") != "success":
             return None
         caption = parts[".txt"].decode("utf-8", "replace") if ".txt" in parts else meta.get(schema.RAW_CAPTION)
-        return {schema.RAW_KEY: meta.get(schema.RAW_KEY) or posixpath.basename(key) or derived_key(uri, index),
+        return {schema.RAW_KEY: meta.get(schema.RAW_KEY) or (f"{name}/{key}" if key else derived_key(name, index)),
                 schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image,
                 schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
 
@@ -208,7 +230,7 @@ def _webdataset_rows(uri: str) -> Iterator[dict]:
 
 # ---- folder of images ----------------------------------------------------------------------------
 
-def _folder_rows(uri: str, root: str) -> Iterator[dict]:
+def _folder_rows(uri: str, name: str) -> Iterator[dict]:
     """One image; its caption from the ``.txt`` beside it (missing sidecar -> missing caption)."""
     fs, path = filesystem_for(uri)
     with _open(uri) as f:
@@ -219,31 +241,34 @@ def _folder_rows(uri: str, root: str) -> Iterator[dict]:
             caption = f.read().decode("utf-8", "replace").strip()
     except (FileNotFoundError, OSError):
         pass
-    root_path = filesystem_for(root)[1].rstrip("/")
-    rel = path[len(root_path) + 1:] if path.startswith(root_path + "/") else posixpath.basename(path)
-    yield {schema.RAW_KEY: posixpath.splitext(rel)[0], schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
+    # the name keeps the suffix: img0.jpg and img0.png are two samples
+    yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
 
 
-def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), root: str = "") -> Iterator[dict]:
-    """Column batches of the raw rows in one input file."""
+def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), name: str | None = None,
+                      on_duplicate=None) -> Iterator[dict]:
+    """Column batches of the raw rows in one input file; ``name`` is the file's name under the input
+    root (:func:`input_names`), which keys rows that have none."""
+    name = name or posixpath.basename(uri)
     if fmt == "parquet":
-        rows = _parquet_rows(uri, columns)
+        rows = _parquet_rows(uri, columns, name)
     elif fmt == "webdataset":
-        rows = _webdataset_rows(uri)
+        rows = _webdataset_rows(uri, name)
     elif fmt == "folder":
-        rows = _folder_rows(uri, root or posixpath.dirname(uri))
+        rows = _folder_rows(uri, name)
     else:
         raise ValueError(f"unknown input format {fmt!r}")
-    yield from _batches(rows)
+    yield from _batches(rows, name, on_duplicate)
 
 
 def iter_rows(inputs, columns: RawColumns = RawColumns()) -> Iterator[dict]:
     """Every raw row of ``inputs``, in order, without Ray (for small jobs, previews and tests)."""
     files = list_input_files(inputs)
     fmt = detect_format(files)
-    root = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else ""
-    for uri in data_files(files, fmt):
-        for batch in iter_file_batches(uri, fmt, columns, root):
+    files = data_files(files, fmt)
+    names = input_names(files)
+    for uri in files:
+        for batch in iter_file_batches(uri, fmt, columns, names[uri]):
             yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
 
 
@@ -252,12 +277,20 @@ def iter_rows(inputs, columns: RawColumns = RawColumns()) -> Iterator[dict]:
 class _ReadFiles:
     """Ray ``map_batches`` callable: a batch of file URIs in, their raw rows out (done keys dropped)."""
 
-    def __init__(self, fmt: str, columns: RawColumns, root: str, skip_keys: frozenset):
-        self.fmt, self.columns, self.root, self.skip_keys = fmt, columns, root, skip_keys
+    def __init__(self, fmt: str, columns: RawColumns, names: dict, skip_keys: frozenset,
+                 rejects_dir: str | None = None):
+        self.fmt, self.columns, self.names, self.skip_keys = fmt, columns, names, skip_keys
+        self.rejects_dir = rejects_dir
+
+    def _record(self, rejects: dict) -> None:
+        if self.rejects_dir:
+            from diffusion.convert.transforms import write_rejects
+            write_rejects(self.rejects_dir, rejects)
 
     def __call__(self, files: dict) -> Iterator[dict]:
         for uri in files["path"]:
-            for batch in iter_file_batches(str(uri), self.fmt, self.columns, self.root):
+            uri = str(uri)
+            for batch in iter_file_batches(uri, self.fmt, self.columns, self.names[uri], self._record):
                 keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys]
                 if keep:
                     yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
@@ -268,7 +301,7 @@ def _arrow_batch(batch: dict):
     import pyarrow as pa
     arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
-                                    (schema.HEIGHT, pa.int64())])
+                              (schema.HEIGHT, pa.int64())])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
 
 
@@ -285,7 +318,8 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
     return fmt, len(files)
 
 
-def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None):
+def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
+             rejects_dir: str | None = None):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
@@ -296,11 +330,12 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     files = list_input_files(inputs)
     fmt = detect_format(files)
     files = data_files(files, fmt)
-    root = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else ""
+    names = input_names(files)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
-        return ds.map_batches(_ReadFiles(fmt, columns, root, frozenset(skip_keys)), batch_size=1,
+        return ds.map_batches(_ReadFiles(fmt, columns, names, frozenset(skip_keys), rejects_dir), batch_size=1,
                               batch_format="numpy", zero_copy_batch=True)
-    ds = ds.map_batches(_ReadFiles(fmt, columns, root, frozenset()), batch_size=1, batch_format="numpy")
+    ds = ds.map_batches(_ReadFiles(fmt, columns, names, frozenset(), rejects_dir), batch_size=1,
+                        batch_format="numpy")
     skip = frozenset(skip_keys)
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

@@ -60,13 +60,16 @@ def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
 
 
 def summarize(out: str) -> ConversionSummary:
-    written, rejected = done_keys(out)
-    summary = ConversionSummary(written=len(written), parts=len(committed_parts(out)))
+    """Counts of a local output; ``written`` is the samples its parts hold, what a reader sees."""
+    _, rejected = done_keys(out)
+    summary = ConversionSummary(parts=len(committed_parts(out)))
     for reason in rejected.values():
         summary.rejects[reason] = summary.rejects.get(reason, 0) + 1
     for part in committed_parts(out):
         with open(os.path.join(out, part, STATS_JSON)) as f:
             for name, value in json.load(f).items():
-                if name.endswith("_seconds"):
+                if name == "count":
+                    summary.written += int(value)
+                elif name.endswith("_seconds"):
                     summary.stage_seconds[name] = summary.stage_seconds.get(name, 0.0) + value
     return summary

@@ -196,6 +196,42 @@ def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sam
     assert _snapshot(out) == before  # dataset.json, index and parts untouched
 
 
+@pytest.mark.slow
+def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_config, tmp_path, ray_local):
+    """Files whose names shared a stem, images differing only in suffix, and a key repeated in one
+    file: every row is written once or rejected once, before and after a kill and re-run, and
+    dataset.json counts what a reader sees."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from diffusion.kit.sample import render_scene
+    rng = np.random.default_rng(0)
+
+    def jpeg():
+        image, caption = render_scene(rng, 96, 96)
+        buf = io.BytesIO()
+        image.save(buf, "JPEG")
+        return buf.getvalue(), caption
+
+    raw = tmp_path / "raw"
+    for name in ("en/part-00000.parquet", "multi/part-00000.parquet", "laion.2023.parquet", "laion.2024.parquet"):
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        images, captions = zip(*(jpeg() for _ in range(5)))
+        pq.write_table(pa.table({"jpg": list(images), "caption": list(captions)}), raw / name)
+    images, captions = zip(*(jpeg() for _ in range(4)))
+    pq.write_table(pa.table({"jpg": list(images), "caption": list(captions), "key": ["k0", "k1", "k0", "k2"]}),
+                   raw / "keyed.parquet")
+    distinct, duplicates = 4 * 5 + 3, 1
+
+    out = tmp_path / "mds"
+    run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=9))  # the "crash"
+    summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
+    keys = [s[schema.KEY] for s in _read_back(out)]
+    assert len(keys) == len(set(keys)) == distinct == summary.written
+    assert summary.rejects == {"duplicate_key": duplicates}
+    info = schema.DatasetInfo.load(str(out))
+    assert (info.count, info.rows_in) == (distinct, distinct + duplicates)
+
+
 def _bad_kinds(rows, manifest):
     return [manifest["bad_keys"][r[schema.RAW_KEY]] for r in rows if r[schema.RAW_KEY] in manifest["bad_keys"]]
 
@@ -216,14 +252,15 @@ def test_webdataset_and_folder_inputs(sample_data, manifest, convert_config, tmp
     for r in rows[12:]:
         (folder / f"{r[schema.RAW_KEY]}.jpg").write_bytes(r[schema.RAW_IMAGE])
         (folder / f"{r[schema.RAW_KEY]}.txt").write_text(r[schema.RAW_CAPTION])
-    for source, part in ((tars, rows[:12]), (folder, rows[12:])):
+    # keys are unique by construction: the tar's name qualifies its members; a file keeps its suffix
+    for source, part, key in ((tars, rows[:12], "00000.tar/{}".format), (folder, rows[12:], "{}.jpg".format)):
         summary = run_conversion(convert_config(tmp_path / f"out-{source.name}", input=str(source),
                                                 resolutions=(32,)))
         bad = _bad_kinds(part, manifest)
         assert summary.written == len(part) - len(bad), source.name
         assert summary.rejects == _expected_rejects(bad), source.name
         keys = {s[schema.KEY] for s in _read_back(tmp_path / f"out-{source.name}")}
-        assert keys == {r[schema.RAW_KEY] for r in part} - set(manifest["bad_keys"])
+        assert keys == {key(r[schema.RAW_KEY]) for r in part if r[schema.RAW_KEY] not in manifest["bad_keys"]}
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def test_configurable_columns_and_derived_stable_keys(tmp_path):
     columns = RawColumns(image="image_bytes", caption="text", key="id")
     first = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, columns)]
     again = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, columns)]
-    assert first == again == ["web-0007-000000000", "web-0007-000000001"]
+    assert first == again == ["web-0007.parquet:000000000", "web-0007.parquet:000000001"]
     assert [r[schema.RAW_CAPTION] for r in iter_rows(tmp_path, columns)] == ["a red square", "another"]
 
 
@@ -76,7 +76,7 @@ def test_webdataset_tar_as_img2dataset_writes_it(tmp_path):
     ])
     rows = list(iter_rows(tmp_path))
     assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION]) for r in rows] == [
-        ("000000010", "a red square"), ("000000011", "a blue dot")]
+        ("00000.tar/000000010", "a red square"), ("00000.tar/000000011", "a blue dot")]  # keys unique across tars
     assert rows[0][schema.WIDTH] == 80
 
 
@@ -86,10 +86,56 @@ def test_folder_of_images_with_sidecars(tmp_path):
     (tmp_path / "cats" / "one.txt").write_text("a red cat\n")
     (tmp_path / "two.png").write_bytes(_jpeg())  # content sniffed by PIL later, not by suffix
     rows = {r[schema.RAW_KEY]: r[schema.RAW_CAPTION] for r in iter_rows(tmp_path)}
-    assert rows == {"cats/one": "a red cat", "two": None}  # a missing sidecar is a missing caption
+    assert rows == {"cats/one.jpg": "a red cat", "two.png": None}  # a missing sidecar is a missing caption
 
 
 def test_read_raw_skips_done_keys_before_decoding(sample_data, manifest, ray_local):
     skip = {f"{i:09d}" for i in range(10)}
     keys = [r[schema.RAW_KEY] for r in read_raw(sample_data, skip_keys=skip).take_all()]
     assert len(keys) == manifest["rows"] - 10 and not skip & set(keys)
+
+
+def _colliding_input(root) -> int:
+    """Inputs whose names collided under the old stem-based keys; returns the number of distinct rows."""
+    table = pa.table({"jpg": [_jpeg(), _jpeg((70, 70))], "caption": ["a red square", "a blue circle"]})
+    for sub in ("en", "multi"):
+        (root / sub).mkdir(parents=True)
+        pq.write_table(table, root / sub / "part-00000.parquet")
+    pq.write_table(table, root / "laion.2023.parquet")
+    pq.write_table(table, root / "laion.2024.parquet")
+    return 8
+
+
+def test_derived_keys_are_unique_across_files_with_the_same_stem(tmp_path):
+    n = _colliding_input(tmp_path)
+    keys = [r[schema.RAW_KEY] for r in iter_rows(tmp_path)]
+    assert len(keys) == len(set(keys)) == n
+    assert "en/part-00000.parquet:000000001" in keys and "multi/part-00000.parquet:000000001" in keys
+    assert "laion.2023.parquet:000000000" in keys and "laion.2024.parquet:000000000" in keys
+
+
+def test_folder_images_differing_only_in_suffix_are_two_samples(tmp_path):
+    for name, fmt in (("img0.jpg", "JPEG"), ("img0.png", "PNG")):
+        Image.new("RGB", (64, 64), (10, 200, 10)).save(tmp_path / name, fmt)
+    assert sorted(r[schema.RAW_KEY] for r in iter_rows(tmp_path)) == ["img0.jpg", "img0.png"]
+
+
+def test_repeated_keys_in_one_file_are_counted_duplicates_not_rows(tmp_path):
+    table = pa.table({"jpg": [_jpeg()] * 3, "caption": ["a", "b", "c"], "key": ["k1", "k2", "k1"]})
+    pq.write_table(table, tmp_path / "dup.parquet")
+    tar_path = tmp_path / "tars"
+    tar_path.mkdir()
+    with tarfile.open(tar_path / "00000.tar", "w") as tar:
+        for name, data in (("s0.jpg", _jpeg()), ("s0.txt", b"first"), ("s1.jpg", _jpeg()), ("s1.txt", b"x"),
+                           ("s0.jpg", _jpeg()), ("s0.txt", b"again")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    from diffusion.convert.readers import DUPLICATE_KEY, iter_file_batches
+    for uri, fmt, expected in ((str(tmp_path / "dup.parquet"), "parquet", ["k1", "k2"]),
+                               (str(tar_path / "00000.tar"), "webdataset", ["00000.tar/s0", "00000.tar/s1"])):
+        recorded = {}
+        keys = [k for batch in iter_file_batches(uri, fmt, RawColumns(), None, recorded.update)
+                for k in batch[schema.RAW_KEY]]
+        assert keys == expected, fmt
+        assert list(recorded.values()) == [DUPLICATE_KEY], fmt
