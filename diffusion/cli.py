@@ -76,17 +76,17 @@ sd_demo = _command("diffusion.demo", "sd-demo")
 
 # ---- command-line flags from a config dataclass ------------------------------------------------------
 
-def flag(default=dataclasses.MISSING, help: str = "", **argparse_kwargs):
-    """A config field that is also a command-line flag ``--field-name`` (see :func:`add_flags`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "argparse": argparse_kwargs})
+def flag(default=dataclasses.MISSING, help: str = "", flag_name: str | None = None, **argparse_kwargs):
+    """A config field that is also a command-line flag, ``--field-name`` unless ``flag_name`` says
+    otherwise (see :func:`add_flags`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag_name, "argparse": argparse_kwargs})
 
 
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:
     """One flag per :func:`flag` field of the dataclass ``cls``: the config is the single declaration."""
-    for f in dataclasses.fields(cls):
-        if "help" not in f.metadata:
-            continue
-        name = "--" + f.name.replace("_", "-")
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    for f in sorted(fields, key=lambda f: f.default is not dataclasses.MISSING):  # required flags first
+        name = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):  # a switch: --x turns on what is off by default, --no-x the other way
             if f.default:
                 name = "--no-" + f.name.replace("_", "-")

@@ -21,6 +21,7 @@ import yaml
 
 
 from diffusion import components
+from diffusion.convert.settings import PipelineSettings
 from diffusion.errors import ConfigError
 
 
@@ -65,22 +66,17 @@ class EvalLoaderConfig(TrainLoaderConfig):
 
 
 @dataclasses.dataclass
-class OnlineConfig:
+class OnlineConfig(PipelineSettings):
     """Online mode (``python -m diffusion.online``): raw rows are transformed and encoded while training.
 
-    ``data.train`` still gives the global batch size and caption dropout. Pool sizes left at null are
-    planned from the cluster as the converter plans them, after the training workers' share.
+    The pipeline's settings (columns, image checks, transform and encoder pools) are the converter's
+    own (:class:`~diffusion.convert.settings.PipelineSettings`, the same names as its flags without
+    dashes). ``data.train`` still gives the global batch size and caption dropout. Pool sizes left at
+    null are planned from the cluster as the converter plans them, after the training workers' share.
     """
 
     input: str = ""  # raw image-caption data (parquet, webdataset tars, image folder), local or s3://
     work_dir: str = "out/online"  # Ray Train run records and reject records (shared storage on a cluster)
-    transform_batch_size: int = 32
-    num_transformers: Optional[int] = None  # transform actors (CPU)
-    cpus_per_transformer: Optional[float] = None
-    encoder_batch_size: Optional[int] = None  # null: the converter's default for the device
-    num_encoders: Optional[int] = None  # encoder actors (GPU when encoder_gpus > 0 or the cluster has GPUs)
-    encoder_gpus: Optional[float] = None  # per encoder actor; null: 1 when the cluster has GPUs, else CPU
-    encoder_accelerator_type: Optional[str] = None  # e.g. "A10G": encoders only on such GPUs
     num_train_workers: int = 2  # Ray Train workers (one Composer rank each)
     train_cpus: float = 0.25  # per training worker (on 2 CPUs, the rest goes to the pools and a 1-CPU read)
     train_gpus: float = 0.0  # per training worker; > 0 trains on GPUs

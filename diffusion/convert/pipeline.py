@@ -25,7 +25,8 @@ from diffusion.cli import flag
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.convert.summary import ConversionSummary, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
-from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts,
+from diffusion.convert.settings import PipelineSettings
+from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
                                      remove_temporary_parts, write_json_atomic)
 from diffusion.convert.readers import KEY_SCHEME, RawColumns, check_inputs, read_raw
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
@@ -42,9 +43,10 @@ def _size(value: str) -> int | str:
     return int(value) if str(value).isdigit() else value
 
 
-@dataclasses.dataclass
-class ConvertConfig:
-    """The converter's settings; each is also its command-line flag (``--field-name``)."""
+@dataclasses.dataclass(kw_only=True)
+class ConvertConfig(PipelineSettings):
+    """The converter's settings; each is also its command-line flag (``--field-name``). The pipeline's
+    own (columns, image checks, pools) are :class:`PipelineSettings`, shared with online mode."""
 
     input: str | list[str] = flag(help="raw data: parquet, webdataset tars or image folders (files, "
                                        "directories, globs or s3:// URIs)", nargs="+")
@@ -52,21 +54,7 @@ class ConvertConfig:
     model: str = flag(help="hub id or diffusers directory with the VAE, text encoder and tokenizer")
     resolutions: tuple[int, ...] = flag((256,), "square crop sizes to encode, e.g. 256 512", type=int, nargs="+")
     limit: int | None = flag(None, "read at most this many input rows", type=int)
-    batch_size: int | None = flag(None, "encoder batch (default: 120 @256, 40 @512 on GPU; 8 on CPU)", type=int)
-    transform_batch_size: int = flag(32, "rows per transform batch", type=int)
-    image_column: str = flag(schema.RAW_IMAGE, "input column with the encoded image bytes")
-    caption_column: str = flag(schema.RAW_CAPTION, "input column with the caption")
-    key_column: str = flag(schema.RAW_KEY, "input column with a stable row id")
-    min_size: int = flag(64, "reject images whose shorter side is smaller (pixels)", type=int)
-    max_aspect: float = flag(3.0, "reject images whose long side / short side is larger", type=float)
-    max_pixels: int = flag(8192 * 8192, "decompression-bomb guard: reject larger images (pixels)", type=int)
-    num_transformers: int | None = flag(None, "transform actors (default: from the cluster's CPUs)", type=int)
-    cpus_per_transformer: float | None = flag(None, "CPUs per transform actor", type=float)
-    num_encoders: int | None = flag(None, "encoder actors (default: one per GPU, else 1)", type=int)
-    encoder_gpus: float | None = flag(None, "GPUs per encoder actor (default 1 if the cluster has GPUs)",
-                                      type=float)
-    accelerator_type: str | None = flag(None, "Ray accelerator type for the encoders, e.g. A10G or H100")
-    shard_size: int | str = flag(1 << 26, "MDS shard size limit (bytes, or e.g. 64mb)", type=_size)
+    shard_size: int | str = flag(SHARD_SIZE, "MDS shard size limit (bytes, or e.g. 64mb)", type=_size)
     compression: str | None = flag("zstd", "MDS compression ('none' to disable)")
     address: str | None = flag(None, "Ray cluster address (default: RAY_ADDRESS or a local instance)")
     local_dir: str | None = flag(None, "staging directory for an s3:// output (stable across re-runs)")
@@ -142,7 +130,7 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
     tr_cpus = max(tr_cpus, 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
-    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.batch_size or batch)
+    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch)
 
 
 def _init_ray(address: str | None):
@@ -184,8 +172,8 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
     if plan.gpus_per_encoder:
         encoder_options["num_gpus"] = plan.gpus_per_encoder
-        if cfg.accelerator_type:
-            encoder_options["accelerator_type"] = cfg.accelerator_type
+        if cfg.encoder_accelerator_type:
+            encoder_options["accelerator_type"] = cfg.encoder_accelerator_type
     threads = None if plan.gpus_per_encoder else max(1, math.ceil(plan.cpus_per_encoder))
     return ds.map_batches(
         LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",

@@ -36,6 +36,7 @@ TMP_PREFIX = ".tmp-"
 KEYS_JSON = "keys.json"
 STATS_JSON = "stats.json"
 REJECTS_DIR = "rejects"
+SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
 
 
 def write_json_atomic(path: str, obj) -> None:
@@ -101,7 +102,7 @@ class MDSPartSink(Datasink):
     """
 
     def __init__(self, out: str, columns: dict[str, str], compression: str | None = "zstd",
-                 hashes=("sha1", "xxh64"), size_limit: int | str = 1 << 26,
+                 hashes=("sha1", "xxh64"), size_limit: int | str = SHARD_SIZE,
                  on_complete: Callable[[str], None] | None = None):
         self.out = os.path.abspath(out)
         self.columns = dict(columns)

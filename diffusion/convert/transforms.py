@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from diffusion import schema
+from diffusion.convert import settings
 
 # Rejection reasons (the keys of ``rejects`` in stats and dataset.json).
 UNDECODABLE = "undecodable"
@@ -48,9 +49,9 @@ class Rejected(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ImageChecks:
-    min_size: int = 64  # shortest side, in pixels, of the original image
-    max_aspect: float = 3.0  # long side / short side
-    max_pixels: int = 8192 * 8192  # decompression-bomb guard: checked from the header, before decoding
+    min_size: int = settings.MIN_SIZE
+    max_aspect: float = settings.MAX_ASPECT
+    max_pixels: int = settings.MAX_PIXELS  # checked from the header, before decoding
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

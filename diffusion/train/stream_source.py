@@ -22,14 +22,11 @@ from diffusion.convert.summary import done_keys
 
 
 def convert_config(cfg: Config, work_dir: str) -> ConvertConfig:
-    """The converter's view of ``data.online``: same knobs, and ``work_dir`` where the MDS output would be."""
+    """The converter's view of ``data.online`` (the same pipeline settings), ``work_dir`` where the MDS
+    output would be."""
     o = cfg.data.online
-    return ConvertConfig(
-        input=o.input, output=work_dir, model=cfg.model.ref, resolutions=(cfg.model.resolution,),
-        batch_size=o.encoder_batch_size, transform_batch_size=o.transform_batch_size,
-        num_transformers=o.num_transformers, cpus_per_transformer=o.cpus_per_transformer,
-        num_encoders=o.num_encoders, encoder_gpus=o.encoder_gpus, accelerator_type=o.encoder_accelerator_type,
-        progress=False)
+    return ConvertConfig(input=o.input, output=work_dir, model=cfg.model.ref, resolutions=(cfg.model.resolution,),
+                         progress=False, **o.pipeline_settings())
 
 
 def data_resources(cluster: dict, cfg: Config) -> dict:

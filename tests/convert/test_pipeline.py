@@ -64,7 +64,7 @@ def test_gpus_get_one_encoder_each_and_flags_override():
     assert (plan.num_encoders, plan.gpus_per_encoder, plan.encoder_batch) == (8, 1.0, 40)
     assert plan.num_transformers >= 40
     cfg = ConvertConfig(input="x", output="y", model="m", num_transformers=3, cpus_per_transformer=2,
-                        encoder_gpus=0.5, batch_size=7)
+                        encoder_gpus=0.5, encoder_batch_size=7)
     assert plan_pools({"CPU": 64.0, "GPU": 2.0}, cfg) == PoolPlan(3, 2, 4, 1.0, 0.5, 7)
 
 

@@ -1,0 +1,46 @@
+"""The data pipeline's settings, declared once: the converter's flags and online mode's ``data.online``
+section are both made of :class:`PipelineSettings` (which columns to read, which images to keep, how the
+transform and encode pools are sized), so the two modes cannot drift apart.
+
+Light on purpose (dataclasses only): the training config imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from diffusion import schema
+from diffusion.cli import flag
+
+MIN_SIZE = 64  # shortest side, in pixels, of the original image
+MAX_ASPECT = 3.0  # long side / short side
+MAX_PIXELS = 8192 * 8192  # decompression-bomb guard: checked from the header, before decoding
+TRANSFORM_BATCH = 32
+
+
+@dataclasses.dataclass
+class PipelineSettings:
+    """Read → transform → encode, whatever the destination (MDS shards or training workers)."""
+
+    image_column: str = flag(schema.RAW_IMAGE, "input column with the encoded image bytes")
+    caption_column: str = flag(schema.RAW_CAPTION, "input column with the caption")
+    key_column: str = flag(schema.RAW_KEY, "input column with a stable row id (else one is derived from "
+                                           "the file's path and row)")
+    min_size: int = flag(MIN_SIZE, "reject images whose shorter side is smaller (pixels)", type=int)
+    max_aspect: float = flag(MAX_ASPECT, "reject images whose long side / short side is larger", type=float)
+    max_pixels: int = flag(MAX_PIXELS, "decompression-bomb guard: reject larger images (pixels)", type=int)
+    transform_batch_size: int = flag(TRANSFORM_BATCH, "rows per transform batch", type=int)
+    num_transformers: Optional[int] = flag(None, "transform actors (default: from the cluster's CPUs)", type=int)
+    cpus_per_transformer: Optional[float] = flag(None, "CPUs per transform actor", type=float)
+    encoder_batch_size: Optional[int] = flag(None, "encoder batch (default: 120 @256, 40 @512 on GPU; 8 on CPU)",
+                                             type=int, flag_name="--batch-size")
+    num_encoders: Optional[int] = flag(None, "encoder actors (default: one per GPU, else 1)", type=int)
+    encoder_gpus: Optional[float] = flag(None, "GPUs per encoder actor (default 1 if the cluster has GPUs)",
+                                         type=float)
+    encoder_accelerator_type: Optional[str] = flag(None, "Ray accelerator type for the encoders, e.g. A10G",
+                                                   flag_name="--accelerator-type")
+
+    def pipeline_settings(self) -> dict:
+        """These settings alone, as keyword arguments (to build one config from another)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(PipelineSettings)}
