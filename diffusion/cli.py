@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
 from typing import Callable, Sequence
@@ -19,6 +20,13 @@ from diffusion.errors import UserError
 DEBUG_FLAG = "--debug"
 # Errors of the user's own files and folders (a wrong path, a read-only output, a full disk).
 _FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
+
+
+def _is_users(error: BaseException) -> bool:
+    """Whether ``error`` is the user's to fix (bad input, a wrong path, full or read-only storage)."""
+    return (isinstance(error, (UserError, *_FILE_ERRORS))
+            or isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS)
 
 
 def _describe(error: BaseException) -> str:
@@ -38,8 +46,8 @@ def run(main: Callable[[list[str]], object], prog: str, argv: Sequence[str] | No
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
         main(argv)
-    except (UserError, *_FILE_ERRORS) as e:
-        if debug:
+    except Exception as e:
+        if debug or not _is_users(e):
             raise
         print(f"{prog}: error: {_describe(e)}", file=sys.stderr)
         sys.exit(2)
