@@ -32,3 +32,17 @@ class DatasetMismatchError(UserError):
 
 class KitError(UserError):
     """A model kit that cannot be written where asked (e.g. a folder holding files that are not a kit)."""
+
+
+class DataIntegrityError(UserError):
+    """Stored data that is not what its index recorded: a shard corrupt, truncated or missing, or a
+    metadata file (index.json, dataset.json) that cannot be read. The message names the file.
+
+    Raised in a DataLoader worker, torch re-raises it in the main process with the worker's traceback
+    as its message; the one line it was raised with is kept.
+    """
+
+    def __init__(self, message: str = ""):
+        if isinstance(message, str) and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit(f"{type(self).__name__}: ", 1)[-1]
+        super().__init__(message)

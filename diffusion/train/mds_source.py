@@ -10,6 +10,17 @@ Reading is zero-copy where it can be: a sample's arrays are views into the memor
 the only copy is the one collation makes into the batch (streaming's own path copies a sample three
 times on the way). Shards streaming does not hold as fixed-shape MDS arrays, or a dataset with a
 cache limit (whose eviction must see every access), take streaming's path.
+
+Every shard is checked against index.json before a sample of it is returned, on either path: at
+construction, that each shard is there and each file present has the size the index records; once
+per node, before its first sample is read, the raw shard's MDS header (sample count and offset table)
+and its hash (the fastest the index records, xxh64 for the converter's output), in the prefetch
+thread where it can be, so the check mostly overlaps reading. Streaming's own ``validate_hash`` covers
+what it downloads or decompresses (a compressed shard is checked before it is decompressed), but
+not shards already on disk, which is most of them; the raw check covers those. Any mismatch is a
+:class:`~diffusion.errors.DataIntegrityError` naming the file and the dataset, raised in the epoch
+that meets it (never an epoch that silently ends early), and no sample of a shard that failed is
+ever returned.
 """
 
 from __future__ import annotations
@@ -19,18 +30,27 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
 import urllib.parse
+from multiprocessing.shared_memory import SharedMemory as _BuiltinSharedMemory
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-from streaming import StreamingDataLoader, StreamingDataset
+from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.dataset import _ShardState
+from streaming.base.format import get_index_basename
+from streaming.base.format.base.reader import FileInfo
 from streaming.base.format.mds.reader import MDSReader
+from streaming.base.hashing import get_hash, is_hash
+from streaming.base.shared import SharedArray
+from streaming.base.shared.prefix import _get_path
 from streaming.base.storage import CloudDownloader
 from streaming.base.util import clean_stale_shared_memory
+from streaming.base.world import World
 
 from diffusion import schema
-from diffusion.errors import DatasetMismatchError
+from diffusion.errors import DataIntegrityError, DatasetMismatchError
 from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, StackSamples, ToModelBatch
 
 
@@ -54,7 +74,20 @@ def fetch_side_file(path: str, name: str, timeout: float = 120.0) -> str:
 
 def read_dataset_info(path: str, timeout: float = 120.0) -> schema.DatasetInfo:
     """``dataset.json`` of a local directory or a remote URI."""
-    return schema.DatasetInfo.load(os.path.dirname(fetch_side_file(path, schema.DATASET_JSON, timeout)))
+    local = fetch_side_file(path, schema.DATASET_JSON, timeout)
+    try:
+        return schema.DatasetInfo.load(os.path.dirname(local))
+    except FileNotFoundError:
+        raise
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
+        where = local if not is_remote(path) else path.rstrip("/") + "/" + schema.DATASET_JSON
+        raise DataIntegrityError(f"{where} is not a dataset.json written by convert/laion_to_mds.py "
+                                 f"({type(e).__name__}: {_one_line(e)}): restore it from a copy or re-convert "
+                                 f"the dataset") from e
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def check_compatible(info: schema.DatasetInfo, path: str, resolution: int, text_dim: int) -> None:
@@ -94,10 +127,19 @@ class _ShardLayout:
                 dtype, shape = np.dtype(parts[1]), tuple(int(d) for d in parts[2].split(","))
             self.columns.append((name, dtype, shape, size))
 
-    def arrays(self, data, begin: int) -> dict:
-        """The wanted columns of the sample starting at byte ``begin`` of ``data``: arrays as read-only
+        self.fixed_size = self.header.size + sum(s for s in sizes if s is not None)
+
+    def arrays(self, data, begin: int, end: int) -> dict:
+        """The wanted columns of the sample in bytes ``begin:end`` of ``data``: arrays as read-only
         views, strings decoded."""
-        variable = iter(self.header.unpack_from(data, begin))
+        if end - begin < self.fixed_size:
+            raise ValueError(f"the offset table gives it {end - begin} bytes, fewer than its fixed-size columns' "
+                             f"{self.fixed_size}")
+        sizes = self.header.unpack_from(data, begin)
+        if self.fixed_size + sum(sizes) != end - begin:
+            raise ValueError(f"its column sizes add up to {self.fixed_size + sum(sizes)} bytes but the offset "
+                             f"table gives it {end - begin}")
+        variable = iter(sizes)
         offset, out = begin + self.header.size, {}
         for name, dtype, shape, size in self.columns:
             size = next(variable) if size is None else size
@@ -109,27 +151,136 @@ class _ShardLayout:
         return out
 
 
+# ---- integrity: every shard checked against index.json before a sample of it is returned ----------------
+
+# Hashes to check a shard with, fastest first (xxh3 ~3x xxh64 on one core); any other the index records
+# comes after these (sha1 and md5 are 4-10x slower than xxh64).
+HASH_PREFERENCE = ("xxh3_64", "xxh128", "xxh3_128", "xxh64", "xxh32")
+_VERIFIED_SHM = "verified_shards"  # per node: 1 once a shard's raw files were checked
+
+
+def pick_hash(recorded) -> str | None:
+    """The algorithm to check a file with, of those its index entry records; None if it records none."""
+    usable = [algo for algo in recorded if is_hash(algo)]
+    return next((algo for algo in HASH_PREFERENCE if algo in usable), min(usable, default=None))
+
+
+def _size_problem(size: int, info: FileInfo) -> str | None:
+    if size != info.bytes:
+        return f"is {size:,} bytes where index.json records {info.bytes:,} (truncated or overwritten)"
+    return None
+
+
+def _mds_problem(data, samples: int) -> str | None:
+    """What is wrong with an MDS shard's header (sample count, offset table) given the index's count."""
+    if len(data) < 4:
+        return "has no MDS header"
+    count, = struct.unpack_from("<I", data, 0)
+    if count != samples:
+        return f"holds {count:,} samples where index.json records {samples:,}"
+    if len(data) < 4 * (count + 2):
+        return "is shorter than its MDS offset table"
+    offsets = np.frombuffer(data[4:4 * (count + 2)], "<u4").astype(np.int64)  # a copy: the map stays closable
+    # [count][count + 1 offsets][the writer's config, JSON][samples]
+    if offsets[0] < 4 * (count + 2) or offsets[-1] != len(data) or (np.diff(offsets) < 0).any():
+        return "has a corrupt MDS offset table"
+    return None
+
+
+def check_file(path: str, info: FileInfo, algo: str | None, *, samples: int | None = None, data=None) -> str | None:
+    """What is wrong with the shard file at ``path`` given its index entry ``info``, or None: its size,
+    its MDS header when ``samples`` (the index's sample count) is given, its ``algo`` hash unless None.
+    ``data``: the file already mapped. Raises FileNotFoundError for a file that is not there."""
+    if data is not None:
+        return _size_problem(len(data), info) or _content_problem(data, info, algo, samples)
+    with open(path, "rb") as f:
+        problem = _size_problem(os.fstat(f.fileno()).st_size, info)
+        if problem:
+            return problem
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _content_problem(data, info, algo, samples)
+
+
+def _content_problem(data, info: FileInfo, algo: str | None, samples: int | None) -> str | None:
+    problem = _mds_problem(data, samples) if samples is not None else None
+    if problem is None and algo is not None and get_hash(algo, data) != info.hashes[algo]:
+        problem = f"does not match its {algo} hash in index.json (its bytes changed on disk or in transfer)"
+    return problem
+
+
+class _CheckedStream(Stream):
+    """A stream whose index.json is checked as it is loaded: one that cannot be used is named."""
+
+    def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
+        index = os.path.join(self.remote or self.local, self.split, get_index_basename())
+        fix = "restore it from a copy, or re-convert the dataset"
+        if self.remote is None and not os.path.isfile(index):
+            raise DataIntegrityError(f"{index} is missing: is {self.local} a dataset written by "
+                                     f"convert/laion_to_mds.py? If so, {fix}")
+        try:
+            shards = super().get_shards(world, allow_unsafe_types)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+            raise DataIntegrityError(f"{index} is not a usable MDS index ({type(e).__name__}: {_one_line(e)}): "
+                                     f"{fix}") from e
+        for i, shard in enumerate(shards):
+            infos = [info for pair in shard.file_pairs for info in pair if info is not None]
+            if not (isinstance(shard.samples, int) and shard.samples >= 0) or not all(
+                    isinstance(info.bytes, int) and info.bytes > 0 and isinstance(info.hashes, dict)
+                    and isinstance(info.basename, str) and not os.path.isabs(info.basename)
+                    and ".." not in info.basename.split("/") for info in infos):
+                raise DataIntegrityError(f"{index} is not a usable MDS index (shard {i}: samples "
+                                         f"{shard.samples!r}, files {[vars(info) for info in infos]}): {fix}")
+        return shards
+
+
+def _shared_flags(dataset: StreamingDataset) -> Any:
+    """One byte per shard, shared by every process of the node reading this dataset (per process when a
+    stale segment of another size is in the way); cleared by the local leader."""
+    try:
+        flags = SharedArray(dataset.num_shards, np.uint8, _get_path(dataset._shm_prefix_int, _VERIFIED_SHM))
+        flags.numpy()  # a stale, smaller segment: TypeError
+    except (TypeError, ValueError, OSError):
+        flags = np.zeros(dataset.num_shards, np.uint8)
+    if dataset._unique_rank_world.is_local_leader:
+        flags[:] = 0  # a segment another dataset of this process left behind (the same prefix) is stale
+    return flags
+
+
 class LatentDataset(StreamingDataset):
     """MDS rows → samples: unscaled moments at one resolution, text embeddings, token ids, the sample's
     key and index, and the epoch it is read in.
 
     Samples hold numpy arrays (read-only views where possible); :class:`~diffusion.train.batches.StackSamples`
-    turns a list of them into the model's batch.
+    turns a list of them into the model's batch. Shards are checked against index.json as the module
+    docstring says; ``verify_hashes=False`` keeps the size and header checks and skips the hashes.
     """
 
     max_open_shards = 256  # memory maps kept open per process
 
-    def __init__(self, *, remote: str | None, local: str | None, resolution: int, **streaming_kwargs: Any):
-        super().__init__(remote=remote, local=local, **streaming_kwargs)
+    def __init__(self, *, remote: str | None, local: str | None, resolution: int, verify_hashes: bool = True,
+                 **streaming_kwargs: Any):
+        super().__init__(streams=[_CheckedStream(remote=remote, local=local)], **streaming_kwargs)
         self.moments_column = schema.vae_moments_column(resolution)
+        self.verify_hashes = verify_hashes
         self._epoch = 0
         self._wanted = (self.moments_column, schema.TEXT_EMBEDS, schema.INPUT_IDS, schema.KEY)
         self._layouts: dict[int, _ShardLayout | None] = {}
         self._maps: collections.OrderedDict = collections.OrderedDict()
+        self._failure: BaseException | None = None  # the first error of a prefetch thread or a read
+        self._locks, self._locks_pid = {}, os.getpid()
+        if verify_hashes:  # what streaming downloads or decompresses: an algorithm every file records
+            for stream_id, stream in enumerate(self.streams):
+                begin = self.shard_offset_per_stream[stream_id]
+                recorded = [set(info.hashes) for shard in self.shards[begin:begin + self.shards_per_stream[stream_id]]
+                            for pair in shard.file_pairs for info in pair if info is not None]
+                stream.validate_hash = pick_hash(set.intersection(*recorded)) if recorded else None
+        self._verified = _shared_flags(self)
+        self._check_files()
 
-    def __getstate__(self):  # memory maps stay in the process that opened them
+    def __getstate__(self):  # memory maps and locks stay in the process that made them
         state = self.__dict__.copy()
         state["_maps"] = collections.OrderedDict()
+        state["_locks"], state["_failure"] = {}, None
         return state
 
     def _resume_incr_epoch(self) -> tuple[int, int]:
@@ -137,6 +288,153 @@ class LatentDataset(StreamingDataset):
         epoch, sample_in_epoch = super()._resume_incr_epoch()
         self._epoch = epoch
         return epoch, sample_in_epoch
+
+    # ---- integrity (see the module docstring) ------------------------------------------------------------
+
+    def _stream(self, shard_id: int) -> Stream:
+        return self.streams[self.stream_per_shard[shard_id]]
+
+    @staticmethod
+    def _path(stream: Stream, info: FileInfo) -> str:
+        return os.path.normpath(os.path.join(stream.local, stream.split, info.basename))
+
+    def _corrupt(self, shard_id: int, info: FileInfo, problem: str) -> DataIntegrityError:
+        stream = self._stream(shard_id)
+        zip_info = next((z for r, z in self.shards[shard_id].file_pairs if r is info), None)
+        if stream.remote not in (None, stream.local):
+            fix = "delete it to have it downloaded again"
+        elif zip_info is not None and os.path.isfile(self._path(stream, zip_info)):
+            fix = f"delete it to have it decompressed again from {zip_info.basename}"
+        else:
+            fix = "restore it from a copy, or re-convert the dataset"
+        return DataIntegrityError(f"shard {self._path(stream, info)} of dataset {stream.remote or stream.local} "
+                                  f"{problem}: {fix}")
+
+    def _missing(self, shard_id: int) -> DataIntegrityError:
+        stream = self._stream(shard_id)
+        raw_info, zip_info = self.shards[shard_id].file_pairs[0]
+        return DataIntegrityError(
+            f"shard {self._path(stream, zip_info or raw_info)} of dataset {stream.remote or stream.local} is "
+            f"missing: index.json lists it but it is not there; restore it from a copy, or re-convert the dataset")
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Remember ``error`` (the first one) and stop the prefetch threads; returns it, to raise."""
+        if self._failure is None:
+            self._failure = error
+        if hasattr(self, "_event"):
+            self._event.set()
+        return error
+
+    def _check_files(self) -> None:
+        """At construction: each shard of a local dataset there, each file present of the size the index
+        records (one directory walk and a stat per file present, no file opened)."""
+        for stream_id, stream in enumerate(self.streams):
+            root = os.path.join(stream.local, stream.split)
+            listing = {os.path.normpath(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files}
+            begin = int(self.shard_offset_per_stream[stream_id])
+            for shard_id in range(begin, begin + int(self.shards_per_stream[stream_id])):
+                for pair in self.shards[shard_id].file_pairs:
+                    present = [info for info in pair if info is not None and self._path(stream, info) in listing]
+                    for info in present:
+                        problem = _size_problem(os.stat(self._path(stream, info)).st_size, info)
+                        if problem:
+                            raise self._corrupt(shard_id, info, problem)
+                    if not present and stream.remote in (None, stream.local):
+                        raise self._missing(shard_id)
+
+    def _lock(self, shard_id: int) -> threading.Lock:
+        if self._locks_pid != os.getpid():  # a forked worker: locks are per process
+            self._locks, self._locks_pid = {}, os.getpid()
+        return self._locks.setdefault(shard_id, threading.Lock())
+
+    def _verify(self, shard_id: int, data=None, wait: bool = True) -> None:
+        """Check shard ``shard_id``'s raw files (size, MDS header, hash) unless a process of this node has.
+        ``data``: its raw file, already mapped. ``wait=False`` (the prefetch thread) leaves a shard
+        another thread of this process is checking to it, and checks the next one meanwhile. Raises
+        FileNotFoundError for a file not there (yet)."""
+        if self._verified[shard_id]:
+            return
+        lock = self._lock(shard_id)
+        if not lock.acquire(blocking=wait):
+            return
+        try:
+            if self._failure is not None:  # another thread of this process found it bad meanwhile
+                raise self._failure
+            if self._verified[shard_id]:
+                return
+            stream, shard = self._stream(shard_id), self.shards[shard_id]
+            samples = shard.samples if isinstance(shard, MDSReader) else None
+            for raw_info, _ in shard.file_pairs:
+                algo = pick_hash(raw_info.hashes) if self.verify_hashes else None
+                problem = check_file(self._path(stream, raw_info), raw_info, algo, samples=samples,
+                                     data=data if len(shard.file_pairs) == 1 else None)
+                if problem:
+                    raise self._fail(self._corrupt(shard_id, raw_info, problem))
+            self._verified[shard_id] = 1
+        finally:
+            lock.release()
+
+    def _diagnose(self, shard_id: int, error: BaseException) -> BaseException:
+        """The error to raise for a shard that could not be prepared: its file named where it is corrupt
+        or missing (or, for a local dataset, could not be read); else ``error`` itself."""
+        stream, shard = self._stream(shard_id), self.shards[shard_id]
+        present = False
+        mds_samples = shard.samples if isinstance(shard, MDSReader) else None
+        for raw_info, zip_info in shard.file_pairs:
+            for info, samples in ((zip_info, None), (raw_info, mds_samples)):
+                if info is None:
+                    continue
+                try:
+                    problem = check_file(self._path(stream, info), info, pick_hash(info.hashes), samples=samples)
+                except FileNotFoundError:
+                    continue
+                present = True
+                if problem:
+                    return self._corrupt(shard_id, info, problem)
+        if stream.remote not in (None, stream.local):
+            return error
+        if not present:
+            return self._missing(shard_id)
+        raw_info, zip_info = shard.file_pairs[0]
+        return DataIntegrityError(
+            f"shard {self._path(stream, zip_info or raw_info)} of dataset {stream.local} could not be read "
+            f"({type(error).__name__}: {_one_line(error)}): restore it from a copy, or re-convert the dataset")
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """Streaming's download/decompress step (run by its prefetch thread ahead of reading), then the
+        shard's check, once its raw file is there; a failure names the file."""
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except DataIntegrityError as e:
+            raise self._fail(e)
+        except Exception as e:
+            if self._shard_states[shard_id] == _ShardState.PREPARING:  # else a waiter would wait forever
+                self._shard_states[shard_id] = _ShardState.REMOTE
+            diagnosed = self._diagnose(shard_id, e)
+            if diagnosed is e:
+                raise self._fail(e)
+            raise self._fail(diagnosed) from e
+        if not self._verified[shard_id] and self._shard_states[shard_id] == _ShardState.LOCAL:
+            try:
+                self._verify(shard_id, wait=blocking)
+            except FileNotFoundError:
+                pass  # still compressed, or evicted since: checked when opened
+
+    def on_exception(self, future) -> None:
+        # Streaming re-raises a prefetch thread's error in this callback, where no one sees it, and the
+        # epoch then ends early without a word: keep it for the reading thread to raise.
+        error = future.exception()
+        if error is not None:
+            self._fail(error)
+
+    def __iter__(self):
+        if self._failure is not None:
+            raise self._failure
+        yield from super().__iter__()
+        if self._failure is not None:  # a prefetch thread failed after the last sample was read
+            raise self._failure
+
+    # ---- reading -----------------------------------------------------------------------------------------
 
     def _layout(self, shard_id: int) -> _ShardLayout | None:
         if shard_id not in self._layouts:
@@ -152,8 +450,13 @@ class LatentDataset(StreamingDataset):
     def _mapped(self, shard_id: int, layout: _ShardLayout):
         data = self._maps.get(shard_id)
         if data is None:
-            with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded yet
+            info = self.shards[shard_id].raw_data
+            with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded or decompressed yet
+                problem = _size_problem(os.fstat(f.fileno()).st_size, info)
+                if problem:
+                    raise self._fail(self._corrupt(shard_id, info, problem))
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._verify(shard_id, data)
             self._maps[shard_id] = data
             if len(self._maps) > self.max_open_shards:
                 self._maps.popitem(last=False)  # closed once no batch views it any more
@@ -161,17 +464,34 @@ class LatentDataset(StreamingDataset):
             self._maps.move_to_end(shard_id)
         return data
 
+    def _open(self, shard_id: int, layout: _ShardLayout):
+        """The shard's raw file, mapped and checked; None if it is not there even after preparing it."""
+        try:
+            return self._mapped(shard_id, layout)
+        except FileNotFoundError:
+            pass
+        self.prepare_shard(shard_id)  # download or decompress it
+        try:
+            return self._mapped(shard_id, layout)
+        except FileNotFoundError:
+            return None  # evicted meanwhile: streaming's path below retries
+
     def _read(self, index: int) -> dict[str, np.ndarray]:
+        if self._failure is not None:  # a prefetch thread found a bad shard: stop at once
+            raise self._failure
         shard_id, sample_in_shard = self.spanner[index]
         layout = self._layout(shard_id)
         if layout is not None:
-            try:
-                data = self._mapped(shard_id, layout)
-            except FileNotFoundError:
-                pass  # streaming's path below downloads the shard
-            else:
-                begin, = struct.unpack_from("<I", data, 4 * (1 + sample_in_shard))
-                return layout.arrays(data, begin)
+            data = self._open(shard_id, layout)
+            if data is not None:
+                begin, end = struct.unpack_from("<II", data, 4 * (1 + sample_in_shard))
+                try:
+                    return layout.arrays(data, begin, end)
+                except ValueError as e:  # UnicodeDecodeError too
+                    raise self._fail(self._corrupt(shard_id, self.shards[shard_id].raw_data,
+                                                   f"has a corrupt sample {sample_in_shard} ({_one_line(e)})"))
+        if not self._verified[shard_id]:
+            self.prepare_shard(shard_id)  # there, and checked once there
         row = super().__getitem__(index)
         if self.moments_column not in row:
             raise DatasetMismatchError(f"sample {index} has no column {self.moments_column} (has {sorted(row)})")
@@ -205,7 +525,15 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
                             device_batch_size=device_batch_size)
-    empty = np.load(fetch_side_file(loader_cfg.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout))
+    empty_path = fetch_side_file(loader_cfg.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
+    try:
+        empty = np.load(empty_path)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise DataIntegrityError(f"{empty_path} is not an array written by convert/laion_to_mds.py "
+                                 f"({type(e).__name__}: {_one_line(e)}): restore it from a copy, or re-convert "
+                                 f"the dataset") from e
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed))
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
@@ -218,5 +546,14 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
 
 
 def clean_shared_memory() -> None:
-    """Remove shared memory a killed run left behind (streaming refuses to start otherwise)."""
+    """Remove shared memory a killed run left behind (streaming refuses to start otherwise), ours too."""
+    from streaming.base.distributed import get_local_rank
+    if get_local_rank() == 0:  # before streaming's cleanup, which ends with a barrier for every rank
+        for prefix_int in range(1_000_000):  # as streaming looks for its own: until a prefix is free
+            try:
+                shm = _BuiltinSharedMemory(_get_path(prefix_int, _VERIFIED_SHM))
+            except FileNotFoundError:
+                break
+            shm.close()
+            shm.unlink()
     clean_stale_shared_memory()

@@ -1,0 +1,272 @@
+"""Shards damaged as a user's disk would damage them: the training loader stops on the first epoch with
+one line naming the file, and never returns a wrong sample before it does."""
+
+import functools
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import streaming
+
+from diffusion import schema
+from diffusion.config import TrainLoaderConfig
+from diffusion.errors import DataIntegrityError, UserError
+from diffusion.train import mds_source
+from train_fixtures import kit_text_dim, write_latent_mds
+
+N, PER_SHARD = 40, 8  # five shards
+
+
+def _write(out, kit, compression, hashes=("sha1", "xxh64")):
+    """``write_latent_mds`` with the converter's hashes (diffusion.convert.sink records sha1 and xxh64)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if hashes:
+            mp.setattr(streaming, "MDSWriter", functools.partial(streaming.MDSWriter, hashes=list(hashes)))
+        return write_latent_mds(out, kit=kit, n=N, samples_per_shard=PER_SHARD, compression=compression)
+
+
+@pytest.fixture(scope="module")
+def pristine(train_kit, tmp_path_factory):
+    """Intact datasets to copy and damage: {None, "zstd", "nohash"}."""
+    root = tmp_path_factory.mktemp("pristine")
+    return {"none": _write(str(root / "none"), train_kit, None),
+            "zstd": _write(str(root / "zstd"), train_kit, "zstd"),
+            "nohash": _write(str(root / "nohash"), train_kit, None, hashes=())}
+
+
+@pytest.fixture(scope="module")
+def stored(pristine):
+    """Every sample as written (the same for each compression: same seed, same shard boundaries)."""
+    dataset = streaming.LocalDataset(pristine["none"])
+    return [dataset[i] for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def dim(train_kit):
+    return kit_text_dim(train_kit)
+
+
+def _copy(pristine, kind, tmp_path):
+    return shutil.copytree(pristine[kind], str(tmp_path / kind))
+
+
+def _index(mds):
+    with open(os.path.join(mds, "index.json")) as f:
+        return json.load(f)
+
+
+def _shard_file(mds, shard=1, raw=False):
+    """Path of a shard's file as the index names it: the compressed one unless ``raw``."""
+    info = _index(mds)["shards"][shard]
+    return os.path.join(mds, (info["raw_data"] if raw or not info["zip_data"] else info["zip_data"])["basename"])
+
+
+def _flip(path, n=16, at=None):
+    data = bytearray(open(path, "rb").read())
+    at = len(data) // 2 if at is None else at
+    data[at:at + n] = bytes(b ^ 0xFF for b in data[at:at + n])
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _cfg(mds, **kw):
+    kw = {"batch_size": 4, "num_workers": 0, "persistent_workers": False, "caption_dropout": 0.0, **kw}
+    return TrainLoaderConfig(path=mds, **kw)
+
+
+def _check_batch(batch, stored):
+    for row, index in enumerate(batch[schema.BATCH_SAMPLE_INDEX].tolist()):
+        want = stored[index]
+        np.testing.assert_array_equal(batch[schema.BATCH_MOMENTS][row].numpy(), want[schema.vae_moments_column(64)])
+        np.testing.assert_array_equal(batch[schema.BATCH_TEXT_EMBEDS][row].numpy(), want[schema.TEXT_EMBEDS])
+        np.testing.assert_array_equal(batch[schema.BATCH_INPUT_IDS][row].numpy(), want[schema.INPUT_IDS])
+    return batch[schema.BATCH_SAMPLE_INDEX].tolist()
+
+
+def _epoch(mds, dim, stored, loader=None, **kw):
+    """Every sample index one epoch returns through the training loader, each checked against ``stored``."""
+    loader = loader or mds_source.build_dataloader(_cfg(mds, **kw), resolution=64, text_dim=dim)
+    return [i for batch in loader for i in _check_batch(batch, stored)]
+
+
+def _fails_naming(path, mds, dim, stored, loader=None, **kw):
+    """Read one epoch (building the loader too, unless given): it must raise DataIntegrityError naming
+    ``path`` in one line, and what it returned before must be right (``_check_batch``)."""
+    returned = []
+    with pytest.raises(DataIntegrityError) as e:
+        returned.extend(_epoch(mds, dim, stored, loader, **kw))
+    message = str(e.value)
+    assert path in message and "\n" not in message, message
+    assert isinstance(e.value, UserError)  # the CLI prints it as `run.py: error: ...`
+    assert len(returned) < N
+    return message
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_an_intact_dataset_reads_every_sample_every_epoch(pristine, stored, dim, tmp_path, kind):
+    mds = _copy(pristine, kind, tmp_path)
+    loader = mds_source.build_dataloader(_cfg(mds), resolution=64, text_dim=dim)
+    for _ in range(2):
+        assert sorted(_epoch(mds, dim, stored, loader)) == list(range(N))
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_flipped_bytes_in_a_shard(pristine, stored, dim, tmp_path, kind):
+    mds = _copy(pristine, kind, tmp_path)
+    path = _shard_file(mds)  # shard.00001.mds, or .mds.zstd
+    _flip(path)
+    message = _fails_naming(path, mds, dim, stored)
+    assert f"dataset {mds}" in message and "xxh64" in message
+
+
+def test_flipped_bytes_in_a_decompressed_shard(pristine, stored, dim, tmp_path):
+    # The raw .mds streaming decompressed beside the .zstd on an earlier run is what is read from then on.
+    mds = _copy(pristine, "zstd", tmp_path)
+    assert sorted(_epoch(mds, dim, stored)) == list(range(N))
+    raw = _shard_file(mds, raw=True)
+    assert os.path.isfile(raw)
+    _flip(raw)
+    message = _fails_naming(raw, mds, dim, stored)
+    assert "decompressed again from shard.00001.mds.zstd" in message
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_a_truncated_shard_fails_when_the_dataset_opens(pristine, stored, dim, tmp_path, kind):
+    mds = _copy(pristine, kind, tmp_path)
+    path = _shard_file(mds)
+    os.truncate(path, os.path.getsize(path) // 2)
+    assert "truncated" in _fails_naming(path, mds, dim, stored)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_a_shard_truncated_after_the_loader_started_fails_when_opened(pristine, stored, dim, tmp_path, kind):
+    mds = _copy(pristine, kind, tmp_path)
+    loader = mds_source.build_dataloader(_cfg(mds), resolution=64, text_dim=dim)
+    path = _shard_file(mds)
+    os.truncate(path, os.path.getsize(path) // 2)
+    _fails_naming(path, mds, dim, stored, loader)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_deleted_shard(pristine, stored, dim, tmp_path, kind, when):
+    mds = _copy(pristine, kind, tmp_path)
+    path = _shard_file(mds)
+    loader = None
+    if when == "after":  # deleted once the loader was built: found when first opened
+        loader = mds_source.build_dataloader(_cfg(mds), resolution=64, text_dim=dim)
+    os.remove(path)
+    assert "is missing" in _fails_naming(path, mds, dim, stored, loader)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_wrong_sample_count_in_index_json(pristine, stored, dim, tmp_path, kind, delta):
+    mds = _copy(pristine, kind, tmp_path)
+    index = _index(mds)
+    index["shards"][1]["samples"] += delta
+    with open(os.path.join(mds, "index.json"), "w") as f:
+        json.dump(index, f)
+    message = _fails_naming(_shard_file(mds, raw=True), mds, dim, stored)
+    assert f"holds {PER_SHARD} samples where index.json records {PER_SHARD + delta}" in message
+
+
+@pytest.mark.parametrize("kind", ["none", "nohash"])
+def test_a_corrupted_offset(pristine, stored, dim, tmp_path, kind):
+    # The MDS header check finds it before the hash does, and alone where no hash is recorded.
+    mds = _copy(pristine, kind, tmp_path)
+    path = _shard_file(mds)
+    _flip(path, n=2, at=4 * 3)  # the third sample's offset
+    assert "corrupt MDS offset table" in _fails_naming(path, mds, dim, stored)
+
+
+def test_a_corrupted_sample_header_without_hashes(pristine, stored, dim, tmp_path):
+    # A variable-size column's length inside a sample, in a dataset that records no hashes.
+    mds = _copy(pristine, "nohash", tmp_path)
+    path = _shard_file(mds)
+    with open(path, "rb") as f:
+        begin = int(np.frombuffer(f.read(12), "<u4")[2])  # sample 1's offset
+    _flip(path, n=1, at=begin + 1)
+    assert "corrupt sample 1" in _fails_naming(path, mds, dim, stored)
+
+
+@pytest.mark.parametrize("name", ["dataset.json", "index.json"])
+def test_garbage_metadata_names_the_file(pristine, stored, dim, tmp_path, name):
+    mds = _copy(pristine, "none", tmp_path)
+    with open(os.path.join(mds, name), "w") as f:
+        f.write('{"shards": [{"samples": ')
+    _fails_naming(os.path.join(mds, name), mds, dim, stored)
+
+
+def test_an_index_whose_shard_entry_is_garbage_names_the_index(pristine, stored, dim, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    index = _index(mds)
+    index["shards"][1]["samples"] = "eight"
+    with open(os.path.join(mds, "index.json"), "w") as f:
+        json.dump(index, f)
+    _fails_naming(os.path.join(mds, "index.json"), mds, dim, stored)
+
+
+def test_a_worker_process_error_is_one_line_naming_the_file(pristine, stored, dim, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    path = _shard_file(mds)
+    _flip(path)
+    _fails_naming(path, mds, dim, stored, num_workers=1)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_streamings_path_is_checked_too(pristine, stored, dim, tmp_path, kind):
+    # A cache limit makes every read take streaming's own path.
+    mds = _copy(pristine, kind, tmp_path)
+    path = _shard_file(mds, raw=True)
+    if kind == "zstd":  # decompress first, so the raw file exists to damage
+        _epoch(mds, dim, stored)
+    _flip(path)
+    _fails_naming(path, mds, dim, stored, cache_limit="10mb")
+
+
+def test_hash_checks_can_be_off_and_sizes_are_still_checked(pristine, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    _flip(_shard_file(mds, shard=0))
+    dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4, verify_hashes=False)
+    dataset[0]  # read, unchecked
+    os.truncate(_shard_file(mds, shard=2), 100)
+    with pytest.raises(DataIntegrityError, match="shard.00002.mds .*truncated"):
+        dataset[2 * PER_SHARD]
+    del dataset
+
+
+def test_each_shard_is_hashed_once_per_node(pristine, tmp_path, monkeypatch):
+    mds = _copy(pristine, "none", tmp_path)
+    hashed = []
+    real = mds_source.get_hash
+    monkeypatch.setattr(mds_source, "get_hash", lambda algo, data: hashed.append(len(data)) or real(algo, data))
+    dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4, shuffle=True)
+    for _ in range(2):
+        assert len(list(dataset)) == N
+    assert len(hashed) == N // PER_SHARD
+    del dataset
+
+
+def test_a_shard_damaged_at_the_remote_fails_when_downloaded(pristine, stored, dim, tmp_path):
+    # A local directory as the "remote": streaming copies each shard into the cache as it would download it.
+    remote = _copy(pristine, "zstd", tmp_path)
+    _flip(_shard_file(remote))
+    cache = str(tmp_path / "cache")
+    dataset = mds_source.LatentDataset(remote=remote, local=cache, resolution=64, batch_size=4)
+    with pytest.raises(DataIntegrityError) as e:
+        for i in range(N):
+            sample = dataset[i]
+            np.testing.assert_array_equal(sample[schema.TEXT_EMBEDS], stored[i][schema.TEXT_EMBEDS])
+    assert i == PER_SHARD  # the first sample of shard 1
+    message = str(e.value)
+    assert f"{cache}/shard.00001.mds.zstd of dataset {remote} " in message and "downloaded again" in message
+    del dataset
+
+
+def test_a_missing_index_names_it(pristine, stored, dim, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    os.remove(os.path.join(mds, "index.json"))
+    assert "is missing" in _fails_naming(os.path.join(mds, "index.json"), mds, dim, stored)
