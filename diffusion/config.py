@@ -113,7 +113,7 @@ class FSDPSection:
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                "_HYBRID_SHARD_ZERO2"] = "SHARD_GRAD_OP"
     mixed_precision: str = "DEFAULT"  # Composer's FSDP mixed precision preset
-    state_dict_type: Literal["full", "sharded"] = "full"
+    state_dict_type: Literal["full", "sharded"] = "full"  # sharded: not with algorithms.ema (saved full)
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
     backward_prefetch: str = "BACKWARD_POST"
@@ -299,6 +299,10 @@ def _check_consistency(cfg: Config) -> None:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
     if isinstance(t.device_train_microbatch_size, int) and t.device_train_microbatch_size <= 0:
         raise ConfigError("trainer.device_train_microbatch_size must be positive or 'auto'")
+    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms:
+        raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.ema (the EMA is "
+                          "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "
+                          "algorithms.ema=null")
     for key in ("max_duration", "eval_interval", "save_interval"):
         value = getattr(t, key)
         if not value.endswith(("ba", "sp", "dur")):

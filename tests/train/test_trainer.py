@@ -115,10 +115,12 @@ def test_resume_equals_a_straight_run(train_kit, mds, tmp_path):
 
 
 def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp_path):
-    _, weights, _, _ = _fit(train_kit, mds, "trainer.save_interval=3ba", batches=3, save_folder=str(tmp_path / "p1"))
+    # As in yamls/sd2-base-{256,512}.yaml: phase 1 without EMA, phase 2 with; the weights load strictly.
+    _, weights, _, _ = _fit(train_kit, mds, "trainer.save_interval=3ba", "algorithms={}", batches=3,
+                            save_folder=str(tmp_path / "p1"))
     cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=2, extra=(
         f"trainer.load_path={tmp_path / 'p1' / 'latest-rank0.pt'}", "trainer.load_weights_only=true",
-        "trainer.load_strict=false")))
+        "trainer.load_strict=true")))
     trainer = build_trainer(cfg)
     assert int(trainer.state.timestamp.batch) == 0  # fresh schedule
     assert not trainer.state.optimizers[0].state  # fresh optimizer
