@@ -79,20 +79,30 @@ class ShardBatches:
 
 
 class LossHistory(Callback):
-    """Keeps ``(batch, loss)`` and the wall time after each training batch, for the driver to see."""
+    """Keeps ``(batch, loss)`` and the wall time after each training batch, for the driver to see.
+
+    The loss is the whole batch's: Composer's ``total_loss_dict`` (every microbatch's loss summed with
+    its share of the batch, averaged over the ranks), not ``state.loss``, which holds only the last
+    microbatch's.
+    """
 
     def __init__(self):
         self.losses: list[tuple[int, float]] = []
         self.times: list[float] = []  # time.perf_counter() at the end of each batch
 
-    def after_train_batch(self, state: State, logger: Logger) -> None:
-        loss = state.loss
-        if isinstance(loss, dict):
-            loss = sum(loss.values())
-        if isinstance(loss, (list, tuple)):
-            loss = sum(loss)
-        # The timestamp advances after this event: +1 numbers batches from 1, as durations count them.
-        self.losses.append((int(state.timestamp.batch) + 1, float(loss)))
+    def batch_end(self, state: State, logger: Logger) -> None:
+        totals = getattr(state, "total_loss_dict", None) or {}
+        if "loss/train/total" in totals:
+            loss = float(totals["loss/train/total"])
+        else:  # not Composer's training loop: the loss as the model returned it
+            loss = state.loss
+            if isinstance(loss, dict):
+                loss = sum(loss.values())
+            if isinstance(loss, (list, tuple)):
+                loss = sum(loss)
+            loss = float(loss)
+        # The timestamp has advanced at BATCH_END: batches are numbered from 1, as durations count them.
+        self.losses.append((int(state.timestamp.batch), loss))
         self.times.append(time.perf_counter())
 
 
