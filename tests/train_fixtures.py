@@ -87,3 +87,18 @@ def tiny_overrides(kit: str, mds: str, *, batches: int = 8, batch_size: int = 8,
                  # epsilon, as these tests were written for, not the demo's v-prediction colour recipe
                  "model.prediction_type=epsilon", "model.offset_noise=0.0"]
     return overrides + list(extra)
+
+
+def launch_composer(script_path, script: str, args: list[str], *, port: int, env: dict | None = None,
+                    processes: int = 2, timeout: float = 600):
+    """Write ``script`` to ``script_path`` and run it under ``composer -n processes`` from the repository root
+    (one thread per rank, the repository importable); returns the ``subprocess.CompletedProcess``."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(script_path, "w") as f:
+        f.write(script)
+    composer = os.path.join(os.path.dirname(sys.executable), "composer")
+    full_env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
+                          cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)

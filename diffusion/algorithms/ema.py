@@ -11,6 +11,15 @@ Evaluation runs on the EMA weights (swapped in before the evaluators, swapped ba
 loggers use ``with ema.ema_weights(model): ...``. ``state_dict()["ema_params"]`` maps the
 ComposerModel's parameter names (``unet.conv_in.weight``) to full tensors; Composer stores it in the
 checkpoint under ``state["algorithms"]``, and loading it restores the average exactly.
+
+Swapping under FSDP: the swap writes the local shards, but FSDP computes with the *gathered* full
+parameters, and it keeps those after a forward that no backward follows (an eval, an image grid):
+always under SHARD_GRAD_OP, for the root unit under FULL_SHARD. Left alone, the next training
+forward would reuse the gathered EMA (and the eval, the gathered training weights). So every swap
+first drops what FSDP has gathered (FSDP1: each unit's handle is resharded, freeing the unsharded flat
+parameter; FSDP2: ``FSDPModule.reshard()``); the next forward gathers the shards as they are now.
+Sharded checkpoints (``state_dict_type: sharded``) with FSDP1 are refused at fit start: the EMA is
+saved as full tensors only.
 """
 
 from __future__ import annotations
@@ -57,6 +66,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _uses_fsdp1(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def drop_gathered_parameters(model: torch.nn.Module) -> None:
+    """Free every full parameter FSDP keeps gathered, so the next forward gathers the current shards.
+
+    Call it before writing the local shards outside FSDP's own forward/backward (an EMA swap), or
+    after: FSDP does not re-gather a unit it considers unsharded, and would compute with stale values.
+    A no-op without FSDP, for NO_SHARD (nothing is gathered) and for units already sharded.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    for module in model.modules():
+        if isinstance(module, FSDP):
+            # FSDP1 has no public reshard: this is what its own post-forward/backward resharding does.
+            from torch.distributed.fsdp._common_utils import TrainingState
+            from torch.distributed.fsdp._flat_param import HandleTrainingState
+            from torch.distributed.fsdp._runtime_utils import _reshard
+            handle = module._handle
+            if handle is None or not handle.uses_sharded_strategy or handle.needs_unshard():
+                continue  # no parameters, nothing ever gathered, or not gathered now
+            if (module.training_state != TrainingState.IDLE
+                    or handle._training_state != HandleTrainingState.IDLE):
+                raise RuntimeError("EMA weights swapped inside an FSDP forward/backward or summon_full_params")
+            _reshard(module, handle, free_unsharded_flat_param=True)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class EMA(Algorithm):
@@ -106,6 +145,10 @@ class EMA(Algorithm):
         self._bind(state.model, sharded=bool(getattr(state, "fsdp_sharded_state_dict_enabled", False)))
         batch = int(state.timestamp.batch)
         if event == Event.FIT_START:
+            if self._sharded_checkpoints and _uses_fsdp1(self._model):
+                # Refuse now rather than at the first checkpoint, hours in.
+                raise NotImplementedError("EMA with FSDP1 sharded checkpoints is not supported: use "
+                                          "state_dict_type 'full' (trainer.fsdp.state_dict_type=full)")
             self._maybe_start(batch)
         elif event == Event.BATCH_END:
             if self.started and (batch - self.start_batch) % self.update_interval == 0:
@@ -141,6 +184,10 @@ class EMA(Algorithm):
             self._ema = [p.clone() for p in self._params]
             self.num_updates = 0
 
+    def local_averages(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's EMA tensors (its shards under FSDP) by parameter name; empty before the start."""
+        return list(zip(self._names, self._ema)) if self.started else []
+
     @torch.no_grad()
     def update(self) -> None:
         """One EMA step over every local shard, fused."""
@@ -148,10 +195,13 @@ class EMA(Algorithm):
         self.num_updates += 1
 
     # ---- swapping the EMA into the model -----------------------------------------------------
+    # Both directions drop FSDP's gathered parameters first (see the module docstring): the
+    # swap writes shards, and what is gathered holds the weights of before the swap.
     @torch.no_grad()
     def _swap_in(self) -> bool:
         if not self.started or self._swapped is not None:
             return False  # nothing to swap yet, or already swapped (nested use during eval)
+        drop_gathered_parameters(self._model)
         self._swapped = [p.clone() for p in self._params]
         torch._foreach_copy_(self._params, self._ema)
         return True
@@ -159,6 +209,7 @@ class EMA(Algorithm):
     @torch.no_grad()
     def _swap_out(self) -> None:
         if self._swapped is not None:
+            drop_gathered_parameters(self._model)
             torch._foreach_copy_(self._params, self._swapped)
             self._swapped = None
 
@@ -245,8 +296,11 @@ class EMA(Algorithm):
     def _gather_fsdp1(self) -> dict[str, torch.Tensor]:
         # Let FSDP do the gather: swap the EMA shards in, summon full parameters, read them, swap back.
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        # offload_to_cpu only off the CPU: on CPU, FSDP's "move" is a no-op and it then frees the
+        # storage the full parameters live in (reading them segfaults).
+        offload = any(p.device.type != "cpu" for p in self._params)
         with self.ema_weights(), FSDP.summon_full_params(self._model, writeback=False, rank0_only=True,
-                                                                  offload_to_cpu=True):
+                                                         offload_to_cpu=offload):
             return {n: p.detach().cpu().clone() for n, p in trainable_parameters(self._model).items()}
 
     @torch.no_grad()
@@ -254,9 +308,11 @@ class EMA(Algorithm):
         # The reverse: write the full EMA through summon_full_params, keep the local shards, restore weights.
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         backup = [p.clone() for p in self._params]
+        drop_gathered_parameters(self._model)  # else summon reuses (and keeps) a stale gathered copy
         with FSDP.summon_full_params(self._model, writeback=True):
             for p, f in zip(trainable_parameters(self._model).values(), full):
                 p.copy_(f.to(p.device, p.dtype))
         shards = [p.clone() for p in self._params]
+        drop_gathered_parameters(self._model)
         torch._foreach_copy_(self._params, backup)
         return shards

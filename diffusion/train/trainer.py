@@ -7,8 +7,10 @@ callbacks, loggers → Trainer. Parallelism (DDP or FSDP) is Composer's; the mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 import yaml
@@ -53,6 +55,35 @@ def build_parallelism(cfg: Config) -> dict | None:
                      "state_dict_type": fsdp.state_dict_type, "limit_all_gathers": fsdp.limit_all_gathers,
                      "forward_prefetch": fsdp.forward_prefetch, "backward_prefetch": fsdp.backward_prefetch,
                      "activation_checkpointing": cfg.trainer.activation_checkpointing, "use_orig_params": True}}
+
+
+def _fsdp_device(device: str, cfg: Config):
+    """FSDP on CPU (gloo), as the tests run it: two work-arounds, both inert on GPUs.
+
+    - Composer 0.32.1 hands FSDP ``device_id=torch.cuda.current_device()``, which fails without CUDA
+      (FSDP itself takes the CPU device): while Composer wraps the model, that call answers the CPU.
+    - Full checkpoints gather with ``offload_to_cpu``: torch's FSDP1 "moves" the full parameters to the
+      CPU, which is a no-op there, then frees the storage they live in (a segfault on the first save).
+      ``FlatParamHandle.to_cpu`` is made a no-op for parameters already on the CPU.
+
+    Returns the context to build the Trainer in.
+    """
+    if device != "cpu" or cfg.trainer.fsdp is None:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    if not getattr(FlatParamHandle.to_cpu, "cpu_safe", False):
+        original = FlatParamHandle.to_cpu
+
+        @contextlib.contextmanager
+        def to_cpu(self):
+            if self.flat_param.device.type == "cpu":
+                yield
+            else:
+                with original(self):
+                    yield
+        to_cpu.cpu_safe = True
+        FlatParamHandle.to_cpu = to_cpu
+    return mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
 def prepare_model(cfg: Config, model: StableDiffusion) -> StableDiffusion:
@@ -101,20 +132,22 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     if t.grad_clip_norm:
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=t.grad_clip_norm))
 
-    return Trainer(
-        model=model, train_dataloader=train_loader, eval_dataloader=eval_loader, max_duration=t.max_duration,
-        eval_interval=t.eval_interval if eval_loader else 1, eval_subset_num_batches=t.eval_subset_num_batches,
-        optimizers=optimizer, schedulers=build_scheduler(cfg), step_schedulers_every_batch=True,
-        algorithms=algorithms, callbacks=components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks),
-        loggers=components.build_components("loggers", cfg.loggers), progress_bar=False, log_to_console=False,
-        run_name=_run_name(cfg), seed=t.seed, device=device,
-        precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
-        device_train_microbatch_size=t.device_train_microbatch_size,
-        parallelism_config=build_parallelism(cfg), compile_config={} if t.compile else None,
-        save_folder=t.save_folder, save_interval=t.save_interval,
-        save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
-        autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
-        load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
+    callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
+    with _fsdp_device(device, cfg):
+        return Trainer(
+            model=model, train_dataloader=train_loader, eval_dataloader=eval_loader, max_duration=t.max_duration,
+            eval_interval=t.eval_interval if eval_loader else 1, eval_subset_num_batches=t.eval_subset_num_batches,
+            optimizers=optimizer, schedulers=build_scheduler(cfg), step_schedulers_every_batch=True,
+            algorithms=algorithms, callbacks=callbacks,
+            loggers=components.build_components("loggers", cfg.loggers), progress_bar=False, log_to_console=False,
+            run_name=_run_name(cfg), seed=t.seed, device=device,
+            precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
+            device_train_microbatch_size=t.device_train_microbatch_size,
+            parallelism_config=build_parallelism(cfg), compile_config={} if t.compile else None,
+            save_folder=t.save_folder, save_interval=t.save_interval,
+            save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
+            autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
+            load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
 
 
 def finished_message(trainer: Trainer) -> str | None:

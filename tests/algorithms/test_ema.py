@@ -2,6 +2,7 @@
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -11,7 +12,11 @@ from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanSquaredError
 
-from diffusion.algorithms.ema import EMA, parameter_name, smoothing_from_half_life
+from diffusion.algorithms.ema import EMA, drop_gathered_parameters, parameter_name, smoothing_from_half_life
+from diffusion.config import load_config
+from diffusion.errors import ConfigError
+
+YAMLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "yamls")
 
 
 class TinyRegressor(ComposerModel):
@@ -187,3 +192,22 @@ def test_checkpoint_holds_ema_and_resume_is_exact(tmp_path):
     fit(resumed, duration="6ba", load_path=str(tmp_path / "ep0-ba3.pt"))
     assert resumed.num_updates == straight.num_updates == 4
     assert_close(resumed.state_dict()["ema_params"], straight.state_dict()["ema_params"])
+
+
+def test_sharded_fsdp_checkpoints_with_ema_are_refused_at_start():
+    # The EMA is checkpointed as full tensors only: refused when the config is read, not at the first save.
+    tiny = os.path.join(YAMLS, "tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match=r"trainer\.fsdp\.state_dict_type=sharded does not work with algorithms\.ema"):
+        load_config(tiny, ["trainer.fsdp={state_dict_type: sharded}"])
+    load_config(tiny, ["trainer.fsdp={state_dict_type: sharded}", "algorithms.ema=null"])
+    load_config(tiny, ["trainer.fsdp={state_dict_type: full}"])
+    cfg = load_config(os.path.join(YAMLS, "sd2-base-512.yaml"))  # phase 2: EMA, FSDP, full, strict load
+    assert "ema" in cfg.algorithms and cfg.trainer.fsdp.state_dict_type == "full" and cfg.trainer.load_strict
+
+
+def test_swaps_without_fsdp_drop_nothing():
+    # Under FSDP every swap drops the gathered full parameters (tests/train/test_fsdp.py); without, a no-op.
+    model = TinyRegressor()
+    before = trainable(model)
+    drop_gathered_parameters(model)
+    assert_close(trainable(model), before)

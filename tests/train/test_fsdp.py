@@ -1,0 +1,221 @@
+"""Real FSDP on CPU: `composer -n 2` (gloo) with the product's trainer, tiny UNet, EMA and microbatches.
+
+One launch trains every variant in turn (startup dominates on 2 cores): FULL_SHARD and SHARD_GRAD_OP,
+each without eval and with an EMA eval after every batch, then a run whose rank 1 gets a NaN in the
+first of its two microbatches; last, the same EMA check on a small model under FSDP2 (torch's
+``fully_shard``, which Composer does not use here), straight from torch. A recorder hooks the UNet's
+``conv_in`` and keeps the weight every forward computed with (inside FSDP's forward that is the
+gathered, full parameter), so the test sees exactly what FSDP trained and evaluated on:
+
+- with an EMA eval between steps, every training forward and the final weights equal the run
+  without eval (the EMA is not left in FSDP's gathered parameters), and the eval forwards ran on the
+  EMA of the weights the training forwards saw;
+- a NaN in a non-last microbatch on one rank stops both ranks at that batch, naming it, before its
+  checkpoint: ``latest`` stays on the last finite one.
+
+The harness is ``run.py``'s own path (``build_trainer`` on the YAML and overrides) plus the recorder;
+``trainer.device=cpu`` with ``trainer.fsdp`` is FSDP over gloo (see ``trainer._fsdp_device``).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from train_fixtures import launch_composer, tiny_overrides, write_latent_mds
+
+HARNESS = '''
+import gc, json, os, sys, torch
+from composer.core import Callback
+from composer.utils import dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from diffusion.algorithms.ema import EMA, parameter_name
+from diffusion.callbacks.nan_catcher import NonFiniteLossError
+from diffusion.config import load_config
+from diffusion.train.trainer import build_trainer, parse_args
+
+class Recorder(Callback):
+    """The conv_in weight each forward computes with; a NaN into one microbatch's outputs on one rank."""
+    def __init__(self, nan_at=None):
+        self.forwards, self.nan_at, self.microbatch = [], nan_at, 0
+    def hook(self, state):
+        def pre_forward(module, args):
+            mode = "train" if module.training else "eval"
+            self.forwards.append((mode, int(state.timestamp.batch), module.weight.detach().clone()))
+        return pre_forward
+    def batch_start(self, state, logger):
+        self.microbatch = 0
+    def after_forward(self, state, logger):
+        self.microbatch += 1
+        if self.nan_at and [int(state.timestamp.batch) + 1, self.microbatch, dist.get_global_rank()] == self.nan_at:
+            state.outputs["prediction"] = state.outputs["prediction"] * float("nan")
+
+def fsdp2(evaluate):
+    """FSDP2 (torch's fully_shard; Composer here wraps with FSDP1) without resharding after forward,
+    the EMA swapped in for an eval forward after every step: the weight each forward computed with."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_global_rank()))
+    ema, seen = EMA(smoothing=0.9), []
+    ema._bind(model)
+    ema._maybe_start(0)
+    def record(module, args):
+        weight = module.weight  # the unsharded tensor inside forward (a DTensor would be gathered)
+        seen.append((weight.full_tensor() if hasattr(weight, "full_tensor") else weight).detach().clone())
+    model[0].register_forward_pre_hook(record)
+    for _ in range(3):
+        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        if evaluate:
+            with torch.no_grad(), ema.ema_weights(model):
+                model(x)
+    return seen
+
+path, overrides = parse_args(sys.argv[1:])
+out = os.environ["RECORD_DIR"]
+for variant in json.loads(os.environ["VARIANTS"]):
+    trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
+    rank = dist.get_global_rank()
+    model = trainer.state.model
+    assert isinstance(model.unet, FSDP), type(model.unet)
+    recorder = Recorder(variant.get("nan_at"))
+    trainer.state.callbacks.insert(0, recorder)
+    model.unet.conv_in.register_forward_pre_hook(recorder.hook(trainer.state))
+    record = {"error": None}
+    try:
+        trainer.fit()
+    except NonFiniteLossError as e:
+        record["error"] = str(e)
+    if record["error"] is None:
+        with FSDP.summon_full_params(model.unet):
+            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.unet.named_parameters()}
+        ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
+        record["ema"] = ema.state_dict()["ema_params"]
+    record["forwards"] = recorder.forwards
+    torch.save(record, os.path.join(out, f"{variant['name']}-rank{rank}.pt"))
+    trainer.close()
+    del trainer, model
+    gc.collect()
+torch.save({"plain": fsdp2(False), "eval": fsdp2(True)}, os.path.join(out, f"fsdp2-rank{rank}.pt"))
+'''
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(train_kit, tmp_path_factory):
+    """Launch once: every variant, both ranks; returns (record dir, checkpoint folder of the NaN run)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mds = write_latent_mds(str(tmp / "mds"), kit=train_kit, n=48)
+    held_out = write_latent_mds(str(tmp / "eval"), kit=train_kit, n=8, seed=1)
+    ckpt = tmp / "ckpt"
+    # 3 batches of 8 (4 per rank, 2 microbatches of 2); lr high and EMA slow so that the EMA and the
+    # training weights are far apart after one step.
+    common = tiny_overrides(train_kit, mds, batches=3, batch_size=8, extra=(
+        "trainer.device_train_microbatch_size=2", "optimizer.lr=1e-2", "algorithms.ema.smoothing=0.9",
+        "algorithms.ema.start_batch=0", "callbacks={nan_catcher: {}}"))
+    evaluated = [f"data.eval={{path: {held_out}, batch_size: 4, num_workers: 0}}", "trainer.eval_interval=1ba",
+                 "trainer.eval_subset_num_batches=1"]
+    variants = []
+    for strategy in STRATEGIES:
+        fsdp = f"trainer.fsdp={{sharding_strategy: {strategy}}}"
+        variants += [{"name": f"{strategy}-plain", "overrides": [fsdp]},
+                     {"name": f"{strategy}-eval", "overrides": [fsdp, *evaluated]}]
+    # Rank 1's first microbatch of batch 3 turns NaN; a checkpoint after every batch.
+    variants.append({"name": "nan", "nan_at": [3, 1, 1], "overrides": [
+        "trainer.fsdp={sharding_strategy: SHARD_GRAD_OP}", f"trainer.save_folder={ckpt}", "trainer.save_interval=1ba"]})
+    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], port=29541,
+                             env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants)})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return tmp, ckpt
+
+
+def _load(tmp, name, rank=0):
+    return torch.load(tmp / f"{name}-rank{rank}.pt", weights_only=False)
+
+
+def _forwards(record, mode):
+    """conv_in weights by batch index (0-based: the batch being trained, or the batches done at eval)."""
+    out = {}
+    for m, batch, weight in record["forwards"]:
+        if m == mode:
+            out.setdefault(batch, []).append(weight)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_ema_eval_between_steps_leaves_training_unchanged(fsdp_runs, strategy):
+    tmp, _ = fsdp_runs
+    plain, evaluated = _load(tmp, f"{strategy}-plain"), _load(tmp, f"{strategy}-eval")
+    train_plain, train_eval = _forwards(plain, "train"), _forwards(evaluated, "train")
+    assert sorted(train_plain) == sorted(train_eval) == [0, 1, 2]
+    for batch in train_plain:
+        assert len(train_eval[batch]) == 2  # both microbatches
+        for weight in train_eval[batch]:  # the forward after an eval computes with the training weights
+            torch.testing.assert_close(weight, train_plain[batch][0], rtol=1e-5, atol=1e-6,
+                                       msg=f"{strategy}: training forward of batch {batch} after an eval")
+    for name, tensor in plain["final"].items():
+        torch.testing.assert_close(evaluated["final"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    for name, tensor in plain["ema"].items():
+        torch.testing.assert_close(evaluated["ema"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert not _forwards(plain, "eval")
+
+    # Evals ran on the EMA (smoothing 0.9, started at fit start) of the weights training computed with.
+    weights = [train_plain[b][0] for b in (0, 1, 2)] + [plain["final"]["conv_in.weight"]]
+    ema, expected = weights[0].clone(), {}
+    for batch in (1, 2, 3):
+        ema = 0.9 * ema + 0.1 * weights[batch]
+        expected[batch] = ema
+    evals = _forwards(evaluated, "eval")
+    assert sorted(evals) == [1, 2, 3]
+    for batch, seen in evals.items():
+        torch.testing.assert_close(seen[0], expected[batch], rtol=1e-5, atol=1e-6, msg=f"eval after batch {batch}")
+        assert not torch.allclose(seen[0], weights[batch], atol=1e-4)  # really not the training weights
+    torch.testing.assert_close(plain["ema"]["unet.conv_in.weight"], expected[3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp2_an_ema_eval_between_steps_leaves_training_unchanged(fsdp_runs):
+    tmp, _ = fsdp_runs
+    for rank in (0, 1):
+        runs = _load(tmp, "fsdp2", rank)
+        plain, evaluated = runs["plain"], runs["eval"]  # forwards: t0 t1 t2 / t0 e1 t1 e2 t2 e3
+        assert len(plain) == 3 and len(evaluated) == 6
+        for step in range(3):
+            torch.testing.assert_close(evaluated[2 * step], plain[step], rtol=1e-6, atol=1e-7)
+        ema = plain[0]
+        for step in (1, 2):
+            ema = 0.9 * ema + 0.1 * plain[step]
+            torch.testing.assert_close(evaluated[2 * step - 1], ema, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(evaluated[2 * step - 1], plain[step], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_ranks_first_microbatch_stops_both_before_its_checkpoint(fsdp_runs):
+    tmp, ckpt = fsdp_runs
+    for rank in (0, 1):
+        error = _load(tmp, "nan", rank)["error"]
+        assert error is not None, f"rank {rank} did not stop"
+        assert "loss is NaN" in error and "at batch index 2 (batch 3 of the run" in error, error
+        assert "microbatch 1 of 2 on rank 1" in error, error
+    names = sorted(os.listdir(ckpt))
+    assert "ep0-ba2-rank0.pt" in names and not any("ba3" in n for n in names), names
+    assert os.readlink(ckpt / "latest-rank0.pt") == "ep0-ba2-rank0.pt"
+    # ...and what it holds is whole and finite: the full weights, and the EMA gathered from both ranks.
+    state = torch.load(ckpt / "ep0-ba2-rank0.pt", weights_only=False)["state"]
+    weights = {k: v for k, v in state["model"].items() if k.startswith("unet.")}
+    ema = dict(state["algorithms"])["EMA"]["ema_params"]
+    assert ema.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert ema[name].shape == tensor.shape, name
+        assert torch.isfinite(tensor).all() and torch.isfinite(ema[name]).all(), name
