@@ -26,6 +26,7 @@ CALLBACKS = {
     "nan_catcher": "diffusion.callbacks.nan_catcher:NaNCatcher",
     "cost_projection": "diffusion.callbacks.cost:CostProjection",
     "image_logger": "diffusion.callbacks.image_logger:ImageLogger",
+    "progress": "diffusion.callbacks.progress:ProgressLine",
 }
 LOGGERS = {
     "console": "composer.loggers:ConsoleLogger",
