@@ -96,10 +96,36 @@ def placement(cfg: Config) -> TrainPlacement:
 
 
 def _init_ray():
+    """The converter's quiet Ray start (RAY_ADDRESS or a new local cluster; see its docstring), plus the
+    training workers' progress lines (:mod:`diffusion.callbacks.progress`) on this console.
+
+    Ray forwards the workers' output to the driver, and this driver prints only those lines, bare;
+    everything else (Ray Data's progress bars, Ray Train's notes, Composer's console logger of every
+    rank) stays in the workers' log files, as without forwarding. A worker's error still reaches the
+    driver as the exception ``fit_on_ray`` raises.
+    """
     import ray
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+
+    from diffusion.callbacks.progress import LINE_PREFIX
+    from diffusion.convert.pipeline import _init_ray as init_ray_quietly
+    if ray.is_initialized():
+        return init_ray_quietly(None)  # joins nothing; quiets Ray Data's console as for a new start
+    try:  # where Ray 2.60 hands forwarded worker output to printers (ray.init(log_to_driver=True) adds one)
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        dispatcher = None
+    if not (hasattr(dispatcher, "add_handler") and hasattr(dispatcher, "remove_handler")):
+        dispatcher = None  # another Ray: no forwarding at all rather than all of it
+    init_ray_quietly(os.environ.get("RAY_ADDRESS"), log_to_driver=dispatcher is not None)
+    if dispatcher is not None:
+        def print_progress_lines(data: dict) -> None:
+            if data.get("is_err"):
+                return
+            for line in data.get("lines", ()):
+                if line.startswith(LINE_PREFIX):
+                    print(line, flush=True)
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_print_logs", print_progress_lines)
     return ray
 
 

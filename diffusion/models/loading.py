@@ -9,11 +9,38 @@ loader below goes through :func:`resolve_model`, and nothing else in the codebas
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from diffusion.errors import ModelReferenceError
 
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+class _DropLoadingNoise(logging.Filter):
+    """Drops two diffusers messages that say nothing about this run; every other message passes.
+
+    - "`accelerate` was not found ... pip install accelerate", on every model load without
+      ``accelerate``: loading works the same without it (``low_cpu_mem_usage`` only lowers peak memory
+      while loading).
+    - "There are modules in X that should be kept in float32: []. Casting directly with `to()` ...",
+      on every ``.to(dtype)`` (diffusers 0.39 warns even when the list is empty; with modules listed,
+      the warning is real and still shown).
+    """
+
+    NOISE = ("`accelerate` was not found", "that should be kept in float32: []. ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.NOISE)
+
+
+# The loggers that print them (diffusers' own module loggers); importing this module, which every model
+# load goes through, installs the filter once per process, Ray workers included.
+_NOISY_LOGGERS = ("diffusers.models.modeling_utils", "diffusers.pipelines.pipeline_utils")
+for _name in _NOISY_LOGGERS:
+    if not any(isinstance(f, _DropLoadingNoise) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_DropLoadingNoise())
 
 
 def resolve_model(ref: str, components=COMPONENTS) -> str:
