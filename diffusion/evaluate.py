@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert import readers
+from diffusion.errors import InputError
 from diffusion import grid
 from diffusion.models import sampling
 
@@ -313,27 +315,88 @@ def save_images(images, prompts, directory: str) -> None:
             f.write(prompt)
 
 
+DESCRIPTION = """Score images: CLIP score against their prompts, and FID against a reference set.
+
+Input: images (--images: prompt grids from diffusion.generate, images with NAME.txt captions, raw-data
+parquet or webdataset tars, or directories of these), or a checkpoint and prompts to generate them
+(--checkpoint with --prompts-file, and the sampling flags of diffusion.generate); a CLIP model
+(--clip-model: local directory or hub id); for FID a reference set (--reference, the same forms).
+FID features are the CLIP model's image embeddings unless --fid-features inception.
+Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, ..."""
+EXAMPLES = """examples:
+  python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip   # an offline CLIP for trying it
+  python -m diffusion.evaluate --images grid.png --reference out/demo/raw --clip-model .cache/kit/tiny-clip
+  python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file prompts.txt \\
+      --images-per-prompt 8 --reference coco/ --clip-model openai/clip-vit-large-patch14 --out metrics.json"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffusion import generate
+    parser = argparse.ArgumentParser(prog="python -m diffusion.evaluate", description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", nargs="+", default=None, metavar="PATH",
+                        help="images to score: grids, image files, parquet/tar files or directories")
+    parser.add_argument("--reference", nargs="+", default=None, metavar="PATH",
+                        help="reference images for FID (same forms; default: no FID)")
+    parser.add_argument("--clip-model", required=True, metavar="REF",
+                        help="CLIP model: local directory or hub id (transformers.CLIPModel)")
+    parser.add_argument("--fid-features", choices=("clip", "inception"), default="clip",
+                        help="features FID compares (default: %(default)s)")
+    parser.add_argument("--inception-weights", default=None, metavar="FILE",
+                        help="local torchvision Inception-v3 state dict, for --fid-features inception")
+    parser.add_argument("--eval-batch-size", type=generate.positive_int, default=32,
+                        help="images per feature batch (default: %(default)s)")
+    parser.add_argument("--prompts-file", default=None, metavar="FILE",
+                        help="with --checkpoint: prompts to generate, one a line")
+    parser.add_argument("--save-images", default=None, metavar="DIR",
+                        help="with --checkpoint: keep the generated images here (NNNNN.png + NNNNN.txt)")
+    parser.add_argument("--out", default=None, metavar="JSON", help="also write the metrics to this JSON file")
+    generate.add_sampling_args(parser)
+    return parser
+
+
+def _check_inputs(paths, flag: str) -> None:
+    for path in paths or ():
+        if "://" not in path and not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, f"no such file or directory (given as {flag})", path)
+
+
+def _check_clip_model(ref: str) -> None:
+    """A local CLIP directory must exist and hold a config; anything else must look like a hub id."""
+    if os.path.isdir(os.path.expanduser(ref)):
+        if not os.path.exists(os.path.join(os.path.expanduser(ref), "config.json")):
+            raise InputError(f"--clip-model {ref}: a directory without config.json, so no transformers "
+                             f"CLIPModel (`python -m diffusion.kit --preset tiny-clip --out DIR` writes one)")
+        return
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1 or os.path.exists(ref):
+        raise FileNotFoundError(errno.ENOENT, "no such directory, and not a hub id owner/name (given as "
+                                              "--clip-model)", ref)
+
+
 def main(argv=None) -> None:
     from diffusion import generate
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", nargs="+", default=None, help="grids, image files, parquet or directories")
-    parser.add_argument("--reference", nargs="+", default=None, help="reference images for FID (same forms)")
-    parser.add_argument("--clip-model", required=True, help="CLIP model: local directory or hub id")
-    parser.add_argument("--fid-features", choices=("clip", "inception"), default="clip")
-    parser.add_argument("--inception-weights", default=None, help="local torchvision Inception-v3 state dict")
-    parser.add_argument("--eval-batch-size", type=int, default=32)
-    parser.add_argument("--prompts-file", default=None, help="with --checkpoint: prompts to generate, one a line")
-    parser.add_argument("--save-images", default=None, help="with --checkpoint: keep the generated images here")
-    parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
-    generate.add_sampling_args(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if bool(args.images) == bool(args.checkpoint):
         parser.error("give either --images or --checkpoint with --prompts-file")
+    if args.checkpoint and not args.prompts_file:
+        parser.error("--checkpoint needs --prompts-file")
+    if args.images and (args.prompts_file or args.save_images):
+        parser.error("--prompts-file and --save-images go with --checkpoint, not --images")
+    # Everything the user named is checked before a model loads or an image is generated.
+    if args.checkpoint:
+        generate.check_sampling_args(args)
+    _check_inputs(args.images, "--images")
+    _check_inputs(args.reference, "--reference")
+    _check_clip_model(args.clip_model)
+    if args.fid_features == "inception":
+        if not args.inception_weights:
+            parser.error("--fid-features inception needs --inception-weights FILE")
+        _check_inputs([args.inception_weights], "--inception-weights")
+    if args.out:
+        generate.check_output_file(args.out, None, "--out")
     images = args.images
     if args.checkpoint:
-        if not args.prompts_file:
-            parser.error("--checkpoint needs --prompts-file")
         prompts = generate.read_prompts(args.prompts_file)
         generated = generate.generate_images(args.checkpoint, prompts, **generate.sample_kwargs(args))
         labels = [p for p in prompts for _ in range(args.images_per_prompt)]

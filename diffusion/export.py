@@ -11,28 +11,36 @@ reference, with the VAE scaling factor and prediction type training used written
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 
 import torch
 
-from diffusion.models import loading, sampling
+from diffusion.errors import UserError
+from diffusion.models import checkpoint as checkpoints, loading, sampling
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, ema: bool = True,
-                    scheduler: str | None = None, dtype: str = "float32") -> str:
+                    scheduler: str | None = None, dtype: str = "float32", overwrite: bool = False) -> str:
     """Write ``checkpoint`` as a diffusers pipeline to ``out`` and return ``out``.
 
     ``scheduler`` (ddim, euler, dpm++) swaps the model reference's scheduler class for a sampler of the
-    same noise schedule; by default the reference's own scheduler config is kept.
+    same noise schedule; by default the reference's own scheduler config is kept. ``out`` must be new or
+    empty; with ``overwrite``, an earlier export there (a diffusers pipeline directory) is written over.
+    Everything the user gave is checked before a model loads.
     """
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    checkpoints.check_checkpoint(checkpoint)
+    _check_not_source(out, [checkpoint] + ([model_ref] if model_ref else []))
+    check_output_dir(out, overwrite)
+    if model_ref:  # a wrong reference fails here, in one line, before the checkpoint loads
+        loading.resolve_model(model_ref, components=("vae", "text_encoder", "tokenizer", "scheduler"))
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
-    if os.path.abspath(out) in (os.path.abspath(trained.model_ref), os.path.abspath(checkpoint)):
-        raise ValueError(f"--out {out!r} is where the model comes from; export to a new directory")
+    _check_not_source(out, [trained.model_ref])
     sampler = sampling.Sampler(trained.model_ref, scheduler=scheduler or "ddim",
                                scaling_factor=trained.scaling_factor, prediction_type=trained.prediction_type)
     if scheduler is None:
@@ -42,6 +50,28 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
     os.makedirs(out, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _check_not_source(out: str, sources: list[str]) -> None:
+    if any(os.path.abspath(out) == os.path.abspath(os.path.expanduser(src)) for src in sources):
+        raise UserError(f"--out {out!r} is where the model comes from; export to a new directory")
+
+
+def check_output_dir(out: str, overwrite: bool = False) -> None:
+    """``out`` is new, an empty directory, or (with ``overwrite``) an earlier export: never a file or a
+    directory holding anything else, which ``save_pretrained`` would silently mix with the pipeline."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise FileExistsError(errno.EEXIST, "--out exists and is not a directory", out)
+    if not os.listdir(out):
+        return
+    if not os.path.exists(os.path.join(out, "model_index.json")):
+        raise FileExistsError(errno.EEXIST, "--out exists and holds files that are not a pipeline; "
+                                            "export to a new or empty directory", out)
+    if not overwrite:
+        raise FileExistsError(errno.EEXIST, "--out already holds a pipeline; pass --overwrite to replace it, "
+                                            "or export to a new directory", out)
 
 
 def _reference_scheduler(model_ref: str, prediction_type: str | None):
@@ -55,20 +85,46 @@ def _reference_scheduler(model_ref: str, prediction_type: str | None):
     return cls.from_config(config, **overrides)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+DESCRIPTION = """Export a trained model as a diffusers StableDiffusionPipeline directory.
+
+Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online, EMA weights unless
+--no-ema, or a diffusers pipeline directory) and, for the frozen parts, the model reference it was
+trained with (or --model). Output: a new directory in the diffusers layout (unet/ vae/ text_encoder/
+tokenizer/ scheduler/ model_index.json, safetensors weights) that
+diffusers.StableDiffusionPipeline.from_pretrained(DIR) loads, with the VAE scaling factor and the
+prediction type training used written into its configs."""
+EXAMPLES = """examples:
+  python -m diffusion.export --checkpoint out/demo/checkpoints/latest-rank0.pt --out exported/
+  python -m diffusion.export --checkpoint ckpt/ep0-ba550000-rank0.pt --out sd2-256/ --dtype float16 \\
+      --scheduler dpm++ --model stabilityai/stable-diffusion-2-base"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.export", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="Composer checkpoint file or diffusers directory")
-    parser.add_argument("--out", required=True, help="output directory (diffusers layout)")
-    parser.add_argument("--model", default=None,
-                        help="model reference for VAE/text encoder/tokenizer/scheduler (default: the checkpoint's)")
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT",
+                        help="Composer checkpoint file (e.g. CKPT_FOLDER/latest-rank0.pt) or diffusers "
+                             "pipeline directory")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory (diffusers layout): new or empty, or an earlier export with "
+                             "--overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write over an earlier export in --out (never over other files)")
+    parser.add_argument("--model", default=None, metavar="REF",
+                        help="model reference for the VAE, text encoder, tokenizer and scheduler "
+                             "(default: the one the checkpoint was trained with)")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="export the raw, not the EMA, weights")
     parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default=None,
                         help="save this sampler instead of the model reference's scheduler class")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="weight precision of the saved pipeline (default: %(default)s)")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     out = export_pipeline(args.checkpoint, args.out, model_ref=args.model, ema=args.ema,
-                          scheduler=args.scheduler, dtype=args.dtype)
+                          scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {os.path.abspath(out)}: load with diffusers.StableDiffusionPipeline.from_pretrained({out!r})")
 
 

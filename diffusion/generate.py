@@ -10,11 +10,13 @@ tokenizer come from the training run's model reference unless ``--model`` says o
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 
 import torch
 
 from diffusion import grid
+from diffusion.errors import InputError, UserError
 from diffusion.models import sampling
 
 
@@ -52,25 +54,62 @@ def read_prompts(path: str) -> list[str]:
     with open(path) as f:
         prompts = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
-        raise ValueError(f"{path}: no prompts (one per line expected)")
+        raise InputError(f"{path}: no prompts (one per line expected)")
     return prompts
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """The checkpoint and sampler options, shared with ``diffusion.evaluate``'s generate mode."""
-    parser.add_argument("--checkpoint", help="Composer checkpoint file or diffusers pipeline directory")
-    parser.add_argument("--model", default=None,
-                        help="model reference for VAE/text encoder/tokenizer (default: the checkpoint's)")
-    parser.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw, not the EMA, weights")
-    parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default="ddim")
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--guidance-scale", type=float, default=7.5)
-    parser.add_argument("--negative-prompt", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=None, help="pixels per side (default: the model's)")
-    parser.add_argument("--images-per-prompt", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default=None, help="cuda when available, else cpu")
+    parser.add_argument("--checkpoint", metavar="CKPT",
+                        help="Composer checkpoint file written by training (e.g. CKPT_FOLDER/latest-rank0.pt) "
+                             "or a diffusers pipeline directory (diffusion.export output, a model kit)")
+    parser.add_argument("--model", default=None, metavar="REF",
+                        help="model reference (local diffusers directory or hub id) for the VAE, text encoder, "
+                             "tokenizer and scheduler (default: the one the checkpoint was trained with)")
+    parser.add_argument("--no-ema", dest="ema", action="store_false",
+                        help="sample with the raw weights, not the EMA weights (Composer checkpoints)")
+    parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default="ddim",
+                        help="sampler (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=25, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--guidance-scale", type=float, default=7.5,
+                        help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")
+    parser.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed: same seed, same images (default: 0)")
+    parser.add_argument("--size", type=positive_int, default=None,
+                        help="pixels per side (default: the training resolution)")
+    parser.add_argument("--images-per-prompt", type=positive_int, default=1,
+                        help="images drawn for each prompt (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=8,
+                        help="images denoised together (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda when "
+                                                       "available, else cpu)")
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """The cheap checks of :func:`add_sampling_args`' inputs, before any model loads: the checkpoint is
+    there and is one, the model reference resolves, the device exists."""
+    from diffusion.models import checkpoint, loading
+    checkpoint.check_checkpoint(args.checkpoint)
+    if args.model:
+        loading.resolve_model(args.model, components=("vae", "text_encoder", "tokenizer", "scheduler"))
+    if args.device:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            raise UserError(f"--device {args.device!r}: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}: no CUDA device here; use --device cpu")
 
 
 def sample_kwargs(args: argparse.Namespace) -> dict:
@@ -80,21 +119,57 @@ def sample_kwargs(args: argparse.Namespace) -> dict:
                 device=args.device)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+DESCRIPTION = """Sample a prompt grid from a trained model with classifier-free guidance (DDIM, Euler or DPM-Solver++).
+
+Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online, EMA weights unless
+--no-ema, or a diffusers pipeline directory) and prompts (--prompt, --prompts-file). The VAE, text
+encoder and tokenizer come from the model reference the checkpoint was trained with, unless --model.
+Output: one PNG (--out): a row per prompt, a column per image, each labelled with its prompt; the
+prompts are also stored in the PNG, so diffusion.evaluate can score the grid."""
+EXAMPLES = """examples:
+  python -m diffusion.generate --checkpoint out/demo/checkpoints/latest-rank0.pt \\
+      --prompt "a red circle" --prompt "a blue square" --images-per-prompt 4 --out grid.png
+  python -m diffusion.generate --checkpoint exported/ --prompts-file prompts.txt --scheduler dpm++ \\
+      --steps 20 --guidance-scale 5 --size 512 --out grid.png"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.generate", description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_args(parser)
-    parser.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
-    parser.add_argument("--prompts-file", default=None, help="text file, one prompt per line")
-    parser.add_argument("--out", default="grid.png")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
+    parser.add_argument("--prompts-file", default=None, metavar="FILE",
+                        help="text file of prompts, one a line (# starts a comment line)")
+    parser.add_argument("--out", default="grid.png", metavar="PNG", help="the grid's path (default: %(default)s)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.checkpoint:
         parser.error("--checkpoint is required")
     prompts = args.prompt + (read_prompts(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         parser.error("give at least one --prompt (or --prompts-file)")
+    check_output_file(args.out, ".png", "--out")
+    check_sampling_args(args)
     path = generate_grid(args.checkpoint, prompts, args.out, **sample_kwargs(args))
     print(f"wrote {os.path.abspath(path)} ({len(prompts)} prompts x {args.images_per_prompt})")
+
+
+def check_output_file(path: str, suffix: str | None, flag: str) -> None:
+    """Before the work: ``path`` can be written as a file (not a directory, its folder exists or can be
+    made) and, if ``suffix`` is given, ends with it."""
+    if suffix and not path.lower().endswith(suffix):
+        raise UserError(f"{flag} {path}: the output is {suffix.lstrip('.').upper()}; give a path ending in {suffix}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, f"{flag} is a directory; give a file path", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # save_grid makes missing folders: the first existing one must be one
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot make the folder for {flag}: a file is in the way", parent)
 
 
 if __name__ == "__main__":

@@ -2,32 +2,77 @@
 
 The model's extra state (``StableDiffusion.get_extra_state``) records how to rebuild it; the EMA
 algorithm's state carries the averaged weights under the ComposerModel's parameter names.
+
+:func:`check_checkpoint` is the cheap look a command takes at its ``--checkpoint`` before loading any
+model, so a wrong path or a file that is no checkpoint is one line naming it, in a second or two.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 
 import torch
 
-from diffusion.models.stable_diffusion import EXTRA_STATE_KEYS
+from diffusion.errors import InputError
 
 UNET_PREFIX = "unet."
 EXTRA_STATE = "_extra_state"
+_WHAT = "a Composer checkpoint file (e.g. CKPT_FOLDER/latest-rank0.pt) or a diffusers pipeline directory"
+# torch.save writes a zip archive (PK..); the legacy format is a pickle (protocol 2+: 0x80 first).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def is_remote(path: str) -> bool:
+    """A URI Composer fetches (``s3://``, ``oci://``, ``https://`` ...), not a local path."""
+    return "://" in path
+
+
+def check_checkpoint(path) -> None:
+    """Fail fast, before any model loads, when ``path`` cannot be a checkpoint :func:`load_unet` or
+    :func:`diffusion.models.sampling.load_trained` reads.
+
+    A missing local path is a ``FileNotFoundError`` carrying the path; a directory without
+    ``model_index.json`` or a file that is not a ``torch.save`` file is an :class:`InputError` naming it.
+    Remote URIs are left to the download, whose errors name them.
+    """
+    path = os.fspath(path)
+    if is_remote(path):
+        return
+    local = os.path.expanduser(path)
+    if not os.path.exists(local):
+        raise FileNotFoundError(errno.ENOENT, f"no such checkpoint; expected {_WHAT}", path)
+    if os.path.isdir(local):
+        if os.path.exists(os.path.join(local, "model_index.json")):
+            return
+        latest = os.path.join(path, "latest-rank0.pt")
+        hint = (f"; did you mean {latest}?" if os.path.exists(os.path.join(local, "latest-rank0.pt"))
+                else f"; expected {_WHAT}")
+        raise InputError(f"{path}: a directory without model_index.json, so no diffusers pipeline{hint}")
+    with open(local, "rb") as f:
+        head = f.read(4)
+    if not head.startswith(_TORCH_MAGIC):
+        raise InputError(f"{path}: not a checkpoint (not a file torch.save wrote); expected {_WHAT}")
 
 
 def read_state(checkpoint_path: str) -> dict:
     """The ``state`` dict of a Composer checkpoint (a local file or any URI Composer can fetch)."""
     path = os.fspath(checkpoint_path)
-    if not os.path.exists(path):
+    if is_remote(path):
         from composer.utils import get_file
         local = os.path.join(_cache_dir(), os.path.basename(path))
         get_file(path, local, overwrite=True)
         path = local
+    check_checkpoint(path)
     # Composer checkpoints hold timestamps, RNG states and algorithm objects' state, not just tensors.
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    if "state" not in saved or "model" not in saved["state"]:
-        raise ValueError(f"{checkpoint_path}: not a Composer checkpoint (no state.model)")
+    try:
+        saved = torch.load(os.path.expanduser(path), map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:  # truncated or not a torch file
+        raise InputError(f"{checkpoint_path}: not a readable checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or "model" not in saved["state"]:
+        raise InputError(f"{checkpoint_path}: not a Composer checkpoint (no state.model); expected {_WHAT}")
     return saved["state"]
 
 
@@ -38,11 +83,13 @@ def load_unet(checkpoint_path: str, ema: bool = True):
     ``ema_used``.
     """
     from diffusers import UNet2DConditionModel
+
+    from diffusion.models.stable_diffusion import EXTRA_STATE_KEYS  # imports Composer: only when loading
     state = read_state(checkpoint_path)
     model_state = state["model"]
     info = model_state.get(EXTRA_STATE)
     if not isinstance(info, dict) or "unet_config" not in info:
-        raise ValueError(f"{checkpoint_path}: the checkpoint does not describe its model (no {EXTRA_STATE}); "
+        raise InputError(f"{checkpoint_path}: the checkpoint does not describe its model (no {EXTRA_STATE}); "
                          f"was it written by diffusion.train?")
     info = {k: info.get(k) for k in EXTRA_STATE_KEYS}
     weights = {k[len(UNET_PREFIX):]: v for k, v in model_state.items() if k.startswith(UNET_PREFIX)}
@@ -52,7 +99,7 @@ def load_unet(checkpoint_path: str, ema: bool = True):
     unet = UNet2DConditionModel.from_config(info["unet_config"])
     missing, unexpected = unet.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{checkpoint_path}: UNet weights do not match its config "
+        raise InputError(f"{checkpoint_path}: UNet weights do not match its config "
                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     info["ema_used"] = bool(ema_params)
     return unet.eval(), info
