@@ -161,20 +161,54 @@ def parse_count(text: str) -> int:
     return int(round(total))
 
 
+DESCRIPTION = """Project GPU-hours, days and dollars of a two-phase training schedule (256 px, then 512 px).
+
+Input: samples per phase, throughput per phase (images/s per GPU, or per node with --per node; or
+measured: --from-run reads what a training run logged), GPUs and $ per GPU-hour; the defaults are
+MosaicML's published SD2-base recipe on 8xA100. Output: a table on stdout of each phase's samples,
+throughput, GPU-hours, days (assuming perfect scaling over --gpus) and dollars, and the total."""
+EXAMPLES = """examples:
+  python -m diffusion.cost                                  # MosaicML's 8xA100 recipe: 81.33 days, $31,230
+  python -m diffusion.cost --gpus 64 --price 1.5
+  python -m diffusion.cost --per node --throughput-256 1100 --throughput-512 290
+  python -m diffusion.cost --from-run 256=runs/phase1/log.txt --run-gpus 8 --gpus 128"""
+
+
+def _positive(kind, allow_zero: bool = False):
+    """An argparse type: a number of ``kind`` above zero (or at least zero)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value >= 0 if allow_zero else value > 0):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"{text} must be {'0 or more' if allow_zero else 'above 0'}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def main(argv=None) -> CostProjection:
-    p = argparse.ArgumentParser(prog="python -m diffusion.cost", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m diffusion.cost", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples-256", type=parse_count, default=RECIPE_SAMPLES[256], help="e.g. 2048x550k (default)")
-    p.add_argument("--samples-512", type=parse_count, default=RECIPE_SAMPLES[512], help="e.g. 2048x850k (default)")
-    p.add_argument("--throughput-256", type=float, help="img/s at 256 (default: MosaicML's 1,100 per 8xA100 node)")
-    p.add_argument("--throughput-512", type=float, help="img/s at 512 (default: MosaicML's 290 per 8xA100 node)")
+    p.add_argument("--samples-256", type=_positive(parse_count, allow_zero=True), default=RECIPE_SAMPLES[256],
+                   help="samples seen at 256 px, e.g. 2048x550k (default) or 1.13e9")
+    p.add_argument("--samples-512", type=_positive(parse_count, allow_zero=True), default=RECIPE_SAMPLES[512],
+                   help="samples seen at 512 px, e.g. 2048x850k (default)")
+    p.add_argument("--throughput-256", type=_positive(float),
+                   help="img/s at 256 (default: MosaicML's 1,100 per 8xA100 node)")
+    p.add_argument("--throughput-512", type=_positive(float),
+                   help="img/s at 512 (default: MosaicML's 290 per 8xA100 node)")
     p.add_argument("--per", choices=("gpu", "node"), default="gpu", help="the throughputs are per GPU or per node")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpus", type=int, default=8, help="GPUs the schedule runs on")
-    p.add_argument("--price", type=float, default=2.0, help="$ per GPU-hour")
+    p.add_argument("--gpus-per-node", type=_positive(int), default=8,
+                   help="GPUs in a node, for --per node (default: 8)")
+    p.add_argument("--gpus", type=_positive(int), default=8, help="GPUs the schedule runs on (default: 8)")
+    p.add_argument("--price", type=_positive(float, allow_zero=True), default=2.0,
+                   help="$ per GPU-hour (default: 2.0)")
     p.add_argument("--from-run", action="append", default=[], metavar="RES=PATH",
                    help="take the per-GPU throughput at RES from a training run's log/metrics file or dir")
-    p.add_argument("--run-gpus", type=int, help="GPUs of the --from-run run (when it logged only global img/s)")
+    p.add_argument("--run-gpus", type=_positive(int),
+                   help="GPUs of the --from-run run (when it logged only global img/s)")
     args = p.parse_args(argv)
 
     per_gpu, sources = dict(RECIPE_PER_GPU), {r: "MosaicML 8xA100" for r in RECIPE_PER_GPU}

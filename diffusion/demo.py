@@ -9,6 +9,7 @@ re-run after an interruption picks up where it stopped.
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
@@ -16,6 +17,8 @@ import shlex
 import subprocess
 import sys
 import time
+
+from diffusion.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ("a red circle", "a blue square", "a green triangle", "a yellow circle",
@@ -30,7 +33,9 @@ def _run(cmd: list[str], log: list) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("WANDB_MODE", "offline")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+    done = subprocess.run(cmd, cwd=ROOT, env=env)
+    if done.returncode:  # the step has said why (one line); the demo says which step stopped it
+        raise UserError(f"step failed with exit status {done.returncode}: {shlex.join(cmd)}")
     seconds = time.time() - start
     log.append((shlex.join(cmd), seconds))
     return seconds
@@ -100,13 +105,49 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     return summary
 
 
+DESCRIPTION = """Run the whole pipeline end to end on this machine's CPU, offline, in about 8 minutes.
+
+It runs the product's own commands, printing each as it would be typed: sample data
+(diffusion.kit.sample) -> tiny model kit (diffusion.kit) -> Ray conversion to MDS
+(convert/laion_to_mds.py) -> Composer training with EMA (run.py yamls/tiny-cpu.yaml) -> a prompt grid
+(diffusion.generate). A step whose output is already complete is skipped, so a re-run after an
+interruption picks up where it stopped.
+Input: nothing (the data and model are made here). Output: under --out, raw/ (sample data), mds/
+(shards, visualize.png: input crops beside VAE decodings), checkpoints/, grid.png and summary.json
+(paths, samples written and rejected, prompt adherence, seconds per step); the kit in --kit."""
+EXAMPLES = """examples:
+  python -m diffusion.demo                                   # = make demo, into out/demo
+  python -m diffusion.demo --out /tmp/demo --n 256 --batches 200   # a quick, rougher run"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.demo", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/demo", metavar="DIR",
+                        help="where everything is written (default: %(default)s)")
+    parser.add_argument("--n", type=_positive_int, default=1024,
+                        help="sample rows to generate (default: %(default)s)")
+    parser.add_argument("--batches", type=_positive_int, default=None,
+                        help="training length in batches (default: the YAML's trainer.max_duration, 4000)")
+    parser.add_argument("--kit", default=None, metavar="DIR",
+                        help="where the tiny kit lives (default: .cache/kit/tiny)")
+    return parser
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="out/demo")
-    parser.add_argument("--n", type=int, default=1024, help="sample rows to generate")
-    parser.add_argument("--batches", type=int, default=None, help="override the training length")
-    parser.add_argument("--kit", default=None, help="where the tiny kit lives (default .cache/kit/tiny)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", args.out)
     run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -327,19 +328,43 @@ def ensure_kit(preset: str, out, progress: bool = True, force: bool = False, ref
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Write an offline diffusers-layout model kit.")
-    parser.add_argument("--preset", required=True, choices=PRESETS)
-    parser.add_argument("--out", required=True, help="output directory: new, empty, or one of our kits")
+DESCRIPTION = """Write an offline model kit: a diffusers-layout model directory built without hub access.
+
+Presets: tiny (a CPU-fast SD-layout model: random seeded UNet and text encoder, the real CLIP tokenizer,
+the shipped fitted tiny VAE), sd2-base (SD2-base's exact configs and tokenizer, no weights: the UNet is
+trained from scratch, the VAE and text encoder weights come from the hub), tiny-clip (a tiny random
+CLIPModel with tokenizer and image processor, for diffusion.evaluate).
+Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
+(tiny-clip: a transformers CLIP directory) and kit.json, which lists the files the kit wrote. An
+existing complete kit is kept as it is; a folder holding other files is refused."""
+EXAMPLES = """examples:
+  python -m diffusion.kit --preset tiny --out .cache/kit/tiny          # what make demo and the tests use
+  python -m diffusion.kit --preset sd2-base --out kits/sd2-base        # model.ref for yamls/sd2-base-256.yaml
+  python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.kit", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", required=True, choices=PRESETS, help="which kit to write")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory: new, empty, or one of our kits")
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if a complete kit is there, or replace another preset's kit; "
                              "replaces only the kit's own files (listed in kit.json), never others")
     parser.add_argument("--refit-vae", action="store_true",
                         help="tiny preset: fit the VAE here (a few minutes on CPU) instead of copying "
                              "the shipped one")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.refit_vae and args.preset != "tiny":
         parser.error("--refit-vae applies to the tiny preset only")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise FileExistsError(errno.EEXIST, "--out is a file; give a directory for the kit", args.out)
     out = ensure_kit(args.preset, args.out, force=args.force, refit_vae=args.refit_vae)
     stamp = read_stamp(out) or {}
     stamp["files"] = len(stamp.get("files", ()))  # the list is in kit.json; a count is enough here

@@ -11,6 +11,8 @@ expect exact counts. The output is a pure function of ``(n, seed)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import io
 import json
 import os
@@ -191,14 +193,58 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
     return manifest
 
 
+DESCRIPTION = """Write procedural LAION-style sample data: parquet shards of drawn scenes and their captions.
+
+Each good row is a scene of flat shapes with a compositional caption ("a red circle above a blue
+square"), at a random size and aspect ratio, stored as JPEG or PNG, sometimes grayscale, RGBA or CMYK.
+A few rows are bad on purpose (truncated bytes, not an image, empty caption, a 1x1 image).
+Input: the row count and a seed; the output is a pure function of the two. Output: --out with
+part-NNNNN.parquet shards (columns key, caption, jpg, width, height, url: what convert/laion_to_mds.py,
+diffusion.online and diffusion.evaluate read) and manifest.json (rows, good rows, bad rows by kind)."""
+EXAMPLES = """examples:
+  python -m diffusion.kit.sample --out out/demo/raw --n 1024 --seed 0
+  python convert/laion_to_mds.py --input out/demo/raw --output out/demo/mds --model .cache/kit/tiny \\
+      --resolutions 64                                               # then convert it"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.kit.sample", description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory: new, empty, or earlier sample data (its shards are rewritten)")
+    parser.add_argument("--n", type=_positive_int, default=256, help="number of rows (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the scenes (default: %(default)s)")
+    parser.add_argument("--rows-per-shard", type=_positive_int, default=128,
+                        help="rows per parquet shard (default: %(default)s)")
+    return parser
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--n", type=int, default=256, help="number of rows")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows-per-shard", type=int, default=128)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.out):
+        if not os.path.isdir(args.out):
+            raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", args.out)
+        if os.listdir(args.out) and not os.path.exists(os.path.join(args.out, "manifest.json")):
+            raise FileExistsError(errno.EEXIST, "--out holds files that are not sample data; give a new or "
+                                                "empty directory", args.out)
+    old_shards = []
+    if os.path.exists(os.path.join(args.out, "manifest.json")):
+        with open(os.path.join(args.out, "manifest.json")) as f:
+            old_shards = json.load(f).get("shards", [])
     manifest = write_sample_data(args.out, args.n, args.seed, args.rows_per_shard)
+    for name in set(old_shards) - set(manifest["shards"]):  # earlier, larger sample data: drop its extra shards
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.out, os.path.basename(name)))
     print(f"wrote {manifest['rows']} rows ({manifest['good']} good, bad: {manifest['bad']}) "
           f"in {len(manifest['shards'])} shards to {args.out}")
 
