@@ -83,7 +83,7 @@ def run_offline(args, raw: str, work: str) -> dict:
 
 def run_online(args, raw: str, work: str) -> dict:
     from diffusion.config import load_config
-    from diffusion.online import run_online as train_online
+    from diffusion.train.ray_workers import run_online as train_online
 
     overrides = common_overrides(args, work) + [
         f"data.online.input={raw}", f"data.online.work_dir={os.path.join(work, 'online')}",

@@ -40,6 +40,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class TrainLoaderConfig:
+    source: Literal["mds", "stream"] = "mds"  # stored MDS shards, or the converter's operators streamed live
     path: str = "out/demo/mds"  # local directory or remote URI (s3://, gs://, ...) of MDS shards
     local: Optional[str] = None  # cache directory for remote shards (default: a temp dir per remote)
     batch_size: int = 2048  # global: divided evenly across ranks
@@ -294,6 +295,8 @@ def _check_consistency(cfg: Config) -> None:
     if m.zero_terminal_snr and m.prediction_type != "v_prediction":
         raise ConfigError("model.zero_terminal_snr needs model.prediction_type=v_prediction "
                           "(epsilon is undefined at the terminal step)")
+    if cfg.data.eval is not None and cfg.data.eval.source != "mds":
+        raise ConfigError("data.eval.source must be mds: the held-out set is read from stored shards")
     for name, loader in (("train", cfg.data.train), ("eval", cfg.data.eval)):
         if loader is not None and not 0.0 <= loader.caption_dropout < 1.0:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")

@@ -22,6 +22,7 @@ import numpy as np
 
 from diffusion import schema
 from diffusion.cli import flag
+from diffusion.cluster import init_ray
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.convert.summary import ConversionSummary, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
@@ -131,35 +132,6 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     tr_cpus = max(tr_cpus, 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
     return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch)
-
-
-def _init_ray(address: str | None, log_to_driver: bool = False):
-    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``; a new local one if neither), quietly.
-
-    Ray's own loggers show warnings and errors only (``logging_level``); workers' output stays in their
-    log files (``log_to_driver=False``). Two messages are dropped at their source: Ray 2.60's note, on
-    every new local cluster, that it turned on token authentication (its default; the token is still
-    made and used), and Ray Data's INFO lines on the console (execution plans and, when stdout is not a
-    terminal, a 15-line progress block every 10 s). Ray Data's warnings still print, and its full log
-    is still written to the session's ``logs/ray-data/ray-data.log``. Online mode uses this too.
-    """
-    import logging
-
-    import ray
-    if not ray.is_initialized():
-        auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
-        if not any(getattr(f, "_drops_token_note", False) for f in auth.filters):
-            def drop_token_note(record: logging.LogRecord) -> bool:
-                return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
-            drop_token_note._drops_token_note = True
-            auth.addFilter(drop_token_note)
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=log_to_driver,
-                 include_dashboard=False, logging_level=logging.WARNING)
-    import ray.data  # configures the "ray.data" logger's handlers on import
-    for handler in logging.getLogger("ray.data").handlers:
-        if handler.name == "console" and handler.level < logging.WARNING:
-            handler.setLevel(logging.WARNING)
-    return ray
 
 
 class _DatasetInfoWriter:
@@ -272,7 +244,7 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg))
 
-    ray = _init_ray(cfg.address)
+    ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = cfg.progress and ctx.enable_progress_bars
     # The first N rows must be the same N on every run; --deterministic also fixes which rows share a
@@ -323,7 +295,7 @@ def main(argv=None) -> ConversionSummary:
 
     from diffusion import cli
     parser = argparse.ArgumentParser(
-        prog="laion_to_mds", epilog=CONVERT_EXAMPLES,
+        prog="python convert/laion_to_mds.py", epilog=CONVERT_EXAMPLES,
         description="Convert raw image-caption data into MDS shards of VAE moments and text embeddings "
                     "(plus dataset.json and empty_text_embeds.npy) with a Ray Data pipeline.",
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32))

@@ -164,7 +164,8 @@ Re-running the same command resumes: finished shards are skipped."""
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="download_laion", epilog=DOWNLOAD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python convert/download_laion.py", epilog=DOWNLOAD_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Download a LAION-style url+caption list into image shards (img2dataset-compatible "
                     "NNNNN.parquet + NNNNN_stats.json) with Ray Data; the converter reads them directly.")
     p.add_argument("--input", required=True, help="parquet/csv/jsonl file or directory, local or s3://")
@@ -200,9 +201,8 @@ def main(argv=None) -> DownloadSummary:
                           max_redirects=args.max_redirects),
         image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, resize_mode=args.resize_mode,
                          image_size=args.image_size))
-    if args.address:
-        import ray
-        ray.init(address=args.address)
+    from diffusion.cluster import init_ray
+    init_ray(args.address)  # quietly; RAY_ADDRESS or a new local cluster without --address
     summary = download(config)
     print(summary)
     return summary

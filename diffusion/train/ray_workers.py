@@ -8,19 +8,34 @@ shard in :class:`ShardBatches` and hands it to the ordinary Composer trainer as 
 Fault tolerance is two layers: Composer writes checkpoints to ``save_folder`` and ``autoresume`` loads
 the latest one when a trainer is built; Ray Train's ``FailureConfig(max_failures)`` restarts the whole
 worker group after one dies, and the restarted workers build their trainers again, so they resume.
+
+The driver side, :func:`run_online`, is how the stream source launches its ranks: it plans the data
+pools from what the training workers leave free, starts the stream and the worker group, and reports.
+``run.py`` with ``data.train.source: stream`` and ``python -m diffusion.online`` both end up there.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import logging
+import os
 import time
 from typing import Any, Callable, Iterator, Optional
 
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from diffusion.cluster import init_ray
+from diffusion.config import Config
+from diffusion.errors import ConfigError
+from diffusion.train.batches import CaptionDropout, ToModelBatch
+from diffusion.train.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
+
 TRAIN_SPLIT = "train"  # the name of the dataset passed to TorchTrainer and fetched by each worker
+DEFAULT_RUN_NAME = "online"
+log = logging.getLogger(__name__)
 
 
 class ShardBatches:
@@ -192,3 +207,154 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     if result.error is not None:
         raise result.error
     return result
+
+
+# ---- the driver: launching the stream source's training ranks ------------------------------------
+
+class OnlineTrainer:
+    """Builds the offline trainer in a Ray Train worker, with the stream as its train dataloader."""
+
+    def __init__(self, cfg: Config, info):
+        self.cfg, self.info = cfg, info
+
+    def __call__(self, train_dataloader, callbacks):
+        from diffusion.train.trainer import build_trainer
+        return build_trainer(self.cfg, train_dataloader=train_dataloader, info=self.info, extra_callbacks=callbacks)
+
+
+@dataclasses.dataclass
+class OnlineResult:
+    """What a finished online run reports: rank 0's view (see ``train_worker``) and the reject counts."""
+
+    batch: int = 0  # the batch training ended at
+    resumed_from: int = 0  # the checkpoint batch the last worker group started from (0: none)
+    losses: list = dataclasses.field(default_factory=list)  # (batch, loss) of the last worker group, rank 0
+    batch_times: list = dataclasses.field(default_factory=list)  # perf_counter at the end of each of those
+    batch_waits: list = dataclasses.field(default_factory=list)  # seconds rank 0 waited for each batch
+    passes: int = 0  # full passes over the stream
+    rows: int = 0  # rows rank 0 trained on since its last start
+    stage_seconds: dict = dataclasses.field(default_factory=dict)  # summed per-row stage times on rank 0
+    rejects: dict = dataclasses.field(default_factory=dict)  # reason -> rows skipped
+    checkpoint_folder: str | None = None
+    finished: str | None = None  # set when the checkpoint had already reached max_duration: nothing ran
+
+
+def check_online(cfg: Config) -> None:
+    """Fail before anything starts if the config cannot run online."""
+    o = cfg.data.online
+    if o is None or not o.input:
+        raise ConfigError("online mode needs data.online.input (raw parquet, webdataset tars or an image folder)")
+    if o.num_train_workers < 1:
+        raise ConfigError(f"data.online.num_train_workers must be >= 1, got {o.num_train_workers}")
+    if cfg.data.train.batch_size % o.num_train_workers:
+        raise ConfigError(f"data.train.batch_size={cfg.data.train.batch_size} does not divide evenly across "
+                          f"data.online.num_train_workers={o.num_train_workers}")
+
+
+def _absolute(path: str | None, must_exist: bool = False) -> str | None:
+    """Ray workers do not share the driver's working directory: local paths must be absolute."""
+    if not path or "://" in path:
+        return path
+    full = os.path.abspath(os.path.expanduser(path))
+    return full if not must_exist or os.path.exists(full) else path
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    cfg = copy.deepcopy(cfg)
+    cfg.model.ref = _absolute(cfg.model.ref, must_exist=True)  # a hub id stays a hub id
+    cfg.model.pretrained = _absolute(cfg.model.pretrained, must_exist=True)
+    cfg.trainer.save_folder = _absolute(cfg.trainer.save_folder)
+    cfg.trainer.load_path = _absolute(cfg.trainer.load_path)
+    cfg.data.online.input = _absolute(cfg.data.online.input)
+    cfg.data.online.work_dir = _absolute(cfg.data.online.work_dir)
+    if cfg.data.eval is not None:
+        cfg.data.eval.path = _absolute(cfg.data.eval.path)
+    return cfg
+
+
+def placement(cfg: Config) -> TrainPlacement:
+    o = cfg.data.online
+    return TrainPlacement(num_workers=o.num_train_workers, use_gpu=o.train_gpus > 0, cpus_per_worker=o.train_cpus,
+                          gpus_per_worker=o.train_gpus or 1.0, accelerator_type=o.train_accelerator_type)
+
+
+def _init_ray_with_progress():
+    """The converter's quiet Ray start (RAY_ADDRESS or a new local cluster; see its docstring), plus the
+    training workers' progress lines (:mod:`diffusion.callbacks.progress`) on this console.
+
+    Ray forwards the workers' output to the driver, and this driver prints only those lines, bare;
+    everything else (Ray Data's progress bars, Ray Train's notes, Composer's console logger of every
+    rank) stays in the workers' log files, as without forwarding. A worker's error still reaches the
+    driver as the exception ``fit_on_ray`` raises.
+    """
+    import ray
+
+    from diffusion.callbacks.progress import LINE_PREFIX
+    if ray.is_initialized():
+        return init_ray(None)  # joins nothing; quiets Ray Data's console as for a new start
+    try:  # where Ray 2.60 hands forwarded worker output to printers (ray.init(log_to_driver=True) adds one)
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        dispatcher = None
+    if not (hasattr(dispatcher, "add_handler") and hasattr(dispatcher, "remove_handler")):
+        dispatcher = None  # another Ray: no forwarding at all rather than all of it
+    init_ray(os.environ.get("RAY_ADDRESS"), log_to_driver=dispatcher is not None)
+    if dispatcher is not None:
+        def print_progress_lines(data: dict) -> None:
+            if data.get("is_err"):
+                return
+            for line in data.get("lines", ()):
+                if line.startswith(LINE_PREFIX):
+                    print(line, flush=True)
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_print_logs", print_progress_lines)
+    return ray
+
+
+def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
+    """Train from raw data on the current Ray cluster (a local one if none); ``extra_callbacks`` go
+    to every worker's trainer (tests pass a fault injector)."""
+    check_online(cfg)
+    cfg = with_absolute_paths(cfg)
+    o, t = cfg.data.online, cfg.trainer
+    if o.max_failures and not (t.save_folder and t.autoresume):
+        log.warning("trainer.save_folder and trainer.autoresume are not both set: a restarted worker group "
+                    "will start training over instead of resuming")
+    run_name = t.run_name or DEFAULT_RUN_NAME
+    work_dir = os.path.join(o.work_dir, run_name)
+    ray = _init_ray_with_progress()
+
+    pools = plan_online_pools(ray.cluster_resources(), cfg)
+    log.info("online pools: %d transformer(s) x %.2f CPU; %d encoder(s) x %.2f CPU, %.2f GPU, batch %d; "
+             "%d train worker(s) x %.2f CPU, %.2f GPU", pools.num_transformers, pools.cpus_per_transformer,
+             pools.num_encoders, pools.cpus_per_encoder, pools.gpus_per_encoder, pools.encoder_batch,
+             o.num_train_workers, o.train_cpus, o.train_gpus)
+    info, empty_text_embeds = stream_info(cfg)
+    plan = WorkerPlan(
+        make_trainer=OnlineTrainer(cfg, info),
+        to_batch=ToModelBatch(cfg.model.resolution, empty_text_embeds,
+                              CaptionDropout(cfg.data.train.caption_dropout, t.seed)),
+        batch_size=cfg.data.train.batch_size // o.num_train_workers,
+        callbacks=list(extra_callbacks))
+    result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),
+                        storage_path=o.work_dir, name=run_name, max_failures=o.max_failures)
+    summary = result.return_value or {}
+    rejects = count_rejects(work_dir)
+    log.info("online training ended at batch %s; rows rejected: %s", summary.get("batch"),
+             ", ".join(f"{k}={v}" for k, v in sorted(rejects.items())) or "none")
+    known = {f.name for f in dataclasses.fields(OnlineResult)}
+    return OnlineResult(rejects=rejects, checkpoint_folder=t.save_folder,
+                        **{k: v for k, v in summary.items() if k in known})
+
+
+def report(result: OnlineResult) -> None:
+    """What the driver prints when an online run ends."""
+    if result.finished:
+        print(result.finished)
+    if result.losses:
+        (first_batch, first), (last_batch, last) = result.losses[0], result.losses[-1]
+        print(f"trained to batch {result.batch}: loss {first:.4f} (batch {first_batch}) -> {last:.4f} "
+              f"(batch {last_batch})")
+    print("rejected rows: " + (", ".join(f"{k}={v}" for k, v in sorted(result.rejects.items())) or "none"))
+    if result.checkpoint_folder:
+        print(f"checkpoints: {result.checkpoint_folder}")

@@ -13,7 +13,6 @@ import sys
 from unittest import mock
 
 import torch
-import yaml
 from composer import Trainer
 from composer.algorithms import GradientClipping
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
@@ -26,7 +25,8 @@ from diffusion import schema
 from diffusion.train import mds_source
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
 
-DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "yamls", "tiny-cpu.yaml")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -105,6 +105,19 @@ def _run_name(cfg: Config) -> str | None:
     return None
 
 
+def _console_logging(loggers: dict) -> tuple[dict, dict]:
+    """``loggers.console`` as the Trainer arguments Composer wants for its console logging (it warns
+    when handed a ConsoleLogger), and the other loggers."""
+    loggers = dict(loggers)
+    options = loggers.pop("console", None)
+    console = {"log_to_console": options is not None}
+    for key, argument in (("log_interval", "console_log_interval"), ("stream", "console_stream"),
+                          ("log_traces", "log_traces")):
+        if options and key in options:
+            console[argument] = options[key]
+    return loggers, console
+
+
 def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo | None = None,
                   extra_callbacks=()) -> Trainer:
     """The Composer trainer for ``cfg``.
@@ -133,13 +146,14 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=t.grad_clip_norm))
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
+    loggers, console = _console_logging(cfg.loggers)
     with _fsdp_device(device, cfg):
         return Trainer(
             model=model, train_dataloader=train_loader, eval_dataloader=eval_loader, max_duration=t.max_duration,
             eval_interval=t.eval_interval if eval_loader else 1, eval_subset_num_batches=t.eval_subset_num_batches,
             optimizers=optimizer, schedulers=build_scheduler(cfg), step_schedulers_every_batch=True,
             algorithms=algorithms, callbacks=callbacks,
-            loggers=components.build_components("loggers", cfg.loggers), progress_bar=False, log_to_console=False,
+            loggers=components.build_components("loggers", loggers), progress_bar=False, **console,
             run_name=_run_name(cfg), seed=t.seed, device=device,
             precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
             device_train_microbatch_size=t.device_train_microbatch_size,
@@ -172,26 +186,37 @@ TRAIN_EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str], prog: str = "run.py", description: str = TRAIN_HELP,
-               examples: str = TRAIN_EXAMPLES) -> tuple[str, list[str]]:
-    """``[config.yaml] [key=value ...]``; without a YAML, the embedded CPU default (tiny-cpu.yaml)."""
+               examples: str = TRAIN_EXAMPLES, default_yaml: str = DEFAULT_YAML) -> tuple[str, list[str]]:
+    """``[config.yaml] [key=value ...]``; without a YAML, ``default_yaml`` (run.py: tiny-cpu.yaml)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default=DEFAULT_YAML,
-                        help="YAML config (default: yamls/tiny-cpu.yaml, the CPU demo)")
+    parser.add_argument("config", nargs="?", default=default_yaml,
+                        help=f"YAML config (default: {os.path.relpath(default_yaml, ROOT)})")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any config key, e.g. optimizer.lr=2e-4 trainer.max_duration=1000ba")
     args = parser.parse_args(argv)
     if "=" in args.config:  # overrides only: the default YAML
-        return DEFAULT_YAML, [args.config, *args.overrides]
+        return default_yaml, [args.config, *args.overrides]
     return args.config, list(args.overrides)
 
 
-def main(argv: list[str] | None = None) -> Trainer:
-    path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None):
+    """``run.py``: parse ``[config.yaml] [key=value ...]`` and train."""
+    return main_with(*parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def main_with(path: str, overrides: list[str]):
+    """Train with the config at ``path`` plus ``overrides``, from the batch source it names:
+    ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
+    launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.train.ray_workers.run_online`)."""
     cfg = load_config(path, overrides)
-    if dist.get_global_rank() == 0:
-        print(f"# config: {path} {' '.join(overrides)}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
-              flush=True)
+    if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
+        print(f"# config: {path} {' '.join(overrides)}", flush=True)
+    if cfg.data.train.source == "stream":
+        from diffusion.train import ray_workers
+        result = ray_workers.run_online(cfg)
+        ray_workers.report(result)
+        return result
     trainer = build_trainer(cfg)
     finished = finished_message(trainer)
     if finished:

@@ -17,10 +17,9 @@ from fault_injector import FaultInjector
 from diffusion.config import ConfigError, load_config
 from diffusion import schema
 from diffusion.convert import transforms
-from diffusion.online import check_online, run_online
 from diffusion.train.batches import CaptionDropout, ToModelBatch
 from diffusion.train.stream_source import data_resources, plan_online_pools
-from diffusion.train.ray_workers import ShardBatches, TrainPlacement
+from diffusion.train.ray_workers import ShardBatches, TrainPlacement, check_online, run_online
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
