@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import time
+import unicodedata
 import uuid
 import warnings
 
@@ -30,7 +32,13 @@ UNDECODABLE = "undecodable"
 TOO_MANY_PIXELS = "too_many_pixels"
 TOO_SMALL = "too_small"
 ASPECT_RATIO = "aspect_ratio"
-EMPTY_CAPTION = "empty_caption"
+EMPTY_CAPTION = "empty_caption"  # no caption, or nothing visible in it once invisible characters are removed
+UNSUPPORTED_MODE = "unsupported_mode"  # decoded, but its pixel format cannot be turned into 8-bit RGB
+# Rows whose values are of the wrong kind (found by the readers, before anything is decoded):
+BAD_CAPTION = "bad_caption"  # not text: a number, a list, bytes that are not UTF-8
+BAD_KEY = "bad_key"  # a key that is not text or a whole number
+BAD_SIZE = "bad_size"  # a width/height that is not a whole number of pixels
+BAD_METADATA = "bad_metadata"  # a webdataset sample whose .json sidecar is not a JSON object
 
 STAGE_SECONDS = "_transform_seconds"  # per-row share of the batch's wall time, when timing is on
 _ORIENTATION = 0x0112
@@ -54,19 +62,112 @@ class ImageChecks:
     max_pixels: int = settings.MAX_PIXELS  # checked from the header, before decoding
 
 
+def _scaled_to_8bit(values: np.ndarray, full_scale: float | None) -> np.ndarray:
+    """Grey values as uint8: divided by ``full_scale / 255`` when given, else stretched min..max."""
+    finite = np.isfinite(values)
+    if not finite.any():
+        raise Rejected(UNSUPPORTED_MODE, "no finite pixel value")
+    values = np.where(finite, values, 0.0)
+    if full_scale is None:
+        lo, hi = float(values[finite].min()), float(values[finite].max())
+        scaled = (values - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(values)
+    else:
+        scaled = values * (255.0 / full_scale)
+    return np.rint(scaled).clip(0, 255).astype(np.uint8)
+
+
+def _grey_to_8bit(image: Image.Image) -> Image.Image:
+    """A one-band image of 16-bit, 32-bit or float values as 8-bit grey, scaled rather than clipped
+    (PIL's own convert clips: a float image in 0..1 becomes black, 16-bit grey mostly white).
+
+    16-bit modes use their full range (0..65535). 32-bit integers and floats are read by their
+    values: floats within 0..1 are the usual normalised convention (x 255); values within 0..255 are
+    8-bit, within 0..65535 16-bit; anything else (negative, larger, HDR) is stretched from its minimum
+    to its maximum. Non-finite floats (NaN, inf) become 0; an image with no finite value is rejected.
+    """
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode.startswith("I;16"):
+        return Image.fromarray(_scaled_to_8bit(values, 65535.0))
+    finite = values[np.isfinite(values)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    if lo < 0:
+        full_scale = None
+    elif image.mode == "F" and hi <= 1.0:
+        full_scale = 1.0
+    elif image.mode == "F" and hi <= 255.0:
+        full_scale = 255.0
+    elif hi <= 65535.0:
+        full_scale = 65535.0  # a 16-bit PNG opens as "I"
+    else:
+        full_scale = None
+    return Image.fromarray(_scaled_to_8bit(values, full_scale))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited on white (a black background would darken cut-outs)."""
+    """RGB, with any transparency composited on white (a black background would darken cut-outs).
+
+    Grey images of more than 8 bits (16-bit, 32-bit, float) are scaled to 0..255 (:func:`_grey_to_8bit`);
+    other modes go through PIL's conversion (L, 1, CMYK, YCbCr, LAB, HSV, ...). A mode PIL cannot turn
+    into RGB raises :class:`Rejected` with ``unsupported_mode``.
+    """
     if image.mode == "RGB":
         return image
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grey: scale to 8 bits, not clip
-        image = Image.fromarray((np.asarray(image, dtype=np.float32) / 257.0).clip(0, 255).astype(np.uint8))
-    return image.convert("RGB")
+    try:
+        if image.mode == "P":
+            image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+        if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+            rgba = image.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        if image.mode in ("F", "I") or image.mode.startswith("I;16"):
+            image = _grey_to_8bit(image)
+        return image.convert("RGB")
+    except Rejected:
+        raise
+    except Exception as e:  # a mode PIL decodes but cannot convert
+        raise Rejected(UNSUPPORTED_MODE, f"mode {image.mode}: {type(e).__name__}: {e}") from e
+
+
+# Invisible characters removed from captions: format characters (BOM U+FEFF, zero-width space U+200B,
+# word joiner, soft hyphen, bidi marks...), except the two joiners that change how text renders
+# (U+200C ZWNJ in Persian and Indic scripts, U+200D ZWJ in emoji sequences).
+_KEPT_FORMAT = frozenset("\u200c\u200d")
+
+
+def clean_caption(caption) -> str:
+    """The caption as text a tokenizer can take, or :class:`Rejected`.
+
+    Control characters are removed (tab, newline and the other whitespace controls become spaces),
+    and so are invisible format characters (BOM, zero-width space, bidi marks; see ``_KEPT_FORMAT``);
+    the result is stripped. A caption with nothing visible left (only spaces, controls or invisible
+    characters) is ``empty_caption``, as is ``None`` or NaN (a missing value). Bytes are decoded as
+    UTF-8; anything else (a number, a list, bytes that are not UTF-8) is ``bad_caption``.
+    """
+    if caption is None or (isinstance(caption, float) and math.isnan(caption)):
+        raise Rejected(EMPTY_CAPTION)
+    if isinstance(caption, (bytes, bytearray, memoryview)):
+        try:
+            caption = bytes(caption).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Rejected(BAD_CAPTION, f"not UTF-8: {e}") from None
+    if not isinstance(caption, str):
+        raise Rejected(BAD_CAPTION, f"a caption must be text, got {type(caption).__name__}")
+    if not caption.isprintable():  # fast path: printable text has no control or format characters
+        kept = []
+        for ch in caption:
+            category = unicodedata.category(ch)
+            if category == "Cc":
+                if ch.isspace():
+                    kept.append(" ")
+            elif category == "Cs" or (category == "Cf" and ch not in _KEPT_FORMAT):
+                continue
+            else:
+                kept.append(ch)
+        caption = "".join(kept)
+    caption = caption.strip()
+    if not any(unicodedata.category(ch)[0] not in "CZ" for ch in caption):
+        raise Rejected(EMPTY_CAPTION)
+    return caption
 
 
 def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks()) -> tuple[Image.Image, int, int]:
@@ -163,8 +264,7 @@ class ImageCaptionTransform:
         return ids.astype(np.int32)
 
     def transform_one(self, data: bytes, caption) -> tuple[dict[int, np.ndarray], int, int]:
-        if caption is None or not str(caption).strip():
-            raise Rejected(EMPTY_CAPTION)
+        clean_caption(caption)
         image, width, height = decode_image(data, self.resolutions[0], self.checks)
         return center_square_crops(image, self.resolutions), width, height
 
@@ -177,13 +277,14 @@ class ImageCaptionTransform:
                                       batch[schema.RAW_IMAGE]):
             key = str(key)
             try:
+                caption = clean_caption(caption)
                 images, width, height = self.transform_one(data, caption)
             except Rejected as e:
                 rejected[key] = e.reason
                 self.rejects[e.reason] = self.rejects.get(e.reason, 0) + 1
                 continue
             out[schema.KEY].append(key)
-            out[schema.CAPTION].append(str(caption).strip())
+            out[schema.CAPTION].append(caption)
             out[schema.WIDTH].append(width)
             out[schema.HEIGHT].append(height)
             for r in self.resolutions:

@@ -8,9 +8,9 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert.readers import iter_rows
-from diffusion.convert.transforms import (ASPECT_RATIO, EMPTY_CAPTION, TOO_MANY_PIXELS, TOO_SMALL, UNDECODABLE,
-                                       ImageCaptionTransform, ImageChecks, Rejected, center_square_crops,
-                                       decode_image)
+from diffusion.convert.transforms import (ASPECT_RATIO, BAD_CAPTION, EMPTY_CAPTION, TOO_MANY_PIXELS, TOO_SMALL,
+                                       UNDECODABLE, UNSUPPORTED_MODE, ImageCaptionTransform, ImageChecks, Rejected,
+                                       center_square_crops, clean_caption, decode_image)
 
 
 def _bytes(image: Image.Image, fmt="JPEG", **kw) -> bytes:
@@ -120,3 +120,69 @@ def test_crops_are_the_centre_square_largest_first():
     assert list(crops) == [64, 32]
     # the centre square of a 300x100 red|blue image straddles the boundary at its middle
     assert crops[64][:, 5, 0] .min() > 200 and crops[64][:, -5, 2].min() > 200
+
+
+# ---- unusual pixel formats and invisible captions (issue 17) ------------------------------------
+
+def _gradient(low: float, high: float, dtype) -> np.ndarray:
+    """A 96x96 left-to-right ramp from ``low`` to ``high``."""
+    return np.tile(np.linspace(low, high, 96), (96, 1)).astype(dtype)
+
+
+@pytest.mark.parametrize("values, fmt, expected_max", [
+    (_gradient(0.0, 1.0, np.float32), "TIFF", 255),  # float in 0..1: the usual convention, x 255
+    (_gradient(0.0, 255.0, np.float32), "TIFF", 255),  # float holding 8-bit values
+    (_gradient(-3.0, 40.0, np.float32), "TIFF", 255),  # anything else: stretched min..max
+    (_gradient(0, 65535, np.uint16), "TIFF", 255),  # I;16
+    (_gradient(0, 65535, np.uint16), "PNG", 255),
+])
+def test_float_and_16_bit_images_are_scaled_not_clipped(values, fmt, expected_max):
+    decoded, w, h = decode_image(_bytes(Image.fromarray(values), fmt), 64)
+    pixels = np.asarray(decoded)
+    assert decoded.mode == "RGB" and (w, h) == (96, 96)
+    assert pixels[:, 0].max() <= 2 and pixels[:, -1].min() >= expected_max - 2  # the whole ramp, not black
+    assert 100 < pixels.mean() < 155
+
+
+def test_float_image_with_nan_pixels_and_one_with_nothing_finite():
+    values = _gradient(0.0, 1.0, np.float32)
+    values[:10] = np.nan
+    decoded, _, _ = decode_image(_bytes(Image.fromarray(values), "TIFF"), 64)
+    assert np.asarray(decoded)[50, -1].min() >= 250 and np.asarray(decoded)[:10].max() == 0
+    with pytest.raises(Rejected) as e:
+        decode_image(_bytes(Image.fromarray(np.full((80, 80), np.nan, np.float32)), "TIFF"), 64)
+    assert e.value.reason == UNSUPPORTED_MODE
+
+
+@pytest.mark.parametrize("caption", ["\ufeff", "\x00", "\u200b", " \u200b\u2060\u00ad\t\n ", "\u200d", None,
+                                     float("nan"), ""])
+def test_invisible_captions_are_empty(caption, transform):
+    with pytest.raises(Rejected) as e:
+        transform.transform_one(_bytes(_halves((100, 100))), caption)
+    assert e.value.reason == EMPTY_CAPTION
+
+
+@pytest.mark.parametrize("caption", [7, ["a", "list"], {"a": 1}, b"\xff\xfe not utf-8", True])
+def test_captions_that_are_not_text_are_bad_captions(caption):
+    with pytest.raises(Rejected) as e:
+        clean_caption(caption)
+    assert e.value.reason == BAD_CAPTION
+
+
+def test_captions_lose_invisible_characters_and_keep_the_rest():
+    assert clean_caption("\ufeffa red\u200b square\x00\r\n") == "a red square"
+    assert clean_caption("a\tblue\ncircle") == "a blue circle"
+    assert clean_caption(b"caf\xc3\xa9") == "café"
+    assert clean_caption("family \U0001F468\u200d\U0001F469") == "family \U0001F468\u200d\U0001F469"  # ZWJ kept
+
+
+def test_batch_stores_the_cleaned_caption_and_counts_each_reason(transform):
+    image = _bytes(_halves((100, 100)))
+    before = set(os.listdir(transform.rejects_dir))
+    out = transform({schema.RAW_KEY: ["a", "b", "c", "d"], schema.RAW_CAPTION: ["\ufeffa red\u200b square", "\u200b",
+                                                                                 12, "ok"],
+                     schema.RAW_IMAGE: [image, image, image, b"not an image"]})
+    assert list(out[schema.KEY]) == ["a"] and list(out[schema.CAPTION]) == ["a red square"]
+    (new,) = set(os.listdir(transform.rejects_dir)) - before
+    with open(os.path.join(transform.rejects_dir, new)) as f:
+        assert json.load(f) == {"b": EMPTY_CAPTION, "c": BAD_CAPTION, "d": UNDECODABLE}
