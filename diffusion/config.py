@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import sys
 import types
 import typing
@@ -260,13 +262,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         _, item = typing.get_args(tp)
         # a null entry is kept: in algorithms/callbacks/loggers it switches that component off
         return {k: None if v is None else _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isnan(value):  # no setting means "not a number"; null is how a setting is left unset
+            raise ConfigError(f"{where}: NaN is not a valid value")
+        return float(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp in (str, bool) and isinstance(value, tp):
@@ -288,8 +292,31 @@ def _check_components(cfg: Config) -> None:
         setattr(cfg, section, {k: v for k, v in entries.items() if v is not None})
 
 
+# A duration: a number, then its unit. Batches and samples are whole numbers; "dur" is a fraction
+# of max_duration. Epochs are refused: streaming epochs change length on resumption.
+_DURATION = re.compile(r"^(?P<number>\d+|\d*\.\d+|\d+\.\d*)(?P<unit>ba|sp|dur)$")
+
+
+def _check_duration(key: str, value: str, positive: bool = True) -> None:
+    match = _DURATION.match(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{key}={value!r}: give it as a number and a unit, in batches ('1000ba') or samples "
+                          f"('...sp'), or as a fraction of trainer.max_duration ('0.1dur'); streaming epochs "
+                          f"change length on resumption")
+    number, unit = match.group("number"), match.group("unit")
+    if unit != "dur" and not number.isdigit():
+        raise ConfigError(f"{key}={value!r}: batches and samples are whole numbers")
+    if positive and float(number) <= 0:
+        raise ConfigError(f"{key}={value!r} must be more than zero")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
 def _check_consistency(cfg: Config) -> None:
-    m, t = cfg.model, cfg.trainer
+    m, t, o = cfg.model, cfg.trainer, cfg.optimizer
     if m.resolution % 8:
         raise ConfigError(f"model.resolution={m.resolution} is not a multiple of 8 (the VAE downsampling)")
     if m.zero_terminal_snr and m.prediction_type != "v_prediction":
@@ -298,8 +325,32 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.data.eval is not None and cfg.data.eval.source != "mds":
         raise ConfigError("data.eval.source must be mds: the held-out set is read from stored shards")
     for name, loader in (("train", cfg.data.train), ("eval", cfg.data.eval)):
-        if loader is not None and not 0.0 <= loader.caption_dropout < 1.0:
+        if loader is None:
+            continue
+        if not 0.0 <= loader.caption_dropout < 1.0:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
+        _require(loader.batch_size > 0, f"data.{name}.batch_size={loader.batch_size} must be a positive number "
+                                        f"of samples (the global batch, split across ranks)")
+        _require(loader.num_workers >= 0, f"data.{name}.num_workers={loader.num_workers} must be 0 (load in the "
+                                          f"training process) or more")
+        _require(loader.prefetch_factor is None or loader.prefetch_factor > 0,
+                 f"data.{name}.prefetch_factor={loader.prefetch_factor} must be positive (or null)")
+        _require(loader.num_samples is None or loader.num_samples >= loader.batch_size,
+                 f"data.{name}.num_samples={loader.num_samples} is less than one batch "
+                 f"(data.{name}.batch_size={loader.batch_size}): no full batch could ever be made")
+        _require(loader.download_timeout > 0, f"data.{name}.download_timeout={loader.download_timeout} must be "
+                                              f"positive (seconds)")
+    _require(math.isfinite(o.lr) and o.lr >= 0, f"optimizer.lr={o.lr} must be a finite number >= 0")
+    _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+             f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0")
+    _require(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
+             f"optimizer.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a small positive number")
+    _require(0.0 <= cfg.scheduler.alpha_f <= 1.0, f"scheduler.alpha_f={cfg.scheduler.alpha_f} must be in [0, 1] "
+                                                  f"(the final learning-rate multiplier)")
+    _check_duration("scheduler.t_warmup", cfg.scheduler.t_warmup, positive=False)
+    _require(t.grad_clip_norm is None or t.grad_clip_norm >= 0,
+             f"trainer.grad_clip_norm={t.grad_clip_norm} must be a positive norm (null or 0 turns clipping off)")
     if isinstance(t.device_train_microbatch_size, int) and t.device_train_microbatch_size <= 0:
         raise ConfigError("trainer.device_train_microbatch_size must be positive or 'auto'")
     if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms:
@@ -307,7 +358,4 @@ def _check_consistency(cfg: Config) -> None:
                           "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "
                           "algorithms.ema=null")
     for key in ("max_duration", "eval_interval", "save_interval"):
-        value = getattr(t, key)
-        if not value.endswith(("ba", "sp", "dur")):
-            raise ConfigError(f"trainer.{key}={value!r}: give it in batches ('1000ba') or samples ('...sp'); "
-                              f"streaming epochs change length on resumption")
+        _check_duration(f"trainer.{key}", getattr(t, key))

@@ -81,3 +81,40 @@ def test_run_py_reports_config_errors_without_a_traceback():
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "max_duraton" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("override, names", [
+    ("trainer.grad_clip_norm=-1", "trainer.grad_clip_norm"),  # a negative threshold trains backwards
+    ("optimizer.lr=-1e-4", "optimizer.lr"),
+    ("optimizer.lr=.nan", "optimizer.lr"),
+    ("optimizer.lr=nan", "optimizer.lr"),  # the string form too
+    ("optimizer.weight_decay=-0.01", "optimizer.weight_decay"),
+    ("optimizer.betas=[0.9]", "optimizer.betas"),
+    ("optimizer.betas=[0.9, 1.0]", "optimizer.betas"),
+    ("optimizer.betas=[-0.1, 0.999]", "optimizer.betas"),
+    ("optimizer.eps=0", "optimizer.eps"),
+    ("trainer.max_duration=xyzba", "trainer.max_duration"),
+    ("trainer.max_duration=0ba", "trainer.max_duration"),
+    ("trainer.max_duration=1.5ba", "trainer.max_duration"),
+    ("trainer.save_interval=ba", "trainer.save_interval"),
+    ("scheduler.t_warmup=abc", "scheduler.t_warmup"),
+    ("scheduler.t_warmup=10ep", "scheduler.t_warmup"),
+    ("scheduler.alpha_f=2", "scheduler.alpha_f"),
+    ("data.train.batch_size=0", "data.train.batch_size"),
+    ("data.train.batch_size=-8", "data.train.batch_size"),
+    ("data.train.num_workers=-1", "data.train.num_workers"),
+    ("data.train.num_samples=3", "data.train.num_samples"),  # fewer samples than one batch: no progress
+    ("data.train.prefetch_factor=0", "data.train.prefetch_factor"),
+])
+def test_values_that_cannot_train_are_refused_at_start(override, names):
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_edge_values_that_can_train_are_accepted():
+    cfg = load_config(TINY, ["trainer.grad_clip_norm=null", "optimizer.lr=0", "optimizer.weight_decay=0",
+                             "optimizer.betas=[0.0, 0.999]", "scheduler.t_warmup=0ba", "data.train.num_workers=0",
+                             "trainer.eval_interval=0.25dur", "data.train.num_samples=64",
+                             "data.train.batch_size=64"])
+    assert cfg.trainer.grad_clip_norm is None and cfg.scheduler.t_warmup == "0ba"
+    assert load_config(TINY, ["trainer.grad_clip_norm=0"]).trainer.grad_clip_norm == 0.0  # off, as before
