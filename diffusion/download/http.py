@@ -4,7 +4,9 @@ A :class:`Fetcher` is shared by the threads that download one shard. Every reque
 timeout (connect, each socket read, and the whole attempt), a maximum body size (read as a stream and
 abandoned past the limit), a bounded number of redirects that may never leave http/https. Only
 timeouts and 5xx answers are retried, with exponential backoff; a 404 will not change on a retry.
-Failures raise :class:`FetchError` whose ``reason`` is a short code counted in the stats.
+Failures raise :class:`FetchError` whose ``reason`` is a short code counted in the stats: ``timeout``
+only for a server that did not answer in time; a refused connection is ``connection_refused``, a host
+name that does not resolve ``dns_error``, any other failure to connect or read ``connection_error``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,27 @@ def check_scheme(url: str, reason: str = "unsupported_scheme", referrer: str | N
     if parsed.scheme.lower() not in ALLOWED_SCHEMES or not parsed.netloc:
         came_from = f" (redirected from {referrer})" if referrer else ""
         raise FetchError(reason, f"{url!r}{came_from}: only http and https URLs are fetched")
+
+
+def connect_failure(error: Exception) -> str:
+    """The reason code of a connection that could not be made (urllib3's NewConnectionError; a connect
+    that timed out is a ConnectTimeoutError of its own): ``connection_refused`` (nothing listens at
+    that port), ``dns_error`` (the host name does not resolve), or ``connection_error`` (unreachable
+    network, reset, ...)."""
+    if isinstance(error, urllib3.exceptions.NameResolutionError):
+        return "dns_error"
+    causes, seen = [error], set()
+    while causes:
+        cause = causes.pop()
+        if cause is None or id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection_refused"
+        causes += [cause.__cause__, cause.__context__]
+    if "Connection refused" in str(error):
+        return "connection_refused"
+    return "connection_error"
 
 
 class Fetcher:
@@ -114,6 +137,10 @@ class Fetcher:
     def _request(self, url: str) -> urllib3.BaseHTTPResponse:
         try:
             return self.http.request("GET", url, preload_content=False, redirect=False)
+        except urllib3.exceptions.NewConnectionError as e:
+            # Caught before TimeoutError: urllib3 2 makes every failed connect a ConnectTimeoutError
+            # subclass, a refused connection or an unknown host included.
+            raise FetchError(connect_failure(e), f"{url}: {type(e).__name__}") from None
         except urllib3.exceptions.TimeoutError as e:
             raise _Retryable(FetchError("timeout", f"{url}: {type(e).__name__}")) from None
         except urllib3.exceptions.LocationValueError as e:

@@ -4,11 +4,21 @@ Shards are planned from the input alone, so a re-run produces the same shards wi
 files in sorted order, each cut into ``rows_per_shard`` consecutive rows (a file's last shard may be
 shorter; shards never span files, like img2dataset). Parquet row counts come from the footer; csv and
 jsonl files are read once to count rows.
+
+A file that cannot be read stops the job at start, naming the file: planning reads every file (or its
+footer) before anything is downloaded, so this costs nothing. A row that holds a wrong kind of value
+does not: URLs and captions that are numbers become their text (a caption "1984"), ones that cannot
+be text (a list, bytes that are not UTF-8) become null, so the row fails as ``invalid_url`` or goes on
+without a caption (the converter then rejects it as ``empty_caption``); a jsonl file whose rows
+disagree on a column's type, or holding a line that is not a JSON object (a row with nothing in it),
+is read line by line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import os
 
 import pyarrow as pa
@@ -82,17 +92,62 @@ def read_input(fs: pa_fs.FileSystem, path: str, fmt: str, columns: InputColumns)
             table = pa_csv.read_csv(f, convert_options=pa_csv.ConvertOptions(column_types=text))
     elif fmt == "jsonl":
         with fs.open_input_stream(path) as f:
-            table = pa_json.read_json(f)  # no explicit schema: it would hide a missing column as nulls
+            data = f.read()
+        try:
+            table = pa_json.read_json(io.BytesIO(data))  # no explicit schema: it would hide a missing column as nulls
+        except pa.ArrowInvalid:  # rows that disagree on a column's type, or a line that is not an object
+            table = _jsonl_by_line(data, names)
     else:
         raise InputError(f"{path}: unknown input format {fmt!r} (parquet, csv or jsonl)")
     _require(path, names, table.column_names)
     return _as_text(table.select(names), columns)
 
 
+def _jsonl_by_line(data: bytes, names: list[str]) -> pa.Table:
+    """A jsonl file pyarrow refuses, read line by line: every line (blank ones aside) is one row, a
+    line that is not a JSON object an empty one; columns that mix types hold their values' text."""
+    rows = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        rows.append(row if isinstance(row, dict) else {})
+    present = {k for row in rows for k in row}
+    columns = {}
+    for name in [n for n in names if n in present]:
+        values = [row.get(name) for row in rows]
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            columns[name] = pa.array([_text_or_none(v) for v in values], pa.string())
+    return pa.table(columns)  # a column no row has is missing, and named so by _require
+
+
+def _text_or_none(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    return None  # a list or mapping is no URL and no caption
+
+
 def _as_text(table: pa.Table, columns: InputColumns) -> pa.Table:
-    """URL and caption as strings (a csv caption "1984" would otherwise parse as a number)."""
+    """URL and caption as strings (a csv caption "1984" would otherwise parse as a number); values that
+    cannot be text (a list, bytes that are not UTF-8) are null, so one bad row does not fail the file."""
     for i, name in enumerate((columns.url, columns.caption)):
-        table = table.set_column(i, name, table[name].cast(pa.string()))
+        try:
+            column = table[name].cast(pa.string())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            column = pa.array([_text_or_none(v) for v in table[name].to_pylist()], pa.string())
+        table = table.set_column(i, name, column)
     return table
 
 

@@ -192,6 +192,35 @@ def test_fetcher_refuses_other_schemes_and_endless_redirects(server):
     assert server.hits["/loop"] == FETCH.max_redirects + 1
 
 
+def test_a_refused_connection_is_counted_as_refused_not_as_a_timeout():
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fetcher = Fetcher(FetchConfig(timeout=0.5, retries=2, backoff=5.0))
+    start = time.monotonic()
+    with pytest.raises(FetchError) as err:
+        fetcher.fetch(f"http://127.0.0.1:{port}/x.jpg")
+    assert err.value.reason == "connection_refused"
+    assert time.monotonic() - start < 4.0  # final, like a 404: not retried (5 s backoff) as a timeout is
+
+
+def test_hostile_input_values_do_not_fail_the_file(tmp_path):
+    from diffusion.download.plan import read_shard
+    src = tmp_path / "in.jsonl"  # rows that disagree on types, a line that is not JSON, a list URL
+    src.write_text('{"URL": "http://a/1.jpg", "TEXT": "a cat"}\n{"URL": "http://a/2.jpg", "TEXT": 1984}\n'
+                   'not json\n{"URL": ["x"], "TEXT": "y"}\n')
+    shards, _ = plan_shards(str(src), InputColumns(), rows_per_shard=10)
+    rows = read_shard(str(src), shards[0], "jsonl", InputColumns()).to_pylist()
+    assert rows == [{"URL": "http://a/1.jpg", "TEXT": "a cat"}, {"URL": "http://a/2.jpg", "TEXT": "1984"},
+                    {"URL": None, "TEXT": None}, {"URL": None, "TEXT": "y"}]
+    pq.write_table(pa.table({"URL": ["http://a/1.jpg", "http://a/2.jpg"], "TEXT": [b"\xff\xfe", b"ok"]}),
+                   tmp_path / "bin.parquet")
+    shards, _ = plan_shards(str(tmp_path / "bin.parquet"), InputColumns(), rows_per_shard=10)
+    rows = read_shard(str(tmp_path / "bin.parquet"), shards[0], "parquet", InputColumns()).to_pylist()
+    assert [r["TEXT"] for r in rows] == [None, "ok"]  # not UTF-8: no caption, the row goes on
+
+
 @pytest.mark.parametrize("mode,size,expected", [("no", 32, (64, 48)), ("center_crop", 32, (32, 32)),
                                                   ("keep_ratio", 24, (32, 24)), ("keep_ratio", 100, (64, 48))])
 def test_check_image_resize_modes(mode, size, expected):
