@@ -4,19 +4,46 @@ Every reader is a plain generator of column batches (``dict[str, list]``) named 
 ``RAW_*`` names, so the same code feeds Ray Data read tasks (:func:`read_raw`), the ``--visualize`` view
 and the tests. Inputs may be local paths, directories, globs or ``s3://`` URIs (pyarrow's filesystems;
 ``AWS_ENDPOINT_URL`` points them at a local S3 server).
+
+Each file is read by its own suffix, so one input may mix formats (``.parquet`` files, ``.tar`` files and
+images with ``.txt`` sidecars are all read). One exception: ``X.parquet`` beside ``X.tar`` is the tar's
+metadata, as img2dataset writes it with ``output_format=webdataset`` (no image column), and is not read.
+
+Bad input, from the smallest unit up; one bad row or file never stops a conversion:
+
+- A row whose values are of the wrong kind (an int or list caption, bytes that are not UTF-8, a key that
+  is not text or a whole number, a width that is not a whole number >= 0, a tar sample whose .json
+  sidecar is not a JSON object) is a rejected row, recorded by key with its reason (``bad_caption``,
+  ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`valid_row`) like the transform's rejects.
+  Only well-typed rows reach Ray's fixed schema.
+- A file that cannot be read (zero bytes, not parquet under a ``.parquet`` name, a truncated or corrupt
+  tar, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
+  failed input file (``failed_inputs/`` beside ``rejects/``; the conversion summary lists it); the rows
+  read before the damage stay. Why skip rather than stop at start: damage in a tar or a compressed
+  file is only found by reading all of it, so a check at start could not find it without reading
+  the whole input twice, and stopping hours into a conversion for one file wastes the rest. A re-run
+  tries a failed file again (the record goes once it reads to its end).
+- What stops at start (:func:`check_inputs`): inputs that do not exist, hold no file of a known format,
+  or where no parquet file is readable; and asked-for columns missing from the first readable parquet
+  file, which is the flags' fault rather than a file's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import json
+import math
 import os
 import posixpath
 import tarfile
-from typing import Iterator
+import zlib
+from typing import Callable, Iterator
 
 from diffusion import schema
+from diffusion.convert.transforms import (BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected,
+                                          write_rejects)
 from diffusion.errors import InputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -81,24 +108,49 @@ def list_input_files(inputs) -> list[str]:
     return files
 
 
-def detect_format(files: list[str]) -> str:
-    """``parquet``, ``webdataset`` or ``folder``, from the files' suffixes."""
-    if any(f.endswith(".parquet") for f in files):
+FORMATS = ("parquet", "webdataset", "folder")
+
+
+def file_format(path: str) -> str | None:
+    """``parquet``, ``webdataset`` or ``folder`` (an image), from one file's suffix; None for others
+    (manifests, stats, sidecars)."""
+    if path.endswith(".parquet"):
         return "parquet"
-    if any(f.endswith(".tar") for f in files):
+    if path.endswith(".tar"):
         return "webdataset"
-    if any(f.lower().endswith(IMAGE_SUFFIXES) for f in files):
+    if path.lower().endswith(IMAGE_SUFFIXES):
         return "folder"
-    raise InputError(f"cannot tell the input format of {files[:3]}...: expected .parquet, .tar or images")
+    return None
 
 
-def data_files(files: list[str], fmt: str) -> list[str]:
-    """The files a reader of ``fmt`` reads (manifests, stats and sidecars left out)."""
-    if fmt == "parquet":
-        return [f for f in files if f.endswith(".parquet")]
-    if fmt == "webdataset":
-        return [f for f in files if f.endswith(".tar")]
-    return [f for f in files if f.lower().endswith(IMAGE_SUFFIXES)]
+def data_files(files: list[str]) -> dict[str, str]:
+    """{file: format} of the files a reader reads, in order: every file of a known format, except a
+    parquet file beside a tar of the same name (img2dataset's metadata of that tar, without images)."""
+    tars = {f[: -len(".tar")] for f in files if f.endswith(".tar")}
+    found = {}
+    for f in files:
+        fmt = file_format(f)
+        if fmt is None or (fmt == "parquet" and f[: -len(".parquet")] in tars):
+            continue
+        found[f] = fmt
+    return found
+
+
+def detect_format(files: list[str]) -> str:
+    """The formats of ``files``: ``parquet``, ``webdataset``, ``folder``, or several joined by ``+``."""
+    found = set(data_files(files).values())
+    if not found:
+        raise InputError(f"cannot tell the input format of {files[:3]}...: expected .parquet, .tar or images")
+    return "+".join(f for f in FORMATS if f in found)
+
+
+def input_files(inputs) -> dict[str, str]:
+    """{file: format} of every input file to read (see :func:`data_files`); InputError if none."""
+    files = list_input_files(inputs)
+    found = data_files(files)
+    if not found:
+        raise InputError(f"cannot tell the input format of {files[:3]}...: expected .parquet, .tar or images")
+    return found
 
 
 def _open(uri: str):
@@ -123,25 +175,144 @@ def input_names(files: list[str]) -> dict[str, str]:
     return {f: posixpath.relpath(p, root) if root else p for f, p in zip(files, paths)}
 
 
+def file_names(formats: dict[str, str]) -> dict[str, str]:
+    """:func:`input_names` of ``{file: format}``, taken per format: a directory that holds one format
+    names its files as it always has (so keys derived from them, and a resume, stay the same whatever
+    else lies beside them). Names of two formats cannot clash: a file's name keeps its suffix."""
+    names = {}
+    for fmt in FORMATS:
+        group = [f for f, f_fmt in formats.items() if f_fmt == fmt]
+        if group:
+            names.update(input_names(group))
+    return names
+
+
 def derived_key(name: str, index: int) -> str:
     """A stable key for a row without one: its file's name under the input root and its row index."""
     return f"{name}:{index:09d}"
 
 
-def _batches(rows: Iterator[dict], name: str, on_duplicate=None) -> Iterator[dict]:
-    """Rows → column batches; a key seen before in this file is not a row but a ``duplicate_key``
-    reject, reported to ``on_duplicate({reject id: reason})`` (the converter records it for counting)."""
+def _reject_id(name: str, index: int, reason: str) -> str:
+    """The id a row is recorded under when its key cannot be used (repeated, or not a key at all)."""
+    return f"{derived_key(name, index)}#{reason}"
+
+
+def _is_missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _text(value, reason: str, what: str) -> str:
+    """``value`` as a str that UTF-8 can encode (what Arrow stores), or Rejected(reason)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Rejected(reason, f"{what} is bytes that are not UTF-8") from None
+    if not isinstance(value, str):
+        raise Rejected(reason, f"{what} must be text, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (from a JSON escape or an undecodable file name)
+        raise Rejected(reason, f"{what} is not valid Unicode") from None
+    return value
+
+
+def _row_key(value, name: str, index: int) -> str:
+    """A row's key: text (or bytes in UTF-8) as it is, a whole number (LAION's int64 ids; 7.0 from a
+    column pandas made float) as its digits; missing (None, NaN, "") -> derived from file and row."""
+    if _is_missing(value) or value == "" or value == b"":
+        return derived_key(name, index)
+    if isinstance(value, bool):
+        raise Rejected(BAD_KEY, "a key must be text or a whole number, got bool")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return str(int(value))
+        raise Rejected(BAD_KEY, f"a key must be text or a whole number, got {value!r}")
+    return _text(value, BAD_KEY, "key")
+
+
+def _size(value, what: str) -> int | None:
+    """A width/height: a whole number >= 0 (7.0 and "7" too; 0 is "unknown", as in failed or
+    placeholder rows); missing (None, NaN) or 0 -> None."""
+    if _is_missing(value):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 31:
+        raise Rejected(BAD_SIZE, f"{what} {value!r} is not a whole number of pixels")
+    return value or None
+
+
+def valid_row(row: dict, name: str, index: int) -> dict:
+    """``row`` with every value of the type Ray's raw schema holds, or :class:`Rejected` with a reason.
+
+    The key must be text or a whole number (else ``bad_key``); the caption text, bytes in UTF-8 or
+    missing (else ``bad_caption``; whether it says anything is the transform's ``empty_caption``);
+    width and height whole numbers >= 0 or missing (else ``bad_size``; they are the input's word
+    only, the transform measures the image); the image bytes or missing (else ``undecodable``).
+    """
+    key = _row_key(row.get(schema.RAW_KEY), name, index)
+    caption = row.get(schema.RAW_CAPTION)
+    caption = None if _is_missing(caption) else _text(caption, BAD_CAPTION, "caption")
+    image = row.get(schema.RAW_IMAGE)
+    if isinstance(image, (bytearray, memoryview)):
+        image = bytes(image)
+    if image is not None and not isinstance(image, bytes):
+        raise Rejected(UNDECODABLE, f"image must be bytes, got {type(image).__name__}")
+    return {schema.RAW_KEY: key, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image,
+            schema.WIDTH: _size(row.get(schema.WIDTH), "width"), schema.HEIGHT: _size(row.get(schema.HEIGHT), "height")}
+
+
+REJECT = "_reject"  # a row generator yields {REJECT: reason, RAW_KEY: key or None} for a sample it cannot make
+
+
+def _batches(rows: Iterator[dict | None], name: str, on_reject=None) -> Iterator[dict]:
+    """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
+    was seen before in this file (``duplicate_key``), is not a row but a reject, reported to
+    ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
+    file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
+    (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
+    part-way, the rows before the failure are still yielded, then the error is raised."""
     batch = {c: [] for c in RAW_COLUMNS}
     seen: set[str] = set()
-    for index, row in enumerate(rows):
-        key = row[schema.RAW_KEY]
+    position = -1  # among the rows that are not None: what duplicate ids have always been numbered by
+    rows = enumerate(rows)
+    while True:
+        try:
+            index, row = next(rows)
+        except StopIteration:
+            break
+        except Exception:
+            if batch[schema.RAW_KEY]:
+                yield batch
+            raise
+        if row is None:
+            continue
+        position += 1
+        key = None
+        try:
+            key = _row_key(row.get(schema.RAW_KEY), name, index)
+            if REJECT in row:
+                raise Rejected(row[REJECT])
+            row = valid_row(row, name, index)
+        except Rejected as e:
+            if on_reject is not None:
+                usable = key is not None and key not in seen
+                on_reject({key if usable else _reject_id(name, index, e.reason): e.reason})
+            if key is not None:
+                seen.add(key)
+            continue
         if key in seen:
-            if on_duplicate is not None:
-                on_duplicate({f"{key}#{name}:{index}": DUPLICATE_KEY})
+            if on_reject is not None:
+                on_reject({f"{key}#{name}:{position}": DUPLICATE_KEY})
             continue
         seen.add(key)
         for c in RAW_COLUMNS:
-            batch[c].append(row.get(c))
+            batch[c].append(row[c])
         if len(batch[schema.RAW_KEY]) == ROWS_PER_BATCH:
             yield batch
             batch = {c: [] for c in RAW_COLUMNS}
@@ -151,16 +322,20 @@ def _batches(rows: Iterator[dict], name: str, on_duplicate=None) -> Iterator[dic
 
 # ---- parquet -------------------------------------------------------------------------------------
 
-def check_parquet_columns(uri: str, columns: RawColumns) -> None:
-    """Raise a clear error naming the file and its columns if an asked-for column is missing."""
+def _parquet_columns(uri: str) -> list[str]:
     import pyarrow.parquet as pq
     try:
         with _open(uri) as f:
-            names = pq.read_schema(f).names
+            return pq.read_schema(f).names
     except InputError:
         raise
     except Exception as e:
         raise InputError(f"cannot read {uri} as parquet: {e}") from e
+
+
+def check_parquet_columns(uri: str, columns: RawColumns) -> None:
+    """Raise a clear error naming the file and its columns if an asked-for column is missing."""
+    names = _parquet_columns(uri)
     required = (columns.image, columns.caption) if columns.caption_required else (columns.image,)
     missing = [c for c in required if c not in names]
     if missing:
@@ -176,56 +351,60 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
         names = set(pf.schema_arrow.names)
         wanted = [c for c in {columns.image, columns.caption, columns.key, schema.WIDTH, schema.HEIGHT,
                               schema.RAW_STATUS} if c in names]
-        index = 0
         for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
             for row in record_batch.to_pylist():
-                i, index = index, index + 1
                 # img2dataset/download output: failed rows have no image, so only successes are rows.
                 if schema.RAW_STATUS in row and row[schema.RAW_STATUS] != "success":
+                    yield None  # keeps the row numbers of derived keys those of the file
                     continue
-                yield {schema.RAW_KEY: row.get(columns.key) or derived_key(name, i),
-                       schema.RAW_CAPTION: row.get(columns.caption), schema.RAW_IMAGE: row[columns.image],
-                       schema.WIDTH: row.get(schema.WIDTH), schema.HEIGHT: row.get(schema.HEIGHT)}
+                yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
+                       schema.RAW_IMAGE: row[columns.image], schema.WIDTH: row.get(schema.WIDTH),
+                       schema.HEIGHT: row.get(schema.HEIGHT)}
 
 
 # ---- webdataset ----------------------------------------------------------------------------------
 
 def _webdataset_rows(uri: str, name: str) -> Iterator[dict]:
-    """Samples of an img2dataset tar: ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), consecutive members."""
-    def sample(key, parts, index):
+    """Samples of an img2dataset tar: ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), consecutive members.
+
+    A sample whose ``.json`` is not a JSON object is a ``bad_metadata`` reject; a tar that cannot be
+    read on (truncated, corrupt) raises InputError after the samples before the damage."""
+    def sample(key, parts):
         image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
         if image is None:
             return None
-        meta = json.loads(parts[".json"]) if ".json" in parts else {}
+        row_key = f"{name}/{key}" if key else None
+        meta = {}
+        if ".json" in parts:
+            try:
+                meta = json.loads(parts[".json"])
+            except ValueError:  # not JSON, or not UTF-8
+                meta = None
+            if not isinstance(meta, dict):
+                return {REJECT: BAD_METADATA, schema.RAW_KEY: row_key}
         if meta.get(schema.RAW_STATUS, "success") != "success":
             return None
-        caption = parts[".txt"].decode("utf-8", "replace") if ".txt" in parts else meta.get(schema.RAW_CAPTION)
-        return {schema.RAW_KEY: meta.get(schema.RAW_KEY) or (f"{name}/{key}" if key else derived_key(name, index)),
-                schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image,
-                schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
+        caption = parts[".txt"] if ".txt" in parts else meta.get(schema.RAW_CAPTION)
+        return {schema.RAW_KEY: meta.get(schema.RAW_KEY) or row_key, schema.RAW_CAPTION: caption,
+                schema.RAW_IMAGE: image, schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
 
     with _open(uri) as f:
         try:
             tar = tarfile.open(fileobj=f, mode="r|*")
-            key, parts, index = None, {}, 0
+            key, parts = None, {}
             for member in tar:
                 if not member.isfile():
                     continue
                 stem, ext = posixpath.splitext(member.name)
                 if stem != key and parts:
-                    row = sample(key, parts, index)
-                    index += 1
-                    if row:
-                        yield row
+                    yield sample(key, parts)
                     parts = {}
                 key = stem
                 parts[ext.lower()] = tar.extractfile(member).read()
             if parts:
-                row = sample(key, parts, index)
-                if row:
-                    yield row
-        except tarfile.TarError as e:
-            raise InputError(f"cannot read {uri} as a tar file: {e}") from e
+                yield sample(key, parts)
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+            raise InputError(f"cannot read {uri} as a tar file: {type(e).__name__}: {e}") from e
 
 
 # ---- folder of images ----------------------------------------------------------------------------
@@ -235,10 +414,10 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
     fs, path = filesystem_for(uri)
     with _open(uri) as f:
         image = f.read()
-    caption = None
+    caption = None  # bytes: decoded (or rejected as bad_caption) with the row's other values
     try:
         with fs.open_input_file(posixpath.splitext(path)[0] + ".txt") as f:
-            caption = f.read().decode("utf-8", "replace").strip()
+            caption = f.read().strip()
     except (FileNotFoundError, OSError):
         pass
     # the name keeps the suffix: img0.jpg and img0.png are two samples
@@ -246,9 +425,11 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
 
 
 def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), name: str | None = None,
-                      on_duplicate=None) -> Iterator[dict]:
-    """Column batches of the raw rows in one input file; ``name`` is the file's name under the input
-    root (:func:`input_names`), which keys rows that have none."""
+                      on_reject=None) -> Iterator[dict]:
+    """Column batches of the valid raw rows in one input file; ``name`` is the file's name under the
+    input root (:func:`input_names`), which keys rows that have none. Rejected rows go to
+    ``on_reject({id: reason})`` (:func:`_batches`); a file that cannot be read raises (see
+    :func:`file_errors`) after the rows before the damage."""
     name = name or posixpath.basename(uri)
     if fmt == "parquet":
         rows = _parquet_rows(uri, columns, name)
@@ -258,42 +439,130 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
         rows = _folder_rows(uri, name)
     else:
         raise ValueError(f"unknown input format {fmt!r}")
-    yield from _batches(rows, name, on_duplicate)
+    yield from _batches(rows, name, on_reject)
 
 
-def iter_rows(inputs, columns: RawColumns = RawColumns()) -> Iterator[dict]:
-    """Every raw row of ``inputs``, in order, without Ray (for small jobs, previews and tests)."""
-    files = list_input_files(inputs)
-    fmt = detect_format(files)
-    files = data_files(files, fmt)
-    names = input_names(files)
-    for uri in files:
-        for batch in iter_file_batches(uri, fmt, columns, names[uri]):
-            yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+# ---- files that cannot be read -------------------------------------------------------------------
+
+FAILED_INPUTS_DIR = "failed_inputs"  # beside rejects/: one {file, uri, error, rows_read} record per failed file
+
+
+def file_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or foreign file raises (and nothing a bug alone would): I/O and Arrow
+    errors, tar and compression errors, and ValueError, which InputError and parquet's and PIL's
+    complaints about bad data are."""
+    import pyarrow as pa
+    return (OSError, EOFError, ValueError, tarfile.TarError, zlib.error, pa.ArrowException)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line: an InputError's own message (it names the file), else the type and message."""
+    text = str(error) if isinstance(error, InputError) else f"{type(error).__name__}: {error}"
+    text = " ".join(text.split())
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _failed_record_path(directory: str, name: str) -> str:
+    return os.path.join(directory, hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json")
+
+
+def record_failed_input(directory: str, name: str, uri: str, error: BaseException, rows_read: int) -> None:
+    """Record (atomically) that input file ``name`` failed, replacing any earlier record of it."""
+    os.makedirs(directory, exist_ok=True)
+    path = _failed_record_path(directory, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"file": name, "uri": uri, "error": describe_error(error), "rows_read": rows_read}, f)
+    os.replace(path + ".tmp", path)
+
+
+def clear_failed_input(directory: str, name: str) -> None:
+    """Forget an earlier failure of ``name`` (it has now been read to its end)."""
+    try:
+        os.remove(_failed_record_path(directory, name))
+    except FileNotFoundError:
+        pass
+
+
+def read_failed_inputs(directory: str) -> dict[str, str]:
+    """{file name: error} of the failed input files recorded under ``directory`` (unreadable records,
+    e.g. cut short by a kill, are left out: the file is tried again on the next run anyway)."""
+    failed = {}
+    if not os.path.isdir(directory):
+        return failed
+    for entry in sorted(os.listdir(directory)):
+        if not entry.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, entry)) as f:
+                record = json.load(f)
+            failed[str(record["file"])] = str(record["error"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return failed
+
+
+def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callable[[str, str], None] | None = None,
+              on_reject=None) -> Iterator[dict]:
+    """Every valid raw row of ``inputs``, in order, without Ray (for small jobs, previews and tests).
+
+    A file that cannot be read raises (InputError names it) after its readable rows, unless
+    ``on_failed_file(name, error)`` is given: then it is told and the file skipped, as the converter
+    skips it. Rejected rows go to ``on_reject({id: reason})``."""
+    formats = input_files(inputs)
+    names = file_names(formats)
+    errors = file_errors()
+    for uri, fmt in formats.items():
+        try:
+            for batch in iter_file_batches(uri, fmt, columns, names[uri], on_reject):
+                yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+        except errors as e:
+            if on_failed_file is None:
+                if isinstance(e, InputError):
+                    raise
+                raise InputError(f"cannot read {uri}: {describe_error(e)}") from e
+            on_failed_file(names[uri], describe_error(e))
 
 
 # ---- Ray Data ------------------------------------------------------------------------------------
 
 class _ReadFiles:
-    """Ray ``map_batches`` callable: a batch of file URIs in, their raw rows out (done keys dropped)."""
+    """Ray ``map_batches`` callable: a batch of file URIs in, their raw rows out (done keys dropped).
 
-    def __init__(self, fmt: str, columns: RawColumns, names: dict, skip_keys: frozenset,
-                 rejects_dir: str | None = None):
-        self.fmt, self.columns, self.names, self.skip_keys = fmt, columns, names, skip_keys
-        self.rejects_dir = rejects_dir
+    Rejected rows are written to ``rejects_dir`` (once per file and batch, leaving out ids in
+    ``recorded``, which an earlier run wrote); a file that fails is recorded in ``failed_dir`` and
+    the next file read; a file read to its end has any earlier failure record removed."""
 
-    def _record(self, rejects: dict) -> None:
-        if self.rejects_dir:
-            from diffusion.convert.transforms import write_rejects
-            write_rejects(self.rejects_dir, rejects)
+    def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
+                 rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset()):
+        self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
+        self.rejects_dir, self.failed_dir, self.recorded = rejects_dir, failed_dir, recorded
+
+    def _flush(self, pending: dict) -> None:
+        new = {k: v for k, v in pending.items() if k not in self.recorded}
+        pending.clear()
+        if new and self.rejects_dir:
+            write_rejects(self.rejects_dir, new)
 
     def __call__(self, files: dict) -> Iterator[dict]:
+        errors = file_errors()
         for uri in files["path"]:
             uri = str(uri)
-            for batch in iter_file_batches(uri, self.fmt, self.columns, self.names[uri], self._record):
-                keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys]
-                if keep:
-                    yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
+            name, pending, rows_read = self.names[uri], {}, 0
+            try:
+                for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update):
+                    self._flush(pending)
+                    rows_read += len(batch[schema.RAW_KEY])
+                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys]
+                    if keep:
+                        yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
+            except errors as e:
+                self._flush(pending)
+                if self.failed_dir:
+                    record_failed_input(self.failed_dir, name, uri, e, rows_read)
+                continue
+            self._flush(pending)
+            if self.failed_dir:
+                clear_failed_input(self.failed_dir, name)
 
 
 def _arrow_batch(batch: dict):
@@ -306,36 +575,51 @@ def _arrow_batch(batch: dict):
 
 
 def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
-    """Fail fast, before any cluster work: the inputs exist, have a known format and the named columns.
+    """Fail fast, before any cluster work: the inputs exist, hold files of a known format, and the first
+    readable parquet file has the named columns. Unreadable files are left to the run, which skips and
+    records them (see the module's docstring); only if no parquet file is readable and there is
+    nothing else to read does this stop.
 
-    Returns (format, number of data files).
+    Returns (format, or formats joined by ``+``; number of data files).
     """
-    files = list_input_files(inputs)
-    fmt = detect_format(files)
-    files = data_files(files, fmt)
-    if fmt == "parquet":
-        check_parquet_columns(files[0], columns)
-    return fmt, len(files)
+    formats = input_files(inputs)
+    parquet = [f for f, fmt in formats.items() if fmt == "parquet"]
+    first_error = None
+    for uri in parquet:
+        try:
+            _parquet_columns(uri)
+        except InputError as e:
+            first_error = first_error or e
+            continue
+        check_parquet_columns(uri, columns)
+        break
+    else:
+        if first_error is not None and len(parquet) == len(formats):
+            unreadable = f" (and the other {len(parquet) - 1} parquet files)" if len(parquet) > 1 else ""
+            raise InputError(f"{first_error}{unreadable}: no input file can be read")
+    return "+".join(f for f in FORMATS if f in set(formats.values())), len(formats)
 
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
-             rejects_dir: str | None = None):
+             rejects_dir: str | None = None, failed_inputs_dir: str | None = None):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
     decoded; ``limit`` caps the rows read (counted before skipping, so a re-run with the same limit
-    resumes the same rows).
+    resumes the same rows). Rows rejected while reading go to ``rejects_dir``; files that cannot be
+    read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
     """
     import ray
-    files = list_input_files(inputs)
-    fmt = detect_format(files)
-    files = data_files(files, fmt)
-    names = input_names(files)
+    formats = input_files(inputs)
+    names = file_names(formats)
+    if failed_inputs_dir is None and rejects_dir:
+        failed_inputs_dir = os.path.join(os.path.dirname(os.path.normpath(rejects_dir)), FAILED_INPUTS_DIR)
+    skip = frozenset(skip_keys)
+    files = list(formats)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
-        return ds.map_batches(_ReadFiles(fmt, columns, names, frozenset(skip_keys), rejects_dir), batch_size=1,
-                              batch_format="numpy", zero_copy_batch=True)
-    ds = ds.map_batches(_ReadFiles(fmt, columns, names, frozenset(), rejects_dir), batch_size=1,
-                        batch_format="numpy")
-    skip = frozenset(skip_keys)
+        return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip),
+                              batch_size=1, batch_format="numpy", zero_copy_batch=True)
+    ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip),
+                        batch_size=1, batch_format="numpy")
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

@@ -8,11 +8,18 @@ Layout of an output directory::
     part-<id>/              one per write task: index.json, shard.*.mds.zstd, keys.json, stats.json;
                             <id> is a hash of the part's keys, so the same rows make the same part
     rejects/<id>.json       {key: reason} per transformed batch with rejects
+    failed_inputs/<id>.json one per input file that could not be read (see diffusion.convert.readers)
 
 A part is written under a temporary name and renamed to ``part-<id>`` once complete, so a killed run
 leaves only whole parts (plus temporary ones, removed on the next run); a retried write task whose
 first attempt already committed finds its part there and discards the copy. ``keys.json`` lists the
 keys a part holds: together with ``rejects/`` it is what a re-run skips.
+
+Records damaged on disk never block a re-run: a part whose ``keys.json``, ``stats.json`` or
+``index.json`` is missing or unreadable, disagrees on the sample count, or whose shard files are
+missing or of another size than its index says, is not committed (:func:`read_part`); the next run
+removes it (:func:`remove_temporary_parts`) and converts its rows again. An unreadable reject file is
+removed too, and its rows are redone.
 """
 
 from __future__ import annotations
@@ -45,36 +52,117 @@ def write_json_atomic(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def committed_parts(out: str) -> list[str]:
-    """Names of the complete parts under ``out``, sorted (so the merged index is deterministic)."""
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_part(part_dir: str) -> tuple[list[str], dict, dict] | None:
+    """(keys, MDS index, stats) of a committed part, or None if it is not one: a record missing or
+    unreadable, counts that disagree (keys, stats' count, the index's samples), or a shard file
+    missing or of another size than the index records."""
+    try:
+        keys, index, stats = (_read_json(os.path.join(part_dir, name)) for name in (KEYS_JSON, INDEX_JSON, STATS_JSON))
+        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(stats, dict)
+                and isinstance(index, dict) and isinstance(index.get("shards"), list)):
+            return None
+        samples = 0
+        for shard in index["shards"]:
+            samples += int(shard["samples"])
+            data = shard.get("zip_data") or shard["raw_data"]  # a compressed shard keeps only its zip file
+            if os.path.getsize(os.path.join(part_dir, data["basename"])) != int(data["bytes"]):
+                return None
+        if not samples == len(keys) == int(stats.get("count", -1)):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return keys, index, stats
+
+
+_VERDICTS: dict[str, tuple[tuple, bool]] = {}  # part dir -> (its files' stat signature, read_part succeeded)
+
+
+def _signature(part_dir: str) -> tuple:
+    """What changes if anything in a part changes: each file's name, inode, size and mtime."""
+    entries = []
+    for entry in os.scandir(part_dir):
+        st = entry.stat(follow_symlinks=False)
+        entries.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(entries))
+
+
+def is_committed(part_dir: str) -> bool:
+    """Whether :func:`read_part` accepts the part; remembered while its files stay the same, since a run
+    asks several times and reading every part's keys is the costly part."""
+    try:
+        signature = _signature(part_dir)
+    except OSError:
+        return False
+    cached = _VERDICTS.get(part_dir)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    verdict = read_part(part_dir) is not None
+    _VERDICTS[part_dir] = (signature, verdict)
+    return verdict
+
+
+def _part_dirs(out: str) -> list[str]:
     if not os.path.isdir(out):
         return []
-    return sorted(d for d in os.listdir(out)
-                  if d.startswith(PART_PREFIX) and os.path.exists(os.path.join(out, d, KEYS_JSON)))
+    return sorted(d for d in os.listdir(out) if d.startswith(PART_PREFIX) and os.path.isdir(os.path.join(out, d)))
+
+
+def committed_parts(out: str) -> list[str]:
+    """Names of the complete parts under ``out`` (:func:`read_part`), sorted (so the merged index is
+    deterministic)."""
+    return [d for d in _part_dirs(out) if is_committed(os.path.join(out, d))]
 
 
 def remove_temporary_parts(out: str) -> list[str]:
-    """Delete parts a killed run left half-written; returns their names."""
-    stale = [d for d in os.listdir(out) if d.startswith(TMP_PREFIX + PART_PREFIX)] if os.path.isdir(out) else []
+    """Delete what a killed run or a damaged disk left that a re-run must redo, before it starts:
+    half-written parts, parts whose records are damaged (:func:`read_part`), and reject files that
+    cannot be read (and ``.tmp`` files a kill left in rejects/). Returns the removed parts' names."""
+    if not os.path.isdir(out):
+        return []
+    stale = [d for d in os.listdir(out) if d.startswith(TMP_PREFIX + PART_PREFIX)]
+    stale += [d for d in _part_dirs(out) if not is_committed(os.path.join(out, d))]
     for d in stale:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    rejects = os.path.join(out, REJECTS_DIR)
+    for name in sorted(os.listdir(rejects)) if os.path.isdir(rejects) else []:
+        path = os.path.join(rejects, name)
+        if name.endswith(".tmp") or (name.endswith(".json") and read_rejects(path) is None):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
     return stale
+
+
+def read_rejects(path: str) -> dict[str, str] | None:
+    """The {key: reason} of one reject file, or None if it is unreadable or not such a mapping."""
+    try:
+        rejects = _read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rejects, dict) or not all(isinstance(v, str) for v in rejects.values()):
+        return None
+    return rejects
 
 
 def merge_index(out: str) -> int:
     """Write ``out/index.json`` listing every committed part's shards; returns the sample count.
 
     Equivalent to ``streaming.base.util.merge_index`` for a local root, but only over committed parts
-    (a temporary part must never enter the index).
+    (a temporary or damaged part must never enter the index).
     """
     shards = []
     for part in committed_parts(out):
-        with open(os.path.join(out, part, INDEX_JSON)) as f:
-            for shard in json.load(f)["shards"]:
-                for name in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
-                    if shard.get(name):
-                        shard[name]["basename"] = f"{part}/{shard[name]['basename']}"
-                shards.append(shard)
+        for shard in _read_json(os.path.join(out, part, INDEX_JSON))["shards"]:
+            for name in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
+                if shard.get(name):
+                    shard[name]["basename"] = f"{part}/{shard[name]['basename']}"
+            shards.append(shard)
     write_json_atomic(os.path.join(out, INDEX_JSON), {"version": 2, "shards": shards})
     return sum(s["samples"] for s in shards)
 
@@ -138,12 +226,15 @@ class MDSPartSink(Datasink):
             write_json_atomic(os.path.join(tmp, STATS_JSON), {"count": len(keys), **seconds})
             write_json_atomic(os.path.join(tmp, KEYS_JSON), keys)
             name = part_name(keys)
+            target = os.path.join(self.out, name)
             try:
-                os.rename(tmp, os.path.join(self.out, name))  # the commit point
+                os.rename(tmp, target)  # the commit point
             except OSError:
-                if not os.path.exists(os.path.join(self.out, name, KEYS_JSON)):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)  # a retry of a task that had committed
+                if read_part(target) is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)  # a retry of a task that had committed
+                else:  # a damaged part of the same rows (a record lost on disk): this copy replaces it
+                    shutil.rmtree(target)
+                    os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

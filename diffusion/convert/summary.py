@@ -1,7 +1,10 @@
 """Counting a conversion from what is on disk: committed parts, their stats, and the reject files.
 
 Counts come from files, not from the run's memory, so a resumed job reports the whole job, and keys
-recorded twice (an actor restarted, a batch redone after a kill) are counted once.
+recorded twice (an actor restarted, a batch redone after a kill) are counted once. Damaged records are
+left out, never a crash: a part that is not committed (:func:`diffusion.convert.sink.read_part`) holds
+nothing, an unreadable reject file rejects nothing (its rows are redone), an unreadable failed-input
+record lists nothing (the file is tried again).
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import glob
 import json
 import os
 
-from diffusion.convert.sink import KEYS_JSON, REJECTS_DIR, STATS_JSON, committed_parts
+from diffusion.convert.readers import FAILED_INPUTS_DIR, read_failed_inputs
+from diffusion.convert.sink import KEYS_JSON, REJECTS_DIR, STATS_JSON, committed_parts, read_rejects
+
+
+FAILED_SHOWN = 10  # failed input files listed by name in the table
 
 
 @dataclasses.dataclass
@@ -22,6 +29,7 @@ class ConversionSummary:
     wall_seconds: float = 0.0  # this run only
     written_this_run: int = 0
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over workers
+    failed_inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # input file -> why it was skipped
 
     @property
     def rows_in(self) -> int:
@@ -32,6 +40,8 @@ class ConversionSummary:
         lines = [f"{'rows in':<28}{self.rows_in:>10}", f"{'written':<28}{self.written:>10}"]
         for reason, n in sorted(self.rejects.items()):
             lines.append(f"{'rejected: ' + reason:<28}{n:>10}")
+        if self.failed_inputs:
+            lines.append(f"{'input files failed, skipped':<28}{len(self.failed_inputs):>10}")
         lines.append(f"{'parts':<28}{self.parts:>10}")
         if self.wall_seconds > 0:
             rate = self.written_this_run / self.wall_seconds
@@ -41,7 +51,12 @@ class ConversionSummary:
                 name = stage.removesuffix("_seconds")
                 lines.append(f"{'images/s per ' + name + ' worker':<28}{self.written / seconds:>10.1f}")
         width = max(len(line) for line in lines)
-        return "\n".join(["-" * width, *lines, "-" * width])
+        failed = [f"  {name}: {error}" for name, error in sorted(self.failed_inputs.items())[:FAILED_SHOWN]]
+        if len(self.failed_inputs) > FAILED_SHOWN:
+            failed.append(f"  ... and {len(self.failed_inputs) - FAILED_SHOWN} more (see {FAILED_INPUTS_DIR}/)")
+        if failed:
+            failed.insert(0, "failed input files (a re-run tries them again):")
+        return "\n".join(["-" * width, *lines, "-" * width, *failed])
 
 
 def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
@@ -52,8 +67,7 @@ def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
             written.update(json.load(f))
     rejected = {}
     for path in sorted(glob.glob(os.path.join(out, REJECTS_DIR, "*.json"))):
-        with open(path) as f:
-            rejected.update(json.load(f))
+        rejected.update(read_rejects(path) or {})
     for key in written:  # a key both written and rejected cannot happen in one run; trust the part
         rejected.pop(key, None)
     return written, rejected
@@ -62,7 +76,8 @@ def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
 def summarize(out: str) -> ConversionSummary:
     """Counts of a local output; ``written`` is the samples its parts hold, what a reader sees."""
     _, rejected = done_keys(out)
-    summary = ConversionSummary(parts=len(committed_parts(out)))
+    summary = ConversionSummary(parts=len(committed_parts(out)),
+                                failed_inputs=read_failed_inputs(os.path.join(out, FAILED_INPUTS_DIR)))
     for reason in rejected.values():
         summary.rejects[reason] = summary.rejects.get(reason, 0) + 1
     for part in committed_parts(out):
@@ -70,6 +85,6 @@ def summarize(out: str) -> ConversionSummary:
             for name, value in json.load(f).items():
                 if name == "count":
                     summary.written += int(value)
-                elif name.endswith("_seconds"):
+                elif name.endswith("_seconds") and isinstance(value, (int, float)):
                     summary.stage_seconds[name] = summary.stage_seconds.get(name, 0.0) + value
     return summary

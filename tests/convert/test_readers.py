@@ -139,3 +139,102 @@ def test_repeated_keys_in_one_file_are_counted_duplicates_not_rows(tmp_path):
                 for k in batch[schema.RAW_KEY]]
         assert keys == expected, fmt
         assert list(recorded.values()) == [DUPLICATE_KEY], fmt
+
+
+# ---- hostile rows, broken files, mixed formats (issue 17) ----------------------------------------
+
+def _batches_of(uri, fmt, name=None):
+    """(keys read, {reject id: reason}) of one file."""
+    from diffusion.convert.readers import iter_file_batches
+    recorded = {}
+    keys = [k for batch in iter_file_batches(str(uri), fmt, RawColumns(), name, recorded.update)
+            for k in batch[schema.RAW_KEY]]
+    return keys, recorded
+
+
+@pytest.mark.parametrize("column, values, expected", [
+    # an int or list caption, bytes that are not UTF-8: bad_caption; bytes in UTF-8 are text
+    ("caption", pa.array([7, 8]), ["bad_caption", "bad_caption"]),
+    ("caption", pa.array([["a"], ["b", "c"]]), ["bad_caption", "bad_caption"]),
+    ("caption", pa.array([b"\xff\xfe", b"caf\xc3\xa9"], pa.binary()), ["bad_caption", None]),
+    # widths: "abc" and negatives are bad_size; "640", 640.0, NaN (pandas' missing) and 0 are fine
+    ("width", pa.array(["abc", "640"]), ["bad_size", None]),
+    ("width", pa.array([float("nan"), 640.0]), [None, None]),
+    ("width", pa.array([-5, 0]), ["bad_size", None]),
+    # keys: whole numbers are keys (LAION's int64 SAMPLE_ID), fractions and lists are not
+    ("key", pa.array([1.5, 3.0]), ["bad_key", None]),
+    ("key", pa.array([["x"], ["y"]]), ["bad_key", "bad_key"]),
+])
+def test_hostile_values_reject_their_row_by_reason(tmp_path, column, values, expected):
+    table = {"jpg": [_jpeg(), _jpeg()], "caption": ["a red square", "a blue dot"], "key": ["k0", "k1"], column: values}
+    pq.write_table(pa.table(table), tmp_path / "h.parquet")
+    keys, recorded = _batches_of(tmp_path / "h.parquet", "parquet")
+    assert sorted(recorded.values()) == sorted(r for r in expected if r)
+    assert len(keys) == expected.count(None)
+    if column == "key" and expected[1] is None:
+        assert keys == ["3"] and list(recorded) == ["h.parquet:000000000#bad_key"]  # no usable key: file and row
+
+
+def test_int_keys_are_their_digits_and_rows_are_typed_for_arrow(tmp_path):
+    from diffusion.convert.readers import _arrow_batch, iter_file_batches
+    table = pa.table({"jpg": [_jpeg(), _jpeg()], "caption": [b"a red square", b"\xef\xbb\xbfa bom"],
+                      "key": pa.array([0, 12], pa.int64()), "width": ["80", None]})
+    pq.write_table(table, tmp_path / "ints.parquet")
+    (batch,) = iter_file_batches(str(tmp_path / "ints.parquet"), "parquet")
+    assert batch[schema.RAW_KEY] == ["0", "12"] and batch[schema.WIDTH] == [80, None]
+    assert batch[schema.RAW_CAPTION] == ["a red square", "\ufeffa bom"]  # the transform strips the BOM
+    assert _arrow_batch(batch).num_rows == 2
+
+
+def test_webdataset_bad_sidecars_are_rejects_and_a_truncated_tar_keeps_what_came_before(tmp_path):
+    good = json.dumps({"width": 80, "height": 60, "status": "success"}).encode()
+    _write_tar(tmp_path / "a.tar", [
+        ("s0", {".jpg": _jpeg(), ".txt": b"a red square", ".json": good}),
+        ("s1", {".jpg": _jpeg(), ".txt": b"a blue dot", ".json": b"{not json"}),
+        ("s2", {".jpg": _jpeg(), ".txt": b"a list", ".json": b"[1, 2]"}),
+        ("s3", {".jpg": _jpeg(), ".txt": b"\xff\xfe", ".json": good}),
+        ("s4", {".jpg": _jpeg(), ".txt": b"a width", ".json": json.dumps({"width": "wide"}).encode()}),
+        ("s5", {".jpg": _jpeg(), ".txt": b"fine"}),
+    ])
+    keys, recorded = _batches_of(tmp_path / "a.tar", "webdataset")
+    assert keys == ["a.tar/s0", "a.tar/s5"]
+    assert recorded == {"a.tar/s1": "bad_metadata", "a.tar/s2": "bad_metadata", "a.tar/s3": "bad_caption",
+                        "a.tar/s4": "bad_size"}
+
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "a.tar").write_bytes(data[: len(data) // 2])  # a download cut short
+    failed = []
+    rows = list(iter_rows(tmp_path / "cut", on_failed_file=lambda name, error: failed.append((name, error))))
+    assert [r[schema.RAW_KEY] for r in rows] == ["a.tar/s0"]  # read before the damage
+    assert len(failed) == 1 and failed[0][0] == "a.tar" and "a.tar" in failed[0][1]
+
+
+def test_unreadable_files_are_skipped_not_fatal_unless_nothing_is_readable(tmp_path):
+    pq.write_table(pa.table({"jpg": [_jpeg()], "caption": ["a red square"]}), tmp_path / "a.parquet")
+    (tmp_path / "b.parquet").write_bytes(b"")  # zero bytes, sorts after a readable file
+    (tmp_path / "c.parquet").write_text("not parquet")
+    assert check_inputs(tmp_path) == ("parquet", 3)  # the run skips and records them
+    failed = {}
+    rows = list(iter_rows(tmp_path, on_failed_file=failed.__setitem__))
+    assert [r[schema.RAW_KEY] for r in rows] == ["a.parquet:000000000"]
+    assert sorted(failed) == ["b.parquet", "c.parquet"] and all("parquet" in e for e in failed.values())
+    (tmp_path / "a.parquet").unlink()
+    with pytest.raises(InputError, match="no input file can be read"):
+        check_inputs(tmp_path)
+    pq.write_table(pa.table({"jpg": [_jpeg()], "text": ["x"]}), tmp_path / "d.parquet")
+    with pytest.raises(InputError, match="d.parquet has no column 'caption'"):  # a flag's fault: at start
+        check_inputs(tmp_path)
+
+
+def test_mixed_formats_are_all_read_but_a_tars_metadata_parquet_is_not(tmp_path):
+    pq.write_table(pa.table({"jpg": [_jpeg()] * 2, "caption": ["a", "b"], "key": ["p0", "p1"]}), tmp_path / "p.parquet")
+    _write_tar(tmp_path / "00000.tar", [("t0", {".jpg": _jpeg(), ".txt": b"c"}),
+                                        ("t1", {".jpg": _jpeg(), ".txt": b"d"})])
+    pq.write_table(pa.table({"key": ["t0", "t1"], "caption": ["c", "d"], "status": ["success"] * 2}),
+                   tmp_path / "00000.parquet")  # img2dataset's metadata of 00000.tar: no images
+    (tmp_path / "img.png").write_bytes(_jpeg())
+    (tmp_path / "img.txt").write_text("e")
+    assert check_inputs(tmp_path) == ("parquet+webdataset+folder", 3)
+    assert sorted(r[schema.RAW_KEY] for r in iter_rows(tmp_path)) == ["00000.tar/t0", "00000.tar/t1", "img.png",
+                                                                       "p0", "p1"]

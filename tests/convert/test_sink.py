@@ -5,9 +5,11 @@ import os
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from diffusion import schema
-from diffusion.convert.sink import INDEX_JSON, KEYS_JSON, MDSPartSink, committed_parts, part_name
+from diffusion.convert.sink import (INDEX_JSON, KEYS_JSON, REJECTS_DIR, MDSPartSink, committed_parts, part_name,
+                                   remove_temporary_parts)
 
 DIM = 8
 
@@ -49,3 +51,61 @@ def test_a_retried_write_task_does_not_duplicate_its_rows(tmp_path):
     assert sorted(k for p in parts for k in json.loads((tmp_path / p / KEYS_JSON).read_text())) == ["k1", "k2", "k3"]
     index = json.loads((tmp_path / INDEX_JSON).read_text())
     assert [s["raw_data"]["basename"].split("/")[0] for s in index["shards"]] == sorted(parts)
+
+
+# ---- damaged records never block a re-run (issue 17) ----------------------------------------------
+
+def _damage(part_dir, how):
+    if how == "keys_corrupt":
+        (part_dir / KEYS_JSON).write_text('["k1", "k')
+    elif how == "keys_deleted":
+        (part_dir / KEYS_JSON).unlink()
+    elif how == "index_corrupt":
+        (part_dir / INDEX_JSON).write_bytes(b"\x00\x00")
+    elif how == "stats_corrupt":
+        (part_dir / "stats.json").write_text("{")
+    elif how == "shard_truncated":
+        shard = next(p for p in part_dir.iterdir() if ".mds" in p.name)
+        shard.write_bytes(shard.read_bytes()[:10])
+    elif how == "keys_miscounted":
+        (part_dir / KEYS_JSON).write_text('["k1"]')
+
+
+@pytest.mark.parametrize("how", ["keys_corrupt", "keys_deleted", "index_corrupt", "stats_corrupt", "shard_truncated",
+                                 "keys_miscounted"])
+def test_a_damaged_part_is_not_committed_and_its_rows_are_redone(tmp_path, how):
+    from diffusion.convert.summary import done_keys, summarize
+    sink = _sink(tmp_path)
+    damaged = sink.write([_block(["k1", "k2"])], ctx=None)["part"]
+    kept = sink.write([_block(["k3"])], ctx=None)["part"]
+    _damage(tmp_path / damaged, how)
+    assert committed_parts(str(tmp_path)) == [kept]
+    assert done_keys(str(tmp_path))[0] == {"k3"} and summarize(str(tmp_path)).written == 1  # no JSONDecodeError
+    assert sink.finalize() == 1  # the index leaves the damaged part out
+    assert remove_temporary_parts(str(tmp_path)) == [damaged] and not (tmp_path / damaged).exists()
+    # the re-run writes the same rows again: the same part name, committed without "Directory not empty"
+    assert sink.write([_block(["k1", "k2"])], ctx=None)["part"] == damaged
+    assert sorted(committed_parts(str(tmp_path))) == sorted([damaged, kept]) and sink.finalize() == 3
+
+
+def test_a_damaged_part_left_in_place_is_replaced_when_its_rows_are_written_again(tmp_path):
+    sink = _sink(tmp_path)
+    part = sink.write([_block(["k1", "k2"])], ctx=None)["part"]
+    (tmp_path / part / KEYS_JSON).unlink()  # a run that did not clean up first
+    assert sink.write([_block(["k1", "k2"])], ctx=None)["part"] == part
+    assert committed_parts(str(tmp_path)) == [part]
+
+
+def test_corrupt_reject_files_are_removed_and_their_rows_redone(tmp_path):
+    from diffusion.convert.summary import done_keys, summarize
+    from diffusion.convert.transforms import write_rejects
+    rejects = tmp_path / REJECTS_DIR
+    good = write_rejects(str(rejects), {"r1": "too_small"})
+    bad = write_rejects(str(rejects), {"r2": "undecodable"})
+    with open(bad, "w") as f:
+        f.write('{"r2": "undec')  # cut short
+    (rejects / "ab.json.tmp").write_text("{")  # a kill mid-write
+    (rejects / "list.json").write_text("[1, 2]")  # JSON, but not {key: reason}
+    assert done_keys(str(tmp_path))[1] == {"r1": "too_small"} and summarize(str(tmp_path)).rejects == {"too_small": 1}
+    remove_temporary_parts(str(tmp_path))  # what a re-run does first
+    assert os.listdir(rejects) == [os.path.basename(good)]
