@@ -145,6 +145,8 @@ class _DatasetInfoWriter:
         np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
         summary = summarize(out)
         info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
+        if summary.failed_inputs:  # skipped input files: the dataset lacks their unread rows
+            info.extra["failed_inputs"] = dict(summary.failed_inputs)
         info.extra = {"compression": self.cfg.compression, "min_size": self.cfg.min_size,
                       "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels}
         info.save(out)
@@ -182,10 +184,20 @@ def recorded_settings(out: str) -> dict:
     """
     path = os.path.join(out, SETTINGS_JSON)
     if os.path.exists(path):
-        with open(path) as f:
-            return {"key_scheme": 1, **json.load(f)}  # written before keys were derived from paths
+        try:
+            with open(path) as f:
+                return {"key_scheme": 1, **json.load(f)}  # written before keys were derived from paths
+        except (ValueError, TypeError) as e:
+            raise OutputMismatchError(
+                f"{path} is damaged ({e}): it records the settings {out} was converted with, so a re-run can "
+                f"check it resumes with the same ones. Restore it, or delete it to resume without that check"
+            ) from None
     if os.path.exists(os.path.join(out, schema.DATASET_JSON)):
-        info = schema.DatasetInfo.load(out)
+        try:
+            info = schema.DatasetInfo.load(out)
+        except (ValueError, TypeError) as e:
+            raise OutputMismatchError(f"{os.path.join(out, schema.DATASET_JSON)} is damaged ({e}); delete it and "
+                                      f"re-run: it is rewritten at the end of the conversion") from None
         model = info.model
         if os.path.isdir(model):
             model = os.path.abspath(model)

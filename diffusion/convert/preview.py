@@ -27,7 +27,9 @@ def input_crops(cfg, keys) -> dict[str, dict[int, np.ndarray]]:
     checks = ImageChecks(cfg.min_size, cfg.max_aspect, cfg.max_pixels)
     transform = ImageCaptionTransform(cfg.model, cfg.resolutions, checks)
     crops = {}
-    for row in iter_rows(cfg.input, RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column)):
+    columns = RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column)
+    # files the conversion skipped hold none of its samples: skip them here too
+    for row in iter_rows(cfg.input, columns, on_failed_file=lambda name, error: None):
         if row[schema.RAW_KEY] in wanted:
             images, _, _ = transform.transform_one(row[schema.RAW_IMAGE], row[schema.RAW_CAPTION])
             crops[row[schema.RAW_KEY]] = images
