@@ -4,17 +4,25 @@
     python bench/bench_loader.py                      # synthetic MDS at SD2 shapes (256 px, D=1024)
 
 Reads through the training path (diffusion.train.mds_source's LatentDataset and the batch step of
-diffusion.train.batches, in the main process, so one core) with a StreamingDataLoader collating
-batches, after one warm-up pass that
-fills the page cache. Baseline, in the same run: streaming's own path, a plain StreamingDataset whose
-decoded samples the default collate stacks. Training consumes 137.5 img/s per A100 at 256 px
-(MosaicML), 1,100 per 8-GPU node; the headline is loader samples/s per core divided by the per-GPU
-rate (the reference claims >= 30x).
+diffusion.train.batches, in the main process, so one reading thread) with a StreamingDataLoader
+collating batches, after one warm-up pass that fills the page cache. Baseline, in the same run:
+streaming's own path, a plain StreamingDataset whose decoded samples the default collate stacks.
+Training consumes 137.5 img/s per A100 at 256 px (MosaicML), 1,100 per 8-GPU node; the headline is
+loader samples/s per core divided by the per-GPU rate (the reference claims >= 30x).
+
+Ours runs twice, shard hash checks off and on (sizes and MDS headers are checked either way). Every
+timed pass builds its dataset afresh, so every pass of the "on" row hashes every shard (xxh64, as the
+converter records) as a first epoch does; later epochs of a run hash nothing (the check is once per
+node). The passes of the three loaders are interleaved and each figure is the median over passes (a
+shared machine's load drifts); CPU time (process, all threads) is reported beside wall-clock
+samples/s, since the hashing runs partly in streaming's prefetch thread, beside the reading thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import pathlib
 import sys
@@ -31,13 +39,14 @@ from diffusion import schema  # noqa: E402
 CONSUMPTION_PER_GPU = {256: 137.5, 512: 36.25}  # MosaicML A100 training rates (DESIGN.md)
 
 
-def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 1024, seed: int = 0) -> str:
-    """MDS shards with the converter's columns and dataset.json, random contents."""
+def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 1024, seed: int = 0,
+                    hashes: tuple[str, ...] = ("sha1", "xxh64")) -> str:
+    """MDS shards with the converter's columns, hashes (by default) and dataset.json, random contents."""
     from streaming import MDSWriter
     rng = np.random.default_rng(seed)
     h = resolution // 8
     columns = schema.mds_columns([resolution], text_dim)
-    with MDSWriter(out=out, columns=columns, size_limit=1 << 26) as writer:
+    with MDSWriter(out=out, columns=columns, size_limit=1 << 26, hashes=sorted(hashes)) as writer:
         for i in range(n):
             writer.write({
                 schema.vae_moments_column(resolution): rng.standard_normal((8, h, h), dtype=np.float32).astype(np.float16),
@@ -63,32 +72,47 @@ class _PlainSamples:
         return {c: torch.stack([torch.from_numpy(np.array(s[c])) for s in samples]) for c in self.columns}
 
 
-def measure(directory: str, resolution: int, batch_size: int, passes: int, baseline: bool) -> tuple[float, int]:
-    """Samples/s of one process reading every sample ``passes`` times (after a warm-up pass)."""
+MODES = ("baseline", "off", "on")  # streaming's path; ours without and with shard hash checks
+
+
+def _loader(directory: str, resolution: int, batch_size: int, mode: str):
     from streaming import StreamingDataLoader, StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
     from diffusion.train.batches import CaptionDropout, StackSamples, ToModelBatch
     from diffusion.train.mds_source import LatentDataset
-    clean_stale_shared_memory()
-    if baseline:
+    if mode == "baseline":
         dataset = StreamingDataset(local=directory, batch_size=batch_size, shuffle=True, shuffle_seed=0)
         collate_fn = _PlainSamples(schema.vae_moments_column(resolution))
     else:
         empty = np.load(os.path.join(directory, schema.EMPTY_TEXT_EMBEDS))
         dataset = LatentDataset(remote=None, local=directory, resolution=resolution, batch_size=batch_size,
-                                shuffle=True, shuffle_seed=0)
+                                shuffle=True, shuffle_seed=0, verify_hashes=mode == "on")
         collate_fn = StackSamples(ToModelBatch(resolution, empty, CaptionDropout(0.1, seed=0)))
-    loader = StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
-    for _ in loader:  # warm-up: page cache, index, shuffle
+    return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
+
+
+def measure(directory: str, resolution: int, batch_size: int, passes: int,
+            baseline_passes: int) -> dict[str, list[tuple[float, float, int]]]:
+    """(samples/s, CPU microseconds per sample, samples) of each pass of each of MODES: ``passes`` rounds
+    of one pass per loader (the baseline in the first ``baseline_passes`` only), each pass reading every
+    sample once with a fresh dataset, after a warm-up pass."""
+    from diffusion.train.mds_source import clean_shared_memory
+    clean_shared_memory()
+    for _ in _loader(directory, resolution, batch_size, "off"):  # warm-up: page cache
         pass
-    samples, start = 0, time.perf_counter()
-    for _ in range(passes):
-        for batch in loader:
-            samples += len(batch[next(iter(batch))])
-    rate = samples / (time.perf_counter() - start)
-    del loader, dataset
-    return rate, samples
+    runs = {mode: [] for mode in MODES}  # (samples/s, CPU us/sample, samples) per pass
+    for p in range(passes):
+        order = MODES if p < baseline_passes else MODES[1:]
+        for mode in order[p % len(order):] + order[:p % len(order)]:  # interleaved, each first in turn
+            loader = _loader(directory, resolution, batch_size, mode)
+            samples, wall, cpu = 0, time.perf_counter(), time.process_time()
+            for batch in loader:
+                samples += len(batch[next(iter(batch))])
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            runs[mode].append((samples / wall, 1e6 * cpu / samples, samples))
+            del loader
+            gc.collect()
+    return runs
 
 
 def main(argv=None):
@@ -96,29 +120,49 @@ def main(argv=None):
     p.add_argument("dir", nargs="?", help="converter output; default: write synthetic MDS to a temp dir")
     p.add_argument("--resolution", type=int, help="default: the dataset's first resolution")
     p.add_argument("--samples", type=int, default=2048, help="synthetic samples to write")
+    p.add_argument("--hashes", nargs="+", default=["sha1", "xxh64"],
+                   help="hashes the synthetic shards record (the converter's by default); the loader checks "
+                        "the fastest, e.g. xxh3_64 if given")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--passes", type=int, default=30, help="timed passes of ours, checks on and off (interleaved)")
+    p.add_argument("--baseline-passes", type=int, default=3, help="timed passes of the baseline (slow)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
 
+    from diffusion.train.mds_source import pick_hash
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or write_synthetic(os.path.join(tmp, f"mds-{uuid.uuid4().hex[:8]}"), args.samples,
-                                                args.resolution or 256)
+                                                args.resolution or 256, hashes=tuple(args.hashes))
         info = schema.DatasetInfo.load(directory)
         resolution = args.resolution or info.resolutions[0]
-        base, _ = measure(directory, resolution, args.batch_size, args.passes, baseline=True)
-        rate, samples = measure(directory, resolution, args.batch_size, args.passes, baseline=False)
+        with open(os.path.join(directory, "index.json")) as f:
+            algo = pick_hash(json.load(f)["shards"][0]["raw_data"]["hashes"]) or "no hash recorded"
+        runs = measure(directory, resolution, args.batch_size, args.passes,
+                       max(1, min(args.baseline_passes, args.passes)))
+    rates = {mode: tuple(float(np.median(column)) for column in zip(*r)) for mode, r in runs.items()}
+    best = {mode: (max(r[0] for r in runs[mode]), min(r[1] for r in runs[mode])) for mode in ("off", "on")}
     need = CONSUMPTION_PER_GPU.get(resolution, CONSUMPTION_PER_GPU[256])
     per_node = need * args.gpus_per_node
-    print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}), "
-          f"batch {args.batch_size}, {samples} samples timed per loader, 1 process")
-    print(f"{'loader':<28} {'samples/s/core':>15} {'need/GPU':>9} {'x per GPU':>10} {'cores/node':>11}")
-    for name, r in (("streaming's path (baseline)", base), ("LatentDataset + StackSamples", rate)):
-        print(f"{name:<28} {r:>15,.0f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
-    print(f"ours / baseline: {rate / base:.2f}x")
-    print(f"headline: one loader core feeds {rate / need:.1f}x the {resolution}px consumption of one A100 "
+    base, off, on = (rates[mode][0] for mode in MODES)
+    print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}; checked with "
+          f"{algo}), "
+          f"batch {args.batch_size}, medians of {args.passes} passes of {rates['on'][2]:.0f} samples "
+          f"({len(runs['baseline'])} of the baseline), 1 process")
+    print(f"{'loader':<36} {'samples/s/core':>15} {'CPU us/sample':>14} {'need/GPU':>9} {'x per GPU':>10} "
+          f"{'cores/node':>11}")
+    names = {"baseline": "streaming's path (baseline)", "off": "LatentDataset, hash checks off",
+             "on": "LatentDataset, hash checks on"}
+    for mode in MODES:
+        r, cpu, _ = rates[mode]
+        print(f"{names[mode]:<36} {r:>15,.0f} {cpu:>14,.1f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
+    print(f"ours / baseline: {on / base:.2f}x (checks on), {off / base:.2f}x (off)")
+    print(f"hash checks ({algo}) cost {100 * (1 - on / off):.1f}% of loader throughput and "
+          f"{100 * (rates['on'][1] / rates['off'][1] - 1):.1f}% more CPU time (medians; best passes: "
+          f"{100 * (1 - best['on'][0] / best['off'][0]):.1f}% and {100 * (best['on'][1] / best['off'][1] - 1):.1f}%) "
+          f"in a pass that hashes every shard, as a first epoch does; nothing once each shard was checked")
+    print(f"headline: one loader core feeds {on / need:.1f}x the {resolution}px consumption of one A100 "
           f"(reference claims >= 30x)")
-    return rate
+    return on
 
 
 if __name__ == "__main__":
