@@ -3,7 +3,7 @@
 Every reader is a plain generator of column batches (``dict[str, list]``) named by the data contract's
 ``RAW_*`` names, so the same code feeds Ray Data read tasks (:func:`read_raw`), the ``--visualize`` view
 and the tests. Inputs may be local paths, directories, globs or ``s3://`` URIs (pyarrow's filesystems;
-``AWS_ENDPOINT_URL`` points them at a local S3 server).
+``AWS_ENDPOINT_URL`` points them at a local S3 server; see :mod:`diffusion.storage`).
 
 Each file is read by its own suffix, so one input may mix formats (``.parquet`` files, ``.tar`` files and
 images with ``.txt`` sidecars are all read). One exception: ``X.parquet`` beside ``X.tar`` is the tar's
@@ -45,6 +45,7 @@ from diffusion import schema
 from diffusion.convert.transforms import (BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected,
                                           write_rejects)
 from diffusion.errors import InputError
+from diffusion.storage import filesystem_for
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 RAW_COLUMNS = (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH, schema.HEIGHT)
@@ -62,20 +63,6 @@ class RawColumns:
 
 
 # ---- locating files ------------------------------------------------------------------------------
-
-def filesystem_for(uri: str):
-    """(pyarrow filesystem, path inside it) for a local path or a URI such as ``s3://bucket/x``."""
-    import pyarrow.fs as pafs
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
-    if uri.startswith("s3://"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("S3_ENDPOINT_URL")
-        kwargs = {"endpoint_override": endpoint} if endpoint else {}
-        if endpoint and endpoint.startswith("http://"):
-            kwargs["scheme"] = "http"
-        return pafs.S3FileSystem(**kwargs), uri[len("s3://"):]
-    return pafs.FileSystem.from_uri(uri)
-
 
 def _join_uri(uri: str, path: str) -> str:
     scheme = uri.split("://", 1)[0] + "://" if "://" in uri else ""

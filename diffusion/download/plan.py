@@ -28,6 +28,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from diffusion.errors import ConfigError, InputError
+from diffusion.storage import filesystem_for
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
@@ -51,10 +52,8 @@ class ShardSpec:
 
 
 def open_filesystem(uri: str) -> tuple[pa_fs.FileSystem, str]:
-    """(filesystem, path) for a local path or a URI pyarrow knows (``s3://bucket/key?endpoint_override=…``)."""
-    if "://" not in uri:
-        uri = os.path.abspath(uri)
-    return pa_fs.FileSystem.from_uri(uri)
+    """(filesystem, path) for a local path or a remote URI, the way every stage reaches storage."""
+    return filesystem_for(uri)
 
 
 def list_input_files(uri: str, input_format: str | None = None) -> list[tuple[str, str]]:

@@ -51,6 +51,7 @@ from streaming.base.world import World
 
 from diffusion import schema
 from diffusion.errors import DataIntegrityError, DatasetMismatchError
+from diffusion.storage import share_endpoint_with_streaming
 from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, StackSamples, ToModelBatch
 
 
@@ -62,6 +63,7 @@ def fetch_side_file(path: str, name: str, timeout: float = 120.0) -> str:
     """A local copy (or the local path) of ``name`` beside the shards' ``index.json``."""
     if not is_remote(path):
         return os.path.join(path, name)
+    share_endpoint_with_streaming()
     local = os.path.join(tempfile.mkdtemp(prefix="mds-meta-"), name)  # per process: no download races
     remote = path.rstrip("/") + "/" + name
     try:
@@ -509,6 +511,8 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     path = loader_cfg.path
     info = read_dataset_info(path, loader_cfg.download_timeout)
     check_compatible(info, path, resolution, text_dim)
+    if is_remote(path):
+        share_endpoint_with_streaming()
     remote, local = (path, loader_cfg.local) if is_remote(path) else (None, path)
     return LatentDataset(
         remote=remote, local=local, resolution=resolution, batch_size=device_batch_size,

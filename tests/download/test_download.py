@@ -325,8 +325,10 @@ def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_loca
         download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=5, fetch=FETCH))
 
 
-def test_s3_input_and_output(server, tmp_path, monkeypatch):
-    """Input listed and read from s3://, shard and stats written to s3:// (a local moto server)."""
+@pytest.mark.parametrize("endpoint_from", ["uri", "environment"])
+def test_s3_input_and_output(server, tmp_path, monkeypatch, endpoint_from):
+    """Input listed and read from s3://, shard and stats written to s3:// (a local moto server), the
+    endpoint given in the URI or, as for every other stage, in AWS_ENDPOINT_URL."""
     boto3 = pytest.importorskip("boto3")
     from moto.server import ThreadedMotoServer
     for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
@@ -341,6 +343,9 @@ def test_s3_input_and_output(server, tmp_path, monkeypatch):
         src = _write_input(tmp_path / "in.parquet", [server.url("/ok.jpg"), server.url("/missing")])
         s3.upload_file(src, "laion", "urls/part-0.parquet")
         query = f"?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+        if endpoint_from == "environment":
+            monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+            query = ""
         columns, uri, out = InputColumns(), f"s3://laion/urls{query}", f"s3://laion/raw{query}"
 
         shards, formats = plan_shards(uri, columns, rows_per_shard=4)
