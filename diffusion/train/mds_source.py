@@ -50,7 +50,7 @@ from streaming.base.util import clean_stale_shared_memory
 from streaming.base.world import World
 
 from diffusion import schema
-from diffusion.errors import DataIntegrityError, DatasetMismatchError
+from diffusion.errors import DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, StackSamples, ToModelBatch
 
@@ -79,7 +79,7 @@ def read_dataset_info(path: str, timeout: float = 120.0) -> schema.DatasetInfo:
     local = fetch_side_file(path, schema.DATASET_JSON, timeout)
     try:
         return schema.DatasetInfo.load(os.path.dirname(local))
-    except FileNotFoundError:
+    except (FileNotFoundError, UserError):
         raise
     except (ValueError, TypeError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
         where = local if not is_remote(path) else path.rstrip("/") + "/" + schema.DATASET_JSON
@@ -343,6 +343,12 @@ class LatentDataset(StreamingDataset):
                             raise self._corrupt(shard_id, info, problem)
                     if not present and stream.remote in (None, stream.local):
                         raise self._missing(shard_id)
+
+    def forget_checks(self) -> None:
+        """Forget, on this node, which shards were checked: the next epoch checks each again, as a new
+        run's first epoch does (for measuring what the checks cost)."""
+        self._verified[:] = 0
+        self._maps.clear()
 
     def _lock(self, shard_id: int) -> threading.Lock:
         if self._locks_pid != os.getpid():  # a forked worker: locks are per process

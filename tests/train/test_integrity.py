@@ -247,6 +247,8 @@ def test_each_shard_is_hashed_once_per_node(pristine, tmp_path, monkeypatch):
     for _ in range(2):
         assert len(list(dataset)) == N
     assert len(hashed) == N // PER_SHARD
+    dataset.forget_checks()  # as a new run would
+    assert len(list(dataset)) == N and len(hashed) == 2 * N // PER_SHARD
     del dataset
 
 
