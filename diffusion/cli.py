@@ -71,7 +71,7 @@ def _command(module: str, prog: str, resumable: bool = False) -> Callable[[], No
 # `pip install .` puts these on PATH (setup.py's console_scripts); each is also `python -m <module>`.
 sd_download = _command("diffusion.download.job", "sd-download", resumable=True)
 sd_convert = _command("diffusion.convert.pipeline", "sd-convert", resumable=True)
-sd_train = _command("diffusion.train.trainer", "sd-train")
+sd_train = _command("diffusion.train.command", "sd-train")
 sd_online = _command("diffusion.online", "sd-online")
 sd_generate = _command("diffusion.generate", "sd-generate")
 sd_export = _command("diffusion.export", "sd-export")
@@ -80,6 +80,19 @@ sd_cost = _command("diffusion.cost", "sd-cost")
 sd_kit = _command("diffusion.kit.build", "sd-kit")
 sd_sample_data = _command("diffusion.kit.sample", "sd-sample-data")
 sd_demo = _command("diffusion.demo", "sd-demo")
+
+
+# ---- command-line flags -----------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
 
 
 # ---- command-line flags from a config dataclass ------------------------------------------------------

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from diffusion import cli
 from diffusion.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,24 +121,14 @@ EXAMPLES = """examples:
   python -m diffusion.demo --out /tmp/demo --n 256 --batches 200   # a quick, rougher run"""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffusion.demo", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo", metavar="DIR",
                         help="where everything is written (default: %(default)s)")
-    parser.add_argument("--n", type=_positive_int, default=1024,
+    parser.add_argument("--n", type=cli.positive_int, default=1024,
                         help="sample rows to generate (default: %(default)s)")
-    parser.add_argument("--batches", type=_positive_int, default=None,
+    parser.add_argument("--batches", type=cli.positive_int, default=None,
                         help="training length in batches (default: the YAML's trainer.max_duration, 4000)")
     parser.add_argument("--kit", default=None, metavar="DIR",
                         help="where the tiny kit lives (default: .cache/kit/tiny)")
@@ -152,5 +143,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "demo")

@@ -35,7 +35,7 @@ from PIL import Image
 from diffusion import schema
 from diffusion.convert import readers
 from diffusion.errors import InputError
-from diffusion import grid
+from diffusion import cli, grid
 from diffusion.models import sampling
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="features FID compares (default: %(default)s)")
     parser.add_argument("--inception-weights", default=None, metavar="FILE",
                         help="local torchvision Inception-v3 state dict, for --fid-features inception")
-    parser.add_argument("--eval-batch-size", type=generate.positive_int, default=32,
+    parser.add_argument("--eval-batch-size", type=cli.positive_int, default=32,
                         help="images per feature batch (default: %(default)s)")
     parser.add_argument("--prompts-file", default=None, metavar="FILE",
                         help="with --checkpoint: prompts to generate, one a line")
@@ -416,5 +416,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "evaluate")

@@ -18,6 +18,7 @@ import torch
 from diffusion import grid
 from diffusion.errors import InputError, UserError
 from diffusion.models import sampling
+from diffusion import cli
 
 
 def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | None = None, ema: bool = True,
@@ -58,17 +59,6 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
-    return value
-
-
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """The checkpoint and sampler options, shared with ``diffusion.evaluate``'s generate mode."""
     parser.add_argument("--checkpoint", metavar="CKPT",
@@ -81,16 +71,16 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="sample with the raw weights, not the EMA weights (Composer checkpoints)")
     parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default="ddim",
                         help="sampler (default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, default=25, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--steps", type=cli.positive_int, default=25, help="denoising steps (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=float, default=7.5,
                         help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")
     parser.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed: same seed, same images (default: 0)")
-    parser.add_argument("--size", type=positive_int, default=None,
+    parser.add_argument("--size", type=cli.positive_int, default=None,
                         help="pixels per side (default: the training resolution)")
-    parser.add_argument("--images-per-prompt", type=positive_int, default=1,
+    parser.add_argument("--images-per-prompt", type=cli.positive_int, default=1,
                         help="images drawn for each prompt (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=8,
+    parser.add_argument("--batch-size", type=cli.positive_int, default=8,
                         help="images denoised together (default: %(default)s)")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda when "
                                                        "available, else cpu)")
@@ -173,5 +163,4 @@ def check_output_file(path: str, suffix: str | None, flag: str) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "generate")

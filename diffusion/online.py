@@ -31,10 +31,10 @@ DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def main(argv: list[str] | None = None):
-    from diffusion.train import trainer
-    path, overrides = trainer.parse_args(sys.argv[1:] if argv is None else argv, prog="python -m diffusion.online",
+    from diffusion.train import command
+    path, overrides = command.parse_args(sys.argv[1:] if argv is None else argv, prog="python -m diffusion.online",
                                          description=ONLINE_HELP, examples=ONLINE_EXAMPLES, default_yaml=DEFAULT_YAML)
-    return trainer.main_with(path, [*overrides, "data.train.source=stream"])
+    return command.main_with(path, [*overrides, "data.train.source=stream"])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from diffusion import schema
+from diffusion import cli
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
@@ -207,24 +208,14 @@ EXAMPLES = """examples:
       --resolutions 64                                               # then convert it"""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffusion.kit.sample", description=DESCRIPTION,
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory: new, empty, or earlier sample data (its shards are rewritten)")
-    parser.add_argument("--n", type=_positive_int, default=256, help="number of rows (default: %(default)s)")
+    parser.add_argument("--n", type=cli.positive_int, default=256, help="number of rows (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the scenes (default: %(default)s)")
-    parser.add_argument("--rows-per-shard", type=_positive_int, default=128,
+    parser.add_argument("--rows-per-shard", type=cli.positive_int, default=128,
                         help="rows per parquet shard (default: %(default)s)")
     return parser
 
@@ -250,5 +241,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "sample")

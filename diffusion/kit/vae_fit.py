@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import torch
+from diffusion import cli
 from PIL import Image
 
 HELD_OUT_SEED = 1234  # sample scenes for judging the tiny VAE; fitting uses other seeds
@@ -178,20 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=str(TINY_VAE_ASSET), metavar="DIR",
                         help="folder for config.json, diffusion_pytorch_model.safetensors and fit.json "
                              "(default: the shipped asset)")
-    parser.add_argument("--steps", type=_positive_int, default=FitConfig.steps,
+    parser.add_argument("--steps", type=cli.positive_int, default=FitConfig.steps,
                         help="training steps (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
-    return value
 
 
 def main(argv=None) -> None:
@@ -208,5 +199,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "vae_fit")

@@ -1,4 +1,4 @@
-"""Config → Composer ``Trainer``: ``composer run.py yamls/x.yaml key=value ...`` ends up here.
+"""Config → Composer ``Trainer``: what ``composer run.py yamls/x.yaml key=value ...`` builds on each rank.
 
 Read top to bottom: data description → model → loaders → optimizer and schedule → algorithms,
 callbacks, loggers → Trainer. Parallelism (DDP or FSDP) is Composer's; the model knows nothing of it.
@@ -6,10 +6,8 @@ callbacks, loggers → Trainer. Parallelism (DDP or FSDP) is Composer's; the mod
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import sys
 from unittest import mock
 
 import torch
@@ -20,13 +18,11 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
 from composer.utils import dist
 
 from diffusion import components
-from diffusion.config import Config, load_config
+from diffusion.config import Config
 from diffusion import schema
 from diffusion.train import mds_source
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -172,59 +168,3 @@ def finished_message(trainer: Trainer) -> str | None:
         return None
     return (f"run already finished: the checkpoint is at {state.timestamp.get(state.max_duration.unit)} of "
             f"trainer.max_duration={state.max_duration}; raise trainer.max_duration to train further")
-
-
-TRAIN_HELP = """Train the Stable Diffusion UNet with Composer on MDS shards written by convert/laion_to_mds.py.
-
-Input: a YAML config (sections model, data, optimizer, scheduler, algorithms, callbacks, loggers,
-trainer; see diffusion/config.py) and any number of section.key=value overrides. Output: checkpoints
-in trainer.save_folder (Composer format, EMA weights included), logs through the configured loggers."""
-TRAIN_EXAMPLES = """examples:
-  composer run.py yamls/sd2-base-256.yaml                       # every GPU of this node
-  composer -n 8 --world_size 16 --node_rank 0 --master_addr HOST run.py yamls/sd2-base-256.yaml
-  python run.py yamls/tiny-cpu.yaml trainer.max_duration=100ba  # one process, CPU"""
-
-
-def parse_args(argv: list[str], prog: str = "run.py", description: str = TRAIN_HELP,
-               examples: str = TRAIN_EXAMPLES, default_yaml: str = DEFAULT_YAML) -> tuple[str, list[str]]:
-    """``[config.yaml] [key=value ...]``; without a YAML, ``default_yaml`` (run.py: tiny-cpu.yaml)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default=default_yaml,
-                        help=f"YAML config (default: {os.path.relpath(default_yaml, ROOT)})")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override any config key, e.g. optimizer.lr=2e-4 trainer.max_duration=1000ba")
-    args = parser.parse_args(argv)
-    if "=" in args.config:  # overrides only: the default YAML
-        return default_yaml, [args.config, *args.overrides]
-    return args.config, list(args.overrides)
-
-
-def main(argv: list[str] | None = None):
-    """``run.py``: parse ``[config.yaml] [key=value ...]`` and train."""
-    return main_with(*parse_args(sys.argv[1:] if argv is None else argv))
-
-
-def main_with(path: str, overrides: list[str]):
-    """Train with the config at ``path`` plus ``overrides``, from the batch source it names:
-    ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
-    launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.train.ray_workers.run_online`)."""
-    cfg = load_config(path, overrides)
-    if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
-        print(f"# config: {path} {' '.join(overrides)}", flush=True)
-    if cfg.data.train.source == "stream":
-        from diffusion.train import ray_workers
-        result = ray_workers.run_online(cfg)
-        ray_workers.report(result)
-        return result
-    trainer = build_trainer(cfg)
-    finished = finished_message(trainer)
-    if finished:
-        if dist.get_global_rank() == 0:
-            print(finished, flush=True)
-        trainer.close()
-        return trainer
-    trainer.logger.log_hyperparameters(cfg.to_dict())
-    trainer.fit()
-    trainer.close()
-    return trainer

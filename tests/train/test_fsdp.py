@@ -33,7 +33,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from diffusion.algorithms.ema import EMA, parameter_name
 from diffusion.callbacks.nan_catcher import NonFiniteLossError
 from diffusion.config import load_config
-from diffusion.train.trainer import build_trainer, parse_args
+from diffusion.train.command import parse_args
+from diffusion.train.trainer import build_trainer
 
 class Recorder(Callback):
     """The conv_in weight each forward computes with; a NaN into one microbatch's outputs on one rank."""

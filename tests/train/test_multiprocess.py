@@ -18,7 +18,8 @@ import os, sys, torch
 from composer.core import Callback
 from diffusion.config import load_config
 from diffusion import schema
-from diffusion.train.trainer import build_trainer, parse_args
+from diffusion.train.command import parse_args
+from diffusion.train.trainer import build_trainer
 
 class Record(Callback):
     seen = []

@@ -1,0 +1,75 @@
+"""The training command: ``composer run.py yamls/x.yaml key=value ...`` (and ``python -m diffusion.online``).
+
+Parses ``[config.yaml] [key=value ...]``, loads the config and trains from the batch source it names:
+stored MDS shards in this process (:mod:`diffusion.train.trainer`), or the stream through Ray Train
+ranks (:mod:`diffusion.train.ray_workers`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from composer.utils import dist
+
+from diffusion.config import load_config
+from diffusion.train import ray_workers
+from diffusion.train.trainer import build_trainer, finished_message
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+
+TRAIN_HELP = """Train the Stable Diffusion UNet with Composer on MDS shards written by convert/laion_to_mds.py.
+
+Input: a YAML config (sections model, data, optimizer, scheduler, algorithms, callbacks, loggers,
+trainer; see diffusion/config.py) and any number of section.key=value overrides. Output: checkpoints
+in trainer.save_folder (Composer format, EMA weights included), logs through the configured loggers."""
+TRAIN_EXAMPLES = """examples:
+  composer run.py yamls/sd2-base-256.yaml                       # every GPU of this node
+  composer -n 8 --world_size 16 --node_rank 0 --master_addr HOST run.py yamls/sd2-base-256.yaml
+  python run.py yamls/tiny-cpu.yaml trainer.max_duration=100ba  # one process, CPU"""
+
+
+def parse_args(argv: list[str], prog: str = "run.py", description: str = TRAIN_HELP,
+               examples: str = TRAIN_EXAMPLES, default_yaml: str = DEFAULT_YAML) -> tuple[str, list[str]]:
+    """``[config.yaml] [key=value ...]``; without a YAML, ``default_yaml`` (run.py: tiny-cpu.yaml)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", default=default_yaml,
+                        help=f"YAML config (default: {os.path.relpath(default_yaml, ROOT)})")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override any config key, e.g. optimizer.lr=2e-4 trainer.max_duration=1000ba")
+    args = parser.parse_args(argv)
+    if "=" in args.config:  # overrides only: the default YAML
+        return default_yaml, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def main(argv: list[str] | None = None):
+    """``run.py``: parse ``[config.yaml] [key=value ...]`` and train."""
+    return main_with(*parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def main_with(path: str, overrides: list[str]):
+    """Train with the config at ``path`` plus ``overrides``, from the batch source it names:
+    ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
+    launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.train.ray_workers.run_online`)."""
+    cfg = load_config(path, overrides)
+    if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
+        print(f"# config: {path} {' '.join(overrides)}", flush=True)
+    if cfg.data.train.source == "stream":
+        result = ray_workers.run_online(cfg)
+        ray_workers.report(result)
+        return result
+    trainer = build_trainer(cfg)
+    finished = finished_message(trainer)
+    if finished:
+        if dist.get_global_rank() == 0:
+            print(finished, flush=True)
+        trainer.close()
+        return trainer
+    trainer.logger.log_hyperparameters(cfg.to_dict())
+    trainer.fit()
+    trainer.close()
+    return trainer
