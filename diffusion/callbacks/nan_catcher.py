@@ -29,12 +29,12 @@ class NonFiniteLossError(RuntimeError):
     """The training loss (or the weights about to be saved) became NaN or infinite."""
 
 
-def _loss_values(loss) -> list[torch.Tensor]:
-    # state.loss is a tensor, or a dict/list/tuple of tensors when the model returns several losses.
+def loss_tensors(loss) -> list[torch.Tensor]:
+    """``state.loss`` as tensors: a tensor, or a dict/list/tuple of them when the model returns several."""
     if isinstance(loss, dict):
-        return [v for item in loss.values() for v in _loss_values(item)]
+        return [v for item in loss.values() for v in loss_tensors(item)]
     if isinstance(loss, (list, tuple)):
-        return [v for item in loss for v in _loss_values(item)]
+        return [v for item in loss for v in loss_tensors(item)]
     if isinstance(loss, torch.Tensor):
         return [loss.detach()]
     if isinstance(loss, (int, float)):
@@ -91,7 +91,7 @@ class NaNCatcher(Callback):
         self._finite, self._losses = [], []
 
     def after_loss(self, state: State, logger: Logger) -> None:
-        values = _loss_values(state.loss)
+        values = loss_tensors(state.loss)
         if values:
             self._finite.append(_all_finite(values))
             self._losses.append(values)

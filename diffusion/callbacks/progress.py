@@ -24,22 +24,11 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
+from diffusion.callbacks.nan_catcher import loss_tensors
+
 LINE_PREFIX = "[progress] "  # every line starts so (diffusion.online picks them out of Ray workers' output)
 _UNIT_NAMES = {TimeUnit.BATCH: "batch", TimeUnit.EPOCH: "epoch", TimeUnit.SAMPLE: "sample",
                TimeUnit.TOKEN: "token"}
-
-
-def _loss_tensors(loss) -> list[torch.Tensor]:
-    """``state.loss`` as tensors: a tensor, or a dict/list/tuple of them when the model returns several."""
-    if isinstance(loss, dict):
-        return [t for item in loss.values() for t in _loss_tensors(item)]
-    if isinstance(loss, (list, tuple)):
-        return [t for item in loss for t in _loss_tensors(item)]
-    if isinstance(loss, torch.Tensor):
-        return [loss.detach()]
-    if isinstance(loss, (int, float)):
-        return [torch.tensor(float(loss))]
-    return []
 
 
 def format_seconds(seconds: float) -> str:
@@ -88,7 +77,7 @@ class ProgressLine(Callback):
         self._reset(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        values = _loss_tensors(state.loss)
+        values = loss_tensors(state.loss)
         if values:
             loss = torch.stack([v.float().mean() for v in values]).sum()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
