@@ -57,6 +57,7 @@ class TrainLoaderConfig:
     num_canonical_nodes: Optional[int] = None
     download_timeout: float = 120.0
     num_samples: Optional[int] = None  # samples per epoch (streaming's epoch_size); None: all
+    verify_shards: bool = True  # hash each shard once per node before reading it (sizes and headers: always)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,8 @@ cache limit (whose eviction must see every access), take streaming's path.
 Every shard is checked against index.json before a sample of it is returned, on either path: at
 construction, that each shard is there and each file present has the size the index records; once
 per node, before its first sample is read, the raw shard's MDS header (sample count and offset table)
-and its hash (the fastest the index records, xxh64 for the converter's output), in the prefetch
+and its hash (the fastest the index records: xxh3_64 for the converter's output, xxh64 for one
+written before it recorded xxh3_64), unless ``data.train.verify_shards`` is off, in the prefetch
 thread where it can be, so the check mostly overlaps reading. Streaming's own ``validate_hash`` covers
 what it downloads or decompresses (a compressed shard is checked before it is decompressed), but
 not shards already on disk, which is most of them; the raw check covers those. Any mismatch is a
@@ -26,6 +27,9 @@ ever returned.
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
+import math
 import mmap
 import os
 import struct
@@ -46,11 +50,10 @@ from streaming.base.hashing import get_hash, is_hash
 from streaming.base.shared import SharedArray
 from streaming.base.shared.prefix import _get_path
 from streaming.base.storage import CloudDownloader
-from streaming.base.util import clean_stale_shared_memory
 from streaming.base.world import World
 
 from diffusion import schema
-from diffusion.errors import DataIntegrityError, DatasetMismatchError, UserError
+from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, StackSamples, ToModelBatch
 
@@ -512,6 +515,27 @@ class LatentDataset(StreamingDataset):
         return row
 
 
+def needs_decompression_cache(path: str) -> bool:
+    """Whether the local dataset at ``path`` holds compressed shards not yet decompressed where their
+    raw file cannot be written (a read-only directory or file system). Streaming decompresses a shard
+    beside its compressed file; here it cannot, so the shards are read through a cache directory."""
+    try:
+        with open(os.path.join(path, get_index_basename())) as f:
+            shards = json.load(f)["shards"]
+        wanted = {os.path.dirname(os.path.join(path, shard["raw_data"]["basename"])) for shard in shards
+                  if shard.get("zip_data") and not os.path.exists(os.path.join(path, shard["raw_data"]["basename"]))}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # no usable index: the stream's own check names it
+    return any(os.path.isdir(d) and not os.access(d, os.W_OK) for d in wanted)
+
+
+def decompression_cache(path: str) -> str:
+    """The cache directory a read-only compressed dataset is decompressed into (``data.*.local`` unset):
+    the same on every run, so a restart reuses what was decompressed."""
+    digest = hashlib.sha1(os.path.realpath(path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "diffusion-mds-cache", digest)
+
+
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int) -> LatentDataset:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model."""
     path = loader_cfg.path
@@ -519,12 +543,34 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     check_compatible(info, path, resolution, text_dim)
     if is_remote(path):
         share_endpoint_with_streaming()
-    remote, local = (path, loader_cfg.local) if is_remote(path) else (None, path)
+        remote, local = path, loader_cfg.local
+    elif needs_decompression_cache(path):  # read-only: the dataset is the "remote", copied to a cache
+        remote, local = path, loader_cfg.local or decompression_cache(path)
+    else:
+        remote, local = None, path
     return LatentDataset(
         remote=remote, local=local, resolution=resolution, batch_size=device_batch_size,
+        verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples)
+
+
+def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) -> None:
+    """Refuse a batch larger than an epoch: every batch would be dropped as incomplete, and training
+    would wait forever for its first one."""
+    per_rank = math.ceil(dataset.epoch_size / world_size)  # streaming pads each rank's share to this
+    if per_rank >= loader_cfg.batch_size // world_size:
+        return
+    section = "data.eval" if type(loader_cfg).__name__ == "EvalLoaderConfig" else "data.train"
+    if dataset.epoch_size != dataset.num_samples:
+        epoch = (f"{dataset.num_samples:,} samples, {dataset.epoch_size:,} per epoch as "
+                 f"{section}.num_samples asks")
+    else:
+        epoch = f"{dataset.num_samples:,} samples"
+    raise ConfigError(f"{section}.batch_size {loader_cfg.batch_size:,} is larger than dataset {loader_cfg.path}, which "
+                      f"holds {epoch}: no full batch can be made; set {section}.batch_size to at most "
+                      f"{per_rank * world_size:,}")
 
 
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
@@ -535,6 +581,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
                             device_batch_size=device_batch_size)
+    check_batch_fits(loader_cfg, dataset, world_size)
     empty_path = fetch_side_file(loader_cfg.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
     try:
         empty = np.load(empty_path)
@@ -555,15 +602,104 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
         persistent_workers=loader_cfg.persistent_workers and workers > 0)
 
 
+# ---- shared memory a killed run left behind ----------------------------------------------------------------
+
+_SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux, one file per segment
+
+
+def _prefix_of(name: str) -> int | None:
+    """The streaming prefix of a shared-memory segment or filelock name (``000003_locals``), or None."""
+    head, _, rest = name.partition("_")
+    return int(head) if len(head) == 6 and head.isdigit() and rest else None
+
+
+def _shm_users(names: set[str]) -> dict[str, set[int]]:
+    """{segment name: pids of the processes on this node that map it or hold it open}, of ``names``.
+    Processes whose maps cannot be read (another user's) are left out: they cannot open our segments,
+    which are created owner-only."""
+    users: dict[str, set[int]] = {name: set() for name in names}
+    prefix = _SHM_DIR + "/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        found: set[str] = set()
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        found.add(line[at + len(prefix):].split(" (deleted)")[0].strip())
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                try:
+                    target = os.readlink(os.path.join(fd_dir, fd))
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    found.add(target[len(prefix):])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for name in found & names:
+            users[name].add(int(pid))
+    return users
+
+
+def _released(prefix_int: int) -> bool:
+    """Whether the dataset that registered ``prefix_int`` has released it (streaming zeroes the size
+    of its ``locals`` record when the dataset is deleted; its segments stay until its process exits)."""
+    from streaming.base.constant import LOCALS
+    try:
+        shm = _BuiltinSharedMemory(_get_path(prefix_int, LOCALS))
+    except (FileNotFoundError, ValueError, OSError):
+        return True
+    try:
+        return len(shm.buf) < 4 or bytes(shm.buf[:4]) == bytes(4)
+    finally:
+        shm.close()
+
+
+def stale_shared_memory() -> tuple[list[str], list[str]]:
+    """(segment paths, filelock paths) of the streaming shared memory on this node that no live dataset
+    uses. A prefix is in use while some process maps or holds any of its segments, unless that is only
+    this process and its dataset was deleted; a prefix's filelocks (in the temp directory) are stale
+    once no segment of it is in use. Another job's segments and filelocks are never listed."""
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:
+        return [], []
+    by_prefix: dict[int, list[str]] = collections.defaultdict(list)
+    for name in entries:
+        prefix_int = _prefix_of(name)
+        if prefix_int is not None:
+            by_prefix[prefix_int].append(name)
+    users = _shm_users({name for names in by_prefix.values() for name in names})
+    me, live, segments = os.getpid(), set(), []
+    for prefix_int, names in sorted(by_prefix.items()):
+        pids = set().union(*(users[name] for name in names))
+        if not pids or (pids == {me} and _released(prefix_int)):
+            segments += [os.path.join(_SHM_DIR, name) for name in sorted(names)]
+        else:
+            live.add(prefix_int)
+    root = tempfile.gettempdir()
+    locks = sorted(os.path.join(root, name) for name in os.listdir(root)
+                   if name.endswith((f"_{BARRIER_FILELOCK}", f"_{CACHE_FILELOCK}"))
+                   and _prefix_of(name) is not None and _prefix_of(name) not in live)
+    return segments, locks
+
+
 def clean_shared_memory() -> None:
-    """Remove shared memory a killed run left behind (streaming refuses to start otherwise), ours too."""
-    from streaming.base.distributed import get_local_rank
-    if get_local_rank() == 0:  # before streaming's cleanup, which ends with a barrier for every rank
-        for prefix_int in range(1_000_000):  # as streaming looks for its own: until a prefix is free
+    """Remove the streaming shared memory (and filelocks) that killed runs left on this node, and only
+    that: segments some live process still uses (another job's, on this node) are kept.
+
+    Streaming's own ``clean_stale_shared_memory`` removes every prefix's segments, another running
+    job's included (which then fails or hangs); here a prefix is stale only when no process on the
+    node maps or holds any of its segments (:func:`stale_shared_memory`). Where ``/dev/shm`` cannot
+    be listed (not Linux) nothing is removed: a new dataset then takes the next free prefix."""
+    from streaming.base.distributed import barrier, get_local_rank
+    if get_local_rank() == 0:
+        segments, locks = stale_shared_memory()
+        for path in segments + locks:
             try:
-                shm = _BuiltinSharedMemory(_get_path(prefix_int, _VERIFIED_SHM))
-            except FileNotFoundError:
-                break
-            shm.close()
-            shm.unlink()
-    clean_stale_shared_memory()
+                os.unlink(path)
+            except OSError:
+                pass  # another user's, or removed meanwhile
+    barrier()  # the other local ranks start their datasets once the stale prefixes are gone

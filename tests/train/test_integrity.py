@@ -5,6 +5,10 @@ import functools
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -12,7 +16,7 @@ import streaming
 
 from diffusion import schema
 from diffusion.config import TrainLoaderConfig
-from diffusion.errors import DataIntegrityError, UserError
+from diffusion.errors import ConfigError, DataIntegrityError, UserError
 from diffusion.train import mds_source
 from train_fixtures import kit_text_dim, write_latent_mds
 
@@ -272,3 +276,150 @@ def test_a_missing_index_names_it(pristine, stored, dim, tmp_path):
     mds = _copy(pristine, "none", tmp_path)
     os.remove(os.path.join(mds, "index.json"))
     assert "is missing" in _fails_naming(os.path.join(mds, "index.json"), mds, dim, stored)
+
+
+# ---- a read-only compressed dataset, the batch size, the switch for hash checks -------------------------
+
+@pytest.fixture
+def unwritable():
+    """Make a directory unwritable in a way its owner and root respect: the immutable attribute as
+    root (root ignores a mode of 555), a mode of 555 otherwise. Undone at teardown."""
+    made = []
+
+    def make(path):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i", path], check=True)
+        else:
+            os.chmod(path, 0o555)
+        made.append(path)
+        with pytest.raises(PermissionError):  # the setup holds: nothing can be written in it
+            open(os.path.join(path, "probe"), "w")
+        return path
+
+    yield make
+    for path in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", path], check=True)
+        else:
+            os.chmod(path, 0o755)
+
+
+def _listing(root):
+    return sorted((os.path.relpath(os.path.join(d, f), root), os.stat(os.path.join(d, f)).st_mtime_ns)
+                  for d, _, files in os.walk(root) for f in files)
+
+
+def test_a_read_only_compressed_dataset_is_read_through_a_cache(pristine, stored, dim, tmp_path, unwritable,
+                                                                monkeypatch):
+    # Streaming decompresses a shard beside its .zstd; in a read-only directory it cannot, and the loader
+    # then returned no sample. What this proves: with the directory truly unwritable (even to root), every
+    # sample is read, twice, and again by a restarted loader, and nothing in the directory changes.
+    mds = _copy(pristine, "zstd", tmp_path)
+    assert not os.path.exists(_shard_file(mds, raw=True))  # compressed only
+    before = _listing(unwritable(mds))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the default cache goes
+    os.makedirs(tempfile.tempdir)
+    loader = mds_source.build_dataloader(_cfg(mds), resolution=64, text_dim=dim)
+    for _ in range(2):
+        assert sorted(_epoch(mds, dim, stored, loader)) == list(range(N))
+    del loader
+    cache = mds_source.decompression_cache(mds)
+    assert cache.startswith(tempfile.tempdir)
+    assert sorted(f for f in os.listdir(cache) if f.endswith(".mds")) == [f"shard.{i:05d}.mds" for i in range(5)]
+    assert sorted(_epoch(mds, dim, stored)) == list(range(N))  # a restart reuses the cache
+    assert _listing(mds) == before
+
+
+def test_a_read_only_compressed_dataset_uses_the_configured_cache(pristine, stored, dim, tmp_path, unwritable):
+    mds = unwritable(_copy(pristine, "zstd", tmp_path))
+    cache = str(tmp_path / "cache")
+    assert sorted(_epoch(mds, dim, stored, local=cache)) == list(range(N))
+    assert os.path.isfile(os.path.join(cache, "shard.00004.mds"))
+
+
+def test_a_writable_compressed_dataset_decompresses_in_place(pristine, stored, dim, tmp_path):
+    mds = _copy(pristine, "zstd", tmp_path)
+    assert not mds_source.needs_decompression_cache(mds)
+    assert sorted(_epoch(mds, dim, stored)) == list(range(N))
+    assert os.path.isfile(_shard_file(mds, raw=True))
+
+
+def test_a_batch_larger_than_the_dataset_is_refused_at_start(pristine, dim, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    with pytest.raises(ConfigError) as e:
+        mds_source.build_dataloader(_cfg(mds, batch_size=N + 8), resolution=64, text_dim=dim)
+    message = str(e.value)
+    assert message == (f"data.train.batch_size 48 is larger than dataset {mds}, which holds 40 samples: no full "
+                       f"batch can be made; set data.train.batch_size to at most 40")
+    assert mds_source.build_dataloader(_cfg(mds, batch_size=N), resolution=64, text_dim=dim)  # one batch: fine
+
+
+def test_hash_checks_can_be_switched_off_in_the_config(pristine, stored, dim, tmp_path):
+    mds = _copy(pristine, "none", tmp_path)
+    path = _shard_file(mds, shard=1)
+    _flip(path)  # inside a sample's arrays: only the hash sees it
+    assert "xxh64" in _fails_naming(path, mds, dim, stored)
+    loader = mds_source.build_dataloader(_cfg(mds, verify_shards=False), resolution=64, text_dim=dim)
+    assert loader.dataset.verify_hashes is False
+    assert len([i for batch in loader for i in batch[schema.BATCH_SAMPLE_INDEX].tolist()]) == N
+    os.truncate(path, 100)  # sizes are checked regardless
+    with pytest.raises(DataIntegrityError, match="truncated"):
+        mds_source.build_dataloader(_cfg(mds, verify_shards=False), resolution=64, text_dim=dim)
+
+
+def test_the_fastest_recorded_hash_is_checked():
+    assert mds_source.pick_hash({"sha1": "", "xxh64": "", "xxh3_64": ""}) == "xxh3_64"
+    assert mds_source.pick_hash({"sha1": "", "xxh64": ""}) == "xxh64"
+    assert mds_source.pick_hash({"sha1": "", "md5": ""}) == "md5"
+    assert mds_source.pick_hash({}) is None
+
+
+# ---- shared memory at a training start: another job's survives, a killed run's goes (issue 13) ---------
+
+_JOB = """
+import sys
+from diffusion.train.mds_source import LatentDataset
+dataset = LatentDataset(remote=None, local=sys.argv[1], resolution=64, batch_size=4)
+dataset[0]
+print(dataset._shm_prefix_int, flush=True)
+for line in sys.stdin:  # "read": read every sample again and say how many
+    print(sum(1 for _ in dataset), flush=True)
+"""
+
+
+def _start_job(mds):
+    """Another process on this node with a dataset open (its own session: killing it kills its
+    resource tracker too, as killing a job's process group does); returns (process, shm prefix)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    job = subprocess.Popen([sys.executable, "-c", _JOB, mds], cwd=root, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, start_new_session=True,
+                           env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    return job, int(job.stdout.readline())
+
+
+def _segments(prefix_int):
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"{prefix_int:06d}_"))
+
+
+def test_cleanup_at_start_keeps_another_jobs_shared_memory_and_removes_a_killed_ones(pristine, tmp_path):
+    live, live_prefix = _start_job(_copy(pristine, "none", tmp_path / "live"))
+    killed, killed_prefix = _start_job(_copy(pristine, "none", tmp_path / "killed"))
+    try:
+        live_segments = _segments(live_prefix)
+        assert live_segments and _segments(killed_prefix)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        assert _segments(killed_prefix)  # left behind
+
+        mds_source.clean_shared_memory()  # what a new training run does at start
+
+        assert _segments(killed_prefix) == []
+        assert _segments(live_prefix) == live_segments
+        live.stdin.write("read\n")
+        live.stdin.flush()
+        assert live.stdout.readline().strip() == str(N)  # the other job reads on
+    finally:
+        for job in (live, killed):
+            if job.poll() is None:
+                job.stdin.close()  # the job ends, and removes its shared memory as it exits
+                job.wait(timeout=60)
