@@ -5,7 +5,11 @@
 ``DIR`` gets the diffusers layout (``unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json``)
 that ``diffusers.StableDiffusionPipeline.from_pretrained(DIR)`` loads: the UNet from the checkpoint (EMA
 weights unless ``--no-ema``), the VAE, text encoder, tokenizer and scheduler of the training run's model
-reference, with the VAE scaling factor and prediction type training used written into their configs.
+reference, with the VAE scaling factor, prediction type and noise schedule training used written into
+their configs. A model trained with zero terminal SNR gets ``rescale_betas_zero_snr: true`` and
+``timestep_spacing: "trailing"`` in ``scheduler/scheduler_config.json``, so diffusers' own pipeline
+samples it as ``diffusion.generate`` does (pass ``guidance_rescale=0.7`` to the pipeline call, as
+``diffusion.generate`` does by default for such models: it is a call argument, not a config).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
     """Write ``checkpoint`` as a diffusers pipeline to ``out`` and return ``out``.
 
     ``scheduler`` (ddim, euler, dpm++) swaps the model reference's scheduler class for a sampler of the
-    same noise schedule; by default the reference's own scheduler config is kept. ``out`` must be new or
+    same noise schedule; by default the reference's own scheduler class and config are kept, with the
+    checkpoint's noise schedule (zero terminal SNR and trailing spacing included) and prediction type
+    (a zero-terminal-SNR model whose reference class cannot rescale its betas gets DDIM). ``out`` must be new or
     empty; with ``overwrite``, an earlier export there (a diffusers pipeline directory) is written over.
     Everything the user gave is checked before a model loads.
     """
@@ -42,9 +48,11 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     _check_not_source(out, [trained.model_ref])
     sampler = sampling.Sampler(trained.model_ref, scheduler=scheduler or "ddim",
-                               scaling_factor=trained.scaling_factor, prediction_type=trained.prediction_type)
+                               scaling_factor=trained.scaling_factor, prediction_type=trained.prediction_type,
+                               noise_schedule=trained.noise_schedule)
     if scheduler is None:
-        sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type)
+        sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type,
+                                                 trained.noise_schedule)
     pipe = sampler.pipeline(trained.unet)
     pipe.to(dtype=DTYPES[dtype])
     os.makedirs(out, exist_ok=True)
@@ -74,15 +82,18 @@ def check_output_dir(out: str, overwrite: bool = False) -> None:
                                             "or export to a new directory", out)
 
 
-def _reference_scheduler(model_ref: str, prediction_type: str | None):
-    """The model reference's scheduler, as its config names it, predicting what training predicted."""
+def _reference_scheduler(model_ref: str, prediction_type: str | None, noise_schedule: dict | None = None):
+    """The model reference's scheduler, as its config names it, with the training noise schedule and
+    predicting what training predicted; DDIM when that class cannot sample a zero-terminal-SNR schedule."""
     import diffusers
     path = os.path.join(loading.resolve_model(model_ref, components=("scheduler",)), "scheduler")
     with open(os.path.join(path, "scheduler_config.json")) as f:
         config = json.load(f)
     cls = getattr(diffusers, config["_class_name"])
-    overrides = {"prediction_type": prediction_type} if prediction_type else {}
-    return cls.from_config(config, **overrides)
+    zero_snr = (noise_schedule or config).get("rescale_betas_zero_snr")
+    if zero_snr and not sampling.supports_zero_terminal_snr(cls):
+        cls = diffusers.DDIMScheduler
+    return sampling.with_training_schedule(cls, config, noise_schedule, prediction_type)
 
 
 DESCRIPTION = """Export a trained model as a diffusers StableDiffusionPipeline directory.
@@ -91,8 +102,11 @@ Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online
 --no-ema, or a diffusers pipeline directory) and, for the frozen parts, the model reference it was
 trained with (or --model). Output: a new directory in the diffusers layout (unet/ vae/ text_encoder/
 tokenizer/ scheduler/ model_index.json, safetensors weights) that
-diffusers.StableDiffusionPipeline.from_pretrained(DIR) loads, with the VAE scaling factor and the
-prediction type training used written into its configs."""
+diffusers.StableDiffusionPipeline.from_pretrained(DIR) loads, with the VAE scaling factor, the
+prediction type and the noise schedule training used written into its configs. A model trained with
+zero terminal SNR (model.zero_terminal_snr) gets a scheduler with rescale_betas_zero_snr=true and
+"trailing" timestep spacing; sample it with guidance_rescale=0.7 (diffusion.generate's default for
+such models; the pipeline's own default is 0)."""
 EXAMPLES = """examples:
   python -m diffusion.export --checkpoint out/demo/checkpoints/latest-rank0.pt --out exported/
   python -m diffusion.export --checkpoint ckpt/ep0-ba550000-rank0.pt --out sd2-256/ --dtype float16 \\
@@ -126,6 +140,10 @@ def main(argv=None) -> None:
     out = export_pipeline(args.checkpoint, args.out, model_ref=args.model, ema=args.ema,
                           scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {os.path.abspath(out)}: load with diffusers.StableDiffusionPipeline.from_pretrained({out!r})")
+    with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
+        if json.load(f).get("rescale_betas_zero_snr"):
+            print(f"zero terminal SNR: call the pipeline with guidance_rescale="
+                  f"{sampling.ZTSNR_GUIDANCE_RESCALE} to sample as diffusion.generate does")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@
 
 ``CKPT`` is a Composer checkpoint written by training (EMA weights unless ``--no-ema``) or a diffusers
 pipeline directory (``python -m diffusion.export`` output, or the model kit). The VAE, text encoder and
-tokenizer come from the training run's model reference unless ``--model`` says otherwise.
+tokenizer come from the training run's model reference unless ``--model`` says otherwise; the noise
+schedule is the one training used, as the checkpoint records it. A model trained with zero terminal
+SNR is sampled with "trailing" timestep spacing (the first step at pure noise) and guidance rescaled
+by ``--guidance-rescale`` (default 0.7 for such models, 0 otherwise).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
     """Sample ``prompts`` from ``checkpoint``: PIL images, each prompt ``images_per_prompt`` times in a row.
 
     ``sample_kwargs`` go to :class:`~diffusion.models.sampling.Sampler` (steps, guidance_scale,
-    negative_prompt, seed, size, images_per_prompt, batch_size); size defaults to the training resolution.
+    guidance_rescale, negative_prompt, seed, size, images_per_prompt, batch_size); size defaults to the
+    training resolution, the noise schedule is the checkpoint's.
     """
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -34,7 +38,7 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
     if sample_kwargs.get("size") is None and trained.resolution:
         sample_kwargs["size"] = trained.resolution
     sampler = sampling.Sampler(trained.model_ref, scheduler=scheduler, scaling_factor=trained.scaling_factor,
-                               prediction_type=trained.prediction_type)
+                               prediction_type=trained.prediction_type, noise_schedule=trained.noise_schedule)
     return sampler(trained.unet, prompts, progress=True, **sample_kwargs)
 
 
@@ -74,6 +78,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=cli.positive_int, default=25, help="denoising steps (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=float, default=7.5,
                         help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")
+    parser.add_argument("--guidance-rescale", type=unit_interval, default=None, metavar="PHI",
+                        help="rescale the guided prediction toward the conditional one's spread, 0 to 1 "
+                             "(Lin et al. 2023, against over-exposure); 0 turns it off (default: "
+                             f"{sampling.ZTSNR_GUIDANCE_RESCALE} for a model trained with zero terminal SNR, "
+                             "else 0)")
     parser.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed: same seed, same images (default: 0)")
     parser.add_argument("--size", type=cli.positive_int, default=None,
@@ -84,6 +93,17 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="images denoised together (default: %(default)s)")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda when "
                                                        "available, else cpu)")
+
+
+def unit_interval(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 1")
+    return value
 
 
 def check_sampling_args(args: argparse.Namespace) -> None:
@@ -104,7 +124,8 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 def sample_kwargs(args: argparse.Namespace) -> dict:
     return dict(model_ref=args.model, ema=args.ema, scheduler=args.scheduler, steps=args.steps,
-                guidance_scale=args.guidance_scale, negative_prompt=args.negative_prompt, seed=args.seed,
+                guidance_scale=args.guidance_scale, guidance_rescale=args.guidance_rescale,
+                negative_prompt=args.negative_prompt, seed=args.seed,
                 size=args.size, images_per_prompt=args.images_per_prompt, batch_size=args.batch_size,
                 device=args.device)
 
@@ -113,7 +134,9 @@ DESCRIPTION = """Sample a prompt grid from a trained model with classifier-free 
 
 Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online, EMA weights unless
 --no-ema, or a diffusers pipeline directory) and prompts (--prompt, --prompts-file). The VAE, text
-encoder and tokenizer come from the model reference the checkpoint was trained with, unless --model.
+encoder and tokenizer come from the model reference the checkpoint was trained with, unless --model;
+the noise schedule is the one training used (a model trained with zero terminal SNR samples with
+"trailing" timestep spacing and --guidance-rescale 0.7 by default).
 Output: one PNG (--out): a row per prompt, a column per image, each labelled with its prompt; the
 prompts are also stored in the PNG, so diffusion.evaluate can score the grid."""
 EXAMPLES = """examples:

@@ -14,3 +14,25 @@ def pixels(image) -> np.ndarray:
 def kit_unet(kit):
     from diffusers import UNet2DConditionModel
     return UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet")).eval()
+
+
+def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3) -> str:
+    """Train the tiny model ``batches`` batches (batch 4, 64 px, EMA on) on synthetic latents of ``kit``
+    with the product's trainer and return the path of its final Composer checkpoint."""
+    import gc
+
+    from diffusion.config import load_config
+    from diffusion.train.trainer import build_trainer
+    from train_fixtures import tiny_overrides, write_latent_mds
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16)
+    folder = os.path.join(out, "checkpoints")
+    cfg = load_config(os.path.join(root, "yamls", "tiny-cpu.yaml"),
+                      tiny_overrides(kit, mds, batches=batches, batch_size=4, save_folder=folder,
+                                     extra=(f"trainer.save_interval={batches}ba", *overrides)))
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    del trainer
+    gc.collect()  # releases the StreamingDataset's shared memory
+    return os.path.join(folder, "latest-rank0.pt")

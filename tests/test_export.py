@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion import export
-from diffusion.models import sampling
-from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels
+from diffusion import export, generate
+from diffusion.models import checkpoint as checkpoints, loading, sampling
+from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels, train_tiny_checkpoint
 
 
 def _load(directory):
@@ -54,3 +54,83 @@ def test_checkpoint_export_has_ema_unet_and_training_settings(fake_checkpoint, t
 def test_refuses_to_overwrite_its_source(tiny_kit):
     with pytest.raises(ValueError, match="where the model comes from"):
         export.export_pipeline(tiny_kit, tiny_kit)
+
+
+# ---- zero terminal SNR: the schedule training used reaches sampling and the exported pipeline ------------
+
+@pytest.fixture(scope="module")
+def ztsnr_checkpoint(tiny_kit, tmp_path_factory):
+    """A tiny v-prediction model trained a few batches with model.zero_terminal_snr (EMA on)."""
+    return train_tiny_checkpoint(tiny_kit, str(tmp_path_factory.mktemp("ztsnr")),
+                                 "model.zero_terminal_snr=true", "model.prediction_type=v_prediction")
+
+
+@pytest.fixture(scope="module")
+def ztsnr_export(ztsnr_checkpoint, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ztsnr-export") / "pipe")
+    export.main(["--checkpoint", ztsnr_checkpoint, "--out", out])
+    return out
+
+
+def _scheduler_config(directory):
+    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
+        return json.load(f)
+
+
+def test_a_checkpoint_carries_its_noise_schedule(ztsnr_checkpoint, tiny_kit):
+    schedule = checkpoints.read_state(ztsnr_checkpoint)["model"]["_extra_state"]["noise_schedule"]
+    reference = _scheduler_config(tiny_kit)
+    assert schedule == {"num_train_timesteps": 1000, "beta_schedule": reference["beta_schedule"],
+                        "beta_start": reference["beta_start"], "beta_end": reference["beta_end"],
+                        "trained_betas": None, "rescale_betas_zero_snr": True}
+
+
+def test_zero_terminal_snr_export_has_the_schedule_in_its_scheduler_config(ztsnr_export):
+    config = _scheduler_config(ztsnr_export)
+    assert config["rescale_betas_zero_snr"] is True
+    assert config["timestep_spacing"] == "trailing"
+    assert config["prediction_type"] == "v_prediction"
+    scheduler = _load(ztsnr_export).scheduler
+    scheduler.set_timesteps(25)
+    assert int(scheduler.timesteps[0]) == 999 and float(scheduler.alphas_cumprod[999]) == 0.0
+
+
+def test_diffusers_pipeline_draws_what_generate_draws_for_a_zero_terminal_snr_model(ztsnr_checkpoint,
+                                                                                   ztsnr_export):
+    kwargs = dict(steps=4, guidance_scale=5.0, seed=11)
+    ours = generate.generate_images(ztsnr_checkpoint, PROMPTS[:1], **kwargs)[0]
+    assert ours.size == (64, 64) and _pixels(ours).std() > 1  # a picture, not a blank from NaNs
+    pipe = _load(ztsnr_export)
+    call = dict(num_inference_steps=4, guidance_scale=5.0, height=ours.height, width=ours.width)
+    theirs = pipe(PROMPTS[:1], guidance_rescale=sampling.ZTSNR_GUIDANCE_RESCALE,
+                  generator=[torch.Generator("cpu").manual_seed(11)], **call).images[0]
+    assert np.allclose(_pixels(theirs), _pixels(ours), atol=1)
+    # The exported directory sampled by our own generate (its scheduler config) draws the same too.
+    from_export = generate.generate_images(ztsnr_export, PROMPTS[:1], size=ours.height, **kwargs)[0]
+    assert np.allclose(_pixels(from_export), _pixels(ours), atol=1)
+    # The schedule matters: the reference's (leading spacing, betas not rescaled) draws another picture.
+    pipe.scheduler = sampling.load_sampling_scheduler(loading.resolve_model(_reference(ztsnr_checkpoint)), "ddim",
+                                                      "v_prediction")
+    old = pipe(PROMPTS[:1], guidance_rescale=sampling.ZTSNR_GUIDANCE_RESCALE,
+               generator=[torch.Generator("cpu").manual_seed(11)], **call).images[0]
+    assert np.abs(_pixels(old) - _pixels(ours)).mean() > 1
+
+
+def _reference(checkpoint_path):
+    return checkpoints.read_state(checkpoint_path)["model"]["_extra_state"]["model_ref"]
+
+
+def test_a_model_without_zero_terminal_snr_exports_the_reference_schedule_as_before(fake_checkpoint, tiny_kit,
+                                                                                     tmp_path):
+    """Both an old checkpoint (no schedule recorded) and a new one trained without ZTSNR."""
+    state = torch.load(fake_checkpoint, weights_only=False)
+    state["state"]["model"]["_extra_state"]["noise_schedule"] = loading.noise_schedule_of(
+        _scheduler_config(tiny_kit))
+    recorded = str(tmp_path / "recorded.pt")
+    torch.save(state, recorded)
+    expected = dict(_scheduler_config(tiny_kit), prediction_type="v_prediction")
+    for i, ckpt in enumerate((fake_checkpoint, recorded)):
+        out = str(tmp_path / f"pipe{i}")
+        export.export_pipeline(ckpt, out)
+        assert _scheduler_config(out) == expected
+        assert sampling.Sampler(out).zero_terminal_snr is False

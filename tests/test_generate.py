@@ -47,6 +47,54 @@ def test_every_scheduler_samples(tiny_kit, unet, name):
     assert np.asarray(images[0]).std() > 0
 
 
+def _ztsnr_schedule(kit):
+    return dict(loading.noise_schedule_of(loading.load_scheduler(kit).config), rescale_betas_zero_snr=True)
+
+
+@pytest.mark.parametrize("name", sampling.SCHEDULERS)
+def test_a_zero_terminal_snr_schedule_starts_sampling_at_pure_noise(tiny_kit, name):
+    """Training's last timestep has ᾱ = 0: the sampler must start there ("trailing" spacing), not at 961."""
+    scheduler = sampling.load_sampling_scheduler(tiny_kit, name, "v_prediction", _ztsnr_schedule(tiny_kit))
+    assert scheduler.config.rescale_betas_zero_snr and scheduler.config.timestep_spacing == "trailing"
+    scheduler.set_timesteps(25)
+    assert int(scheduler.timesteps[0]) == 999
+    assert float(scheduler.alphas_cumprod[999]) < 1e-6  # DDIM: 0; Euler, DPM++: 2**-24 (finite sigma)
+
+
+def test_without_a_recorded_schedule_the_reference_scheduler_is_kept(tiny_kit):
+    """Checkpoints written before schedules were recorded, and models trained without ZTSNR: as before."""
+    old = sampling.load_sampling_scheduler(tiny_kit, "ddim", "v_prediction")
+    plain = sampling.load_sampling_scheduler(tiny_kit, "ddim", "v_prediction",
+                                             loading.noise_schedule_of(loading.load_scheduler(tiny_kit).config))
+    reference = loading.load_scheduler(tiny_kit, "ddim")
+    for scheduler in (old, plain):
+        assert dict(scheduler.config, prediction_type="epsilon") == dict(reference.config)
+        scheduler.set_timesteps(25)
+        assert int(scheduler.timesteps[0]) == 961  # "leading" spacing with steps_offset 1, as the kit says
+
+
+def test_guidance_rescale_defaults_to_0_7_with_zero_terminal_snr_and_0_without(tiny_kit, unet):
+    ztsnr = sampling.Sampler(tiny_kit, prediction_type="v_prediction", noise_schedule=_ztsnr_schedule(tiny_kit))
+    kwargs = dict(steps=2, seed=3, guidance_scale=7.5)
+    default, phi07, off = (ztsnr(unet, PROMPTS[:1], guidance_rescale=g, **kwargs)[0] for g in (None, 0.7, 0.0))
+    assert np.array_equal(_pixels(default), _pixels(phi07))
+    assert np.abs(_pixels(default) - _pixels(off)).mean() > 1
+    plain = sampling.Sampler(tiny_kit)
+    assert np.array_equal(_pixels(plain(unet, PROMPTS[:1], **kwargs)[0]),
+                          _pixels(plain(unet, PROMPTS[:1], guidance_rescale=0.0, **kwargs)[0]))
+
+
+def test_cli_guidance_rescale_is_checked_and_its_default_explained(capsys):
+    parser = generate.build_parser()
+    assert parser.parse_args(["--guidance-rescale", "0.5"]).guidance_rescale == 0.5
+    assert parser.parse_args([]).guidance_rescale is None  # the sampler picks 0.7 or 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--guidance-rescale", "1.5"])
+    assert "not between 0 and 1" in capsys.readouterr().err
+    help_text = " ".join(parser.format_help().split())
+    assert "0.7 for a model trained with zero terminal SNR, else 0" in help_text
+
+
 def test_unknown_scheduler_is_refused(tiny_kit):
     with pytest.raises(ValueError, match="unknown scheduler 'plms'"):
         sampling.load_sampling_scheduler(tiny_kit, "plms")
@@ -111,6 +159,9 @@ def test_cli_needs_a_prompt(tiny_kit, tmp_path):
 
 
 def test_checkpoint_uses_ema_weights_by_default(fake_checkpoint, tiny_kit, tmp_path):
+    # fake_checkpoint is in the format of before noise schedules were recorded: it still loads, and
+    # samples with the model reference's schedule.
+    assert sampling.load_trained(fake_checkpoint).noise_schedule is None
     kwargs = dict(steps=3, seed=0, guidance_scale=1.0)
     ema = generate.generate_images(fake_checkpoint, PROMPTS[:1], **kwargs)[0]
     raw = generate.generate_images(fake_checkpoint, PROMPTS[:1], ema=False, **kwargs)[0]

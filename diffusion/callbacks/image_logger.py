@@ -1,10 +1,14 @@
 """ImageLogger: a grid from fixed prompts and a fixed seed, at every eval (or an interval), EMA weights.
 
-Logged through Composer's ``logger.log_images`` (wandb, and any other image-capable logger) and,
-optionally, saved as ``{save_folder}/samples_{batch:08d}.png``. Sampling uses the same path as
-``diffusion.generate`` (:class:`diffusion.models.sampling.Sampler`), so the pictures seen during training
-are what the exported model will draw. Under FSDP every rank samples (each forward gathers the shards);
-only rank 0 saves.
+Logged through Composer's ``logger.log_images`` (wandb, and any other image-capable logger) under the
+key ``samples_ema`` or ``samples_raw`` (which weights drew it) and, optionally, saved as
+``{save_folder}/samples_ema_{batch:08d}.png``. Sampling uses the same path as ``diffusion.generate``
+(:class:`diffusion.models.sampling.Sampler`) with the model's training noise schedule (zero terminal SNR
+included), at the model's training resolution (``StableDiffusion.resolution``, not the UNet config's
+sample size), so the pictures seen during training are what the exported model will draw.
+
+Only rank 0 samples, logs and saves, except under FSDP: there every forward all-gathers the UNet's
+shards, a collective every rank must join, so every rank samples and only rank 0 logs and saves.
 """
 
 from __future__ import annotations
@@ -31,14 +35,19 @@ class ImageLogger(Callback):
             ``model_ref`` attribute). ``scaling_factor`` and ``prediction_type`` likewise default to
             the model's attributes of those names, so decoding matches training.
         interval: a Composer time string ("500ba", "1ep"); None logs at the end of every eval.
-        images_per_prompt, steps, guidance_scale, scheduler, negative_prompt, seed, size: sampling.
-        use_ema: sample with the EMA weights when the EMA algorithm is in the trainer.
+        images_per_prompt, steps, guidance_scale, guidance_rescale, scheduler, negative_prompt, seed:
+            sampling (``guidance_rescale`` None: 0.7 for a zero-terminal-SNR model, else 0).
+        size: pixels per side (default: the model's ``resolution``, the training resolution).
+        use_ema: sample with the EMA weights when the EMA algorithm is in the trainer (and has started;
+            the key says ``raw`` otherwise, and ``ema`` whenever the EMA is in the model, as during eval).
         save_folder: also write each grid there as PNG (rank 0 only).
+        name: the key's stem; the key is ``{name}_ema`` or ``{name}_raw``.
     """
 
     def __init__(self, prompts, *, model_ref: str | None = None, scaling_factor: float | None = None,
                  prediction_type: str | None = None, interval: str | None = None, images_per_prompt: int = 1,
-                 steps: int = 25, guidance_scale: float = 7.5, scheduler: str = "ddim",
+                 steps: int = 25, guidance_scale: float = 7.5, guidance_rescale: float | None = None,
+                 scheduler: str = "ddim",
                  negative_prompt: str | None = None, seed: int = 0, size: int | None = None,
                  use_ema: bool = True, save_folder: str | None = None, name: str = "samples"):
         if not prompts:
@@ -47,8 +56,9 @@ class ImageLogger(Callback):
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(sampling.SCHEDULERS)}")
         self.prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         self.model_ref, self.scaling_factor, self.prediction_type = model_ref, scaling_factor, prediction_type
-        self.sample_kwargs = dict(steps=steps, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
-                                  seed=seed, size=size, images_per_prompt=images_per_prompt)
+        self.sample_kwargs = dict(steps=steps, guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
+                                  negative_prompt=negative_prompt, seed=seed, size=size,
+                                  images_per_prompt=images_per_prompt)
         self.scheduler, self.use_ema, self.save_folder, self.name = scheduler, use_ema, save_folder, name
         self._due = create_interval_scheduler(interval, checkpoint_events=False) if interval else None
         self._sampler = None  # loaded on first use: the VAE and text encoder stay resident after that
@@ -67,17 +77,32 @@ class ImageLogger(Callback):
             self.log_grid(state, logger)
 
     def log_grid(self, state: State, logger: Logger):
-        """Sample, log and (optionally) save the grid now; returns it."""
+        """Sample, log and (optionally) save the grid now; returns it on rank 0, None on other ranks."""
+        rank0 = dist.get_global_rank() == 0
+        # Without FSDP the other ranks skip sampling: it touches only this rank's copy of the weights
+        # (the UNet is called directly, not through DDP's forward) and no collective, so they just
+        # wait for rank 0 at the next gradient all-reduce. Under FSDP each UNet forward all-gathers
+        # the shards, so every rank must run the same forwards or rank 0 would hang.
+        if not rank0 and not _sharded(state.model):
+            return None
         model = _unwrap(state.model)
         unet = getattr(model, "unet", model)
-        with self._ema_weights(state):
-            images = self._get_sampler(model)(unet, self.prompts, **self.sample_kwargs)
+        kwargs = dict(self.sample_kwargs)
+        if kwargs["size"] is None:
+            kwargs["size"] = getattr(model, "resolution", None)  # None: the UNet config's size
+        ema_context, ema_in_model = self._ema_weights(state)
+        with ema_context:
+            weights = "ema" if ema_in_model() else "raw"
+            images = self._get_sampler(model)(unet, self.prompts, **kwargs)
+        if not rank0:
+            return None
         labels = [p for p in self.prompts for _ in range(self.sample_kwargs["images_per_prompt"])]
         picture = grid.make_grid(images, labels, columns=self.sample_kwargs["images_per_prompt"])
         batch = int(state.timestamp.batch)
-        logger.log_images(np.asarray(picture), name=self.name, channels_last=True, step=batch)
-        if self.save_folder and dist.get_global_rank() == 0:
-            path = os.path.join(self.save_folder.format(run_name=state.run_name), f"{self.name}_{batch:08d}.png")
+        key = f"{self.name}_{weights}"
+        logger.log_images(np.asarray(picture), name=key, channels_last=True, step=batch)
+        if self.save_folder:
+            path = os.path.join(self.save_folder.format(run_name=state.run_name), f"{key}_{batch:08d}.png")
             self.saved.append(grid.save_grid(picture, path))
         return picture
 
@@ -89,15 +114,31 @@ class ImageLogger(Callback):
             self._sampler = sampling.Sampler(
                 model_ref, scheduler=self.scheduler,
                 scaling_factor=self.scaling_factor or getattr(model, "scaling_factor", None),
-                prediction_type=self.prediction_type or getattr(model, "prediction_type", None))
+                prediction_type=self.prediction_type or getattr(model, "prediction_type", None),
+                noise_schedule=getattr(model, "noise_schedule", None))
         return self._sampler
 
     def _ema_weights(self, state: State):
-        if self.use_ema:
-            for algorithm in state.algorithms:
-                if isinstance(algorithm, EMA):
-                    return algorithm.ema_weights(state.model)
-        return contextlib.nullcontext()
+        """``(context, ema_in_model)``: the context that swaps the EMA in (when asked for), and a test,
+        valid inside it, of whether the model holds the EMA weights."""
+        for algorithm in state.algorithms:
+            if isinstance(algorithm, EMA):
+                if self.use_ema:
+                    # inside, the model holds the EMA whenever one exists (swapped here, or for eval)
+                    return algorithm.ema_weights(state.model), lambda: algorithm.started
+                # Not swapped here; but during eval the EMA algorithm has swapped it in itself.
+                return contextlib.nullcontext(), lambda: getattr(algorithm, "_swapped", None) is not None
+        return contextlib.nullcontext(), lambda: False
+
+
+def _sharded(model) -> bool:
+    """Whether FSDP (FSDP1 or FSDP2) wraps any part of ``model``: then forwards are collectives."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = FullyShardedDataParallel
+    return any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules())
 
 
 def _unwrap(model):

@@ -79,8 +79,9 @@ def read_state(checkpoint_path: str) -> dict:
 def load_unet(checkpoint_path: str, ema: bool = True):
     """``(unet, info)``: the trained UNet (EMA weights when ``ema`` and present) and how it was trained.
 
-    ``info`` holds ``model_ref, unet_config, scaling_factor, prediction_type, resolution, text_dim`` and
-    ``ema_used``.
+    ``info`` holds ``model_ref, unet_config, scaling_factor, prediction_type, resolution, text_dim``,
+    ``noise_schedule`` (the training noise schedule; None in checkpoints written before it was recorded,
+    whose samplers fall back to the model reference's scheduler config) and ``ema_used``.
     """
     from diffusers import UNet2DConditionModel
 

@@ -146,6 +146,23 @@ def load_scheduler(ref: str, name: str = "ddpm"):
     return classes[name].from_pretrained(_component(ref, "scheduler"))
 
 
+# The scheduler config keys that define the noise schedule a UNet was trained on (the rest of a
+# scheduler config is how to sample: spacing, offsets, solver settings).
+SCHEDULE_KEYS = ("num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "trained_betas",
+                 "rescale_betas_zero_snr")
+
+
+def noise_schedule_of(scheduler_config) -> dict:
+    """The noise schedule of a scheduler config, as checkpoints carry it: :data:`SCHEDULE_KEYS`, with
+    ``rescale_betas_zero_snr`` (zero terminal SNR) False when the config does not have it."""
+    config = dict(scheduler_config)
+    schedule = {k: config.get(k) for k in SCHEDULE_KEYS}
+    schedule["rescale_betas_zero_snr"] = bool(schedule["rescale_betas_zero_snr"])
+    if schedule["trained_betas"] is not None:
+        schedule["trained_betas"] = [float(b) for b in schedule["trained_betas"]]
+    return schedule
+
+
 def vae_downsample(vae_config: dict) -> int:
     """Spatial downsampling factor of an AutoencoderKL config (8 for SD2)."""
     return 2 ** (len(vae_config["block_out_channels"]) - 1)

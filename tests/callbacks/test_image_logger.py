@@ -1,7 +1,9 @@
-"""ImageLogger: fixed-prompt grids during Composer training, with EMA weights when EMA is in the trainer."""
+"""ImageLogger: fixed-prompt grids during Composer training, with EMA weights when EMA is in the trainer,
+at the training resolution, on rank 0 (every rank under FSDP, where forwards are collectives)."""
 
 import contextlib
 import os
+import types
 
 import numpy as np
 import pytest
@@ -21,11 +23,13 @@ PROMPTS = ["a red circle", "a blue square"]
 class TinyDiffusion(ComposerModel):
     """Just enough of a diffusion ComposerModel: a UNet, its model reference, a loss."""
 
-    def __init__(self, kit):
+    def __init__(self, kit, resolution=None):
         super().__init__()
         from diffusers import UNet2DConditionModel
         self.unet = UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet"))
         self.model_ref = kit
+        if resolution:
+            self.resolution = resolution
 
     def forward(self, batch):
         return self.unet(batch["latents"], 10, encoder_hidden_states=batch["embeds"]).sample
@@ -56,6 +60,10 @@ class ImageCapture(LoggerDestination):
 
 class EMA(ema.EMA):
     """The real EMA with a recognisable swap: ``ema_weights(model)`` halves the weights while inside."""
+
+    @property
+    def started(self):
+        return True
 
     def match(self, event, state):
         return False
@@ -91,9 +99,10 @@ def _fit(model, callback, *, algorithms=(), eval_interval=None, duration="2ba"):
 def test_interval_logs_the_same_grid_for_unchanged_weights_and_saves_pngs(tiny_kit, tmp_path):
     callback = ImageLogger(PROMPTS, interval="1ba", steps=2, images_per_prompt=2, save_folder=str(tmp_path / "png"))
     logged = _fit(TinyDiffusion(tiny_kit), callback)
-    assert [(name, step) for name, step, _ in logged] == [("samples", 1), ("samples", 2)]
+    assert [(name, step) for name, step, _ in logged] == [("samples_raw", 1), ("samples_raw", 2)]
     assert np.array_equal(logged[0][2], logged[1][2])  # fixed seed, lr 0: identical pictures
     assert len(callback.saved) == 2 and all(os.path.exists(p) for p in callback.saved)
+    assert os.path.basename(callback.saved[0]) == "samples_raw_00000001.png"
     images, prompts = grid.read_grid(callback.saved[0])
     assert prompts == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
     assert np.array_equal(np.asarray(grid.make_grid(images, prompts, columns=2)), logged[0][2])
@@ -106,6 +115,7 @@ def test_uses_ema_weights_when_ema_is_present_and_restores_training_weights(tiny
     with_ema = _fit(model, ImageLogger(PROMPTS, interval="1ba", steps=2), algorithms=[EMA()], duration="1ba")
     without = _fit(TinyDiffusion(tiny_kit), ImageLogger(PROMPTS, interval="1ba", steps=2, use_ema=False),
                    algorithms=[EMA()], duration="1ba")
+    assert (with_ema[0][0], without[0][0]) == ("samples_ema", "samples_raw")  # the key says which weights
     assert np.abs(with_ema[0][2].astype(int) - without[0][2].astype(int)).mean() > 1
     for k, v in model.unet.state_dict().items():
         torch.testing.assert_close(v, before[k])
@@ -120,6 +130,82 @@ def test_uses_ema_weights_when_ema_is_present_and_restores_training_weights(tiny
 def test_logs_at_eval_by_default(tiny_kit):
     logged = _fit(TinyDiffusion(tiny_kit), ImageLogger(PROMPTS, steps=2), eval_interval="1ba", duration="2ba")
     assert [step for _, step, _ in logged] == [1, 2]
+
+
+# ---- log_grid called directly, with just the parts of Composer's State it reads -----------------------
+
+def _state(model, algorithms=()):
+    return types.SimpleNamespace(model=model, algorithms=list(algorithms), run_name="run",
+                                 timestamp=types.SimpleNamespace(batch=7))
+
+
+@pytest.fixture(scope="module")
+def half_res_model(tiny_kit):
+    """The tiny kit's UNet (sample size 8: 64 px with the kit's VAE) trained at 32 px."""
+    return TinyDiffusion(tiny_kit, resolution=32)
+
+
+def test_grid_is_drawn_at_the_training_resolution_not_the_unet_config_size(half_res_model, tiny_kit, tmp_path):
+    assert sampling.default_size(half_res_model.unet, tiny_kit) == 64
+    callback = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path))
+    capture = ImageCapture()
+    callback.log_grid(_state(half_res_model), capture)
+    images, _ = grid.read_grid(callback.saved[0])
+    assert [im.size for im in images] == [(32, 32)] * len(PROMPTS)
+    # an explicit size still wins
+    ImageLogger(PROMPTS, steps=2, size=48, save_folder=str(tmp_path / "48")).log_grid(_state(half_res_model), capture)
+    assert {im.size for im in grid.read_grid(str(tmp_path / "48" / "samples_raw_00000007.png"))[0]} == {(48, 48)}
+
+
+def test_key_names_the_weights_that_drew_the_grid(half_res_model, tmp_path):
+    capture = ImageCapture()
+    ImageLogger(PROMPTS, steps=2).log_grid(_state(half_res_model, [EMA()]), capture)
+    ImageLogger(PROMPTS, steps=2, use_ema=False).log_grid(_state(half_res_model, [EMA()]), capture)
+    ImageLogger(PROMPTS, steps=2).log_grid(_state(half_res_model), capture)  # no EMA in the trainer
+    not_started = ema.EMA()  # the real EMA before its start batch: there is no average yet
+    ImageLogger(PROMPTS, steps=2).log_grid(_state(half_res_model, [not_started]), capture)
+    assert [name for name, _, _ in capture.images] == ["samples_ema", "samples_raw", "samples_raw", "samples_raw"]
+    assert not np.array_equal(capture.images[0][2], capture.images[1][2])
+
+
+def test_other_ranks_neither_sample_nor_log_without_fsdp(half_res_model, monkeypatch, tmp_path):
+    from diffusion.callbacks import image_logger
+    monkeypatch.setattr(image_logger.dist, "get_global_rank", lambda: 1)
+    callback, capture = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path)), ImageCapture()
+    assert callback.log_grid(_state(half_res_model), capture) is None
+    assert callback._sampler is None  # nothing loaded, nothing sampled
+    assert capture.images == [] and os.listdir(tmp_path) == []
+
+
+def test_under_fsdp_other_ranks_sample_but_only_rank0_logs(half_res_model, monkeypatch, tmp_path):
+    """Every FSDP forward all-gathers the shards: a rank that skipped sampling would hang rank 0."""
+    from diffusion.callbacks import image_logger
+    monkeypatch.setattr(image_logger.dist, "get_global_rank", lambda: 1)
+    monkeypatch.setattr(image_logger, "_sharded", lambda model: True)
+    callback, capture = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path)), ImageCapture()
+    forwards = []
+    half_res_model.unet.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        assert callback.log_grid(_state(half_res_model), capture) is None
+    finally:
+        half_res_model.unet._forward_pre_hooks.clear()
+    assert len(forwards) == 2  # the same forwards as rank 0: 2 steps, both prompts and guidance in one batch
+    assert capture.images == [] and os.listdir(tmp_path) == []
+
+
+def test_a_zero_terminal_snr_model_is_sampled_with_its_schedule(half_res_model):
+    from diffusion.models import loading
+    schedule = dict(loading.noise_schedule_of(loading.load_scheduler(half_res_model.model_ref).config),
+                    rescale_betas_zero_snr=True)
+    half_res_model.noise_schedule = schedule
+    try:
+        sampler = ImageLogger(PROMPTS, steps=2)._get_sampler(half_res_model)
+    finally:
+        del half_res_model.noise_schedule
+    assert sampler.zero_terminal_snr
+    assert sampler.scheduler.config.timestep_spacing == "trailing"
+    sampler.scheduler.set_timesteps(2)
+    assert sampler.scheduler.timesteps[0] == 999 and sampler.scheduler.alphas_cumprod[999] == 0
 
 
 def test_bad_settings_fail_at_construction():

@@ -53,3 +53,12 @@ def test_hub_id_offline_fails_with_a_helpful_message(tmp_path, monkeypatch):
         loading.resolve_model("stabilityai/stable-diffusion-2-base")
     assert "stabilityai/stable-diffusion-2-base" in str(err.value)
     assert "python -m diffusion.kit" in str(err.value)
+
+
+def test_noise_schedule_of_a_scheduler_config(sd2_kit):
+    config = dict(loading.load_scheduler(sd2_kit, "ddpm").config)
+    schedule = loading.noise_schedule_of(config)
+    assert schedule == {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+                        "beta_end": 0.012, "trained_betas": None, "rescale_betas_zero_snr": False}
+    del config["rescale_betas_zero_snr"]  # configs written by older diffusers lack the key: not rescaled
+    assert loading.noise_schedule_of(config)["rescale_betas_zero_snr"] is False

@@ -113,8 +113,22 @@ def test_checkpoint_state_describes_the_model(train_kit):
     dim = kit_text_dim(train_kit)
     assert extra["resolution"] == 64 and extra["scaling_factor"] == SF and extra["text_dim"] == dim
     assert extra["prediction_type"] == "epsilon" and extra["unet_config"]["cross_attention_dim"] == dim
+    assert extra["noise_schedule"]["rescale_betas_zero_snr"] is False
     with pytest.raises(ValueError, match="text_dim"):
         model.set_extra_state(dict(extra, text_dim=1024))
+
+
+def test_checkpoint_state_carries_the_zero_terminal_snr_schedule_training_used(train_kit):
+    """Samplers rebuild the schedule from the checkpoint: it must give exactly training's ᾱ, ending at 0."""
+    from diffusers import DDIMScheduler
+    model = _model(train_kit, zero_terminal_snr=True, prediction_type="v_prediction")
+    schedule = model.state_dict()["_extra_state"]["noise_schedule"]
+    assert schedule["rescale_betas_zero_snr"] is True
+    rebuilt = DDIMScheduler(**schedule).alphas_cumprod
+    torch.testing.assert_close(rebuilt.sqrt(), model.sqrt_alphas_cumprod, rtol=1e-5, atol=1e-6)
+    assert rebuilt[-1] == 0
+    with pytest.warns(UserWarning, match="noise_schedule"):  # phase 2 without ZTSNR on a ZTSNR phase 1
+        _model(train_kit).set_extra_state(model.state_dict()["_extra_state"])
 
 
 def test_sd2_unet_flops_match_the_reference(sd2_kit):
