@@ -23,6 +23,11 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
   file is only found by reading all of it, so a check at start could not find it without reading
   the whole input twice, and stopping hours into a conversion for one file wastes the rest. A re-run
   tries a failed file again (the record goes once it reads to its end).
+- A key given to rows of two input files (parquet's key column): the row of the file that comes first
+  in input order is kept, the others are ``duplicate_key`` rejects, as a key repeated within one file
+  is (its first row kept). Which files share a key is found before any row is read, from the key
+  columns alone (:func:`keys_taken_by_earlier_files`), so the choice does not depend on which read
+  task runs first, and a re-run makes the same one.
 - What stops at start (:func:`check_inputs`): inputs that do not exist, hold no file of a known format,
   or where no parquet file is readable; and asked-for columns missing from the first readable parquet
   file, which is the flags' fault rather than a file's.
@@ -30,6 +35,7 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import hashlib
@@ -149,7 +155,7 @@ def _open(uri: str):
 
 
 KEY_SCHEME = 2  # how rows without a key get one; an output made with another scheme is not resumed
-DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row of the same file
+DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row (this file or an earlier one)
 
 
 def input_names(files: list[str]) -> dict[str, str]:
@@ -257,9 +263,10 @@ def valid_row(row: dict, name: str, index: int) -> dict:
 REJECT = "_reject"  # a row generator yields {REJECT: reason, RAW_KEY: key or None} for a sample it cannot make
 
 
-def _batches(rows: Iterator[dict | None], name: str, on_reject=None) -> Iterator[dict]:
+def _batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
-    was seen before in this file (``duplicate_key``), is not a row but a reject, reported to
+    was seen before in this file or is ``taken`` ({key: file}) by another file (``duplicate_key``),
+    is not a row but a reject, reported to
     ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
     file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
     (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
@@ -293,7 +300,7 @@ def _batches(rows: Iterator[dict | None], name: str, on_reject=None) -> Iterator
             if key is not None:
                 seen.add(key)
             continue
-        if key in seen:
+        if key in seen or (taken and taken.get(key, name) != name):
             if on_reject is not None:
                 on_reject({f"{key}#{name}:{position}": DUPLICATE_KEY})
             continue
@@ -347,6 +354,73 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
                        schema.RAW_IMAGE: row[columns.image], schema.WIDTH: row.get(schema.WIDTH),
                        schema.HEIGHT: row.get(schema.HEIGHT)}
+
+
+def _parquet_keys(uri: str, columns: RawColumns, name: str) -> Iterator[str]:
+    """The explicit keys of a parquet file's sample rows (its key column only; rows without a usable
+    key, or that are not samples, left out), for :func:`keys_taken_by_earlier_files`."""
+    import pyarrow.parquet as pq
+    with _open(uri) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        if columns.key not in names:
+            return
+        wanted = [columns.key] + ([schema.RAW_STATUS] if schema.RAW_STATUS in names else [])
+        index = 0
+        for record_batch in pf.iter_batches(batch_size=1 << 16, columns=wanted):
+            keys = record_batch.column(0).to_pylist()
+            status = record_batch.column(1).to_pylist() if len(wanted) > 1 else [None] * len(keys)
+            for value, state in zip(keys, status):
+                index += 1
+                if state is not None and state != "success":
+                    continue
+                try:
+                    key = _row_key(value, name, index - 1)
+                except Rejected:
+                    continue
+                if key != derived_key(name, index - 1):  # derived keys name their file: never shared
+                    yield key
+
+
+def keys_taken_by_earlier_files(formats: dict[str, str], names: dict[str, str],
+                                columns: RawColumns = RawColumns()) -> dict[str, str]:
+    """{key: name of the first file, in input order, that gives it} for each explicit key that more
+    than one parquet input file gives; the rows of the other files with that key are ``duplicate_key``
+    rejects. Reads only the key columns, twice where keys repeat: once to find repeated keys by
+    their 64-bit hashes (8 bytes a row held at once), then, in the files that hold such a hash, the
+    keys themselves (so two keys that only share a hash stay two). A file that cannot be read is left
+    out (its read task records it as a failed input)."""
+    import numpy as np
+    errors = file_errors()
+    files = [uri for uri, fmt in formats.items() if fmt == "parquet"]
+    hashed = []
+    for order, uri in enumerate(files):
+        try:
+            hashes = np.fromiter((hash(k) for k in _parquet_keys(uri, columns, names[uri])), np.int64)
+        except errors:
+            hashes = np.zeros(0, np.int64)
+        hashed.append(np.unique(hashes))  # a key repeated within one file is that file's own business
+    if len(files) < 2:
+        return {}
+    every = np.concatenate(hashed)
+    values, counts = np.unique(every, return_counts=True)
+    shared = values[counts > 1]
+    if not len(shared):
+        return {}
+    shared_set = set(shared.tolist())
+    first: dict[str, str] = {}
+    holders: dict[str, int] = collections.Counter()
+    for uri, hashes in zip(files, hashed):
+        if not np.isin(hashes, shared).any():
+            continue
+        try:
+            keys = {k for k in _parquet_keys(uri, columns, names[uri]) if hash(k) in shared_set}
+        except errors:
+            continue
+        for key in keys:
+            first.setdefault(key, names[uri])
+            holders[key] += 1
+    return {key: owner for key, owner in first.items() if holders[key] > 1}
 
 
 # ---- webdataset ----------------------------------------------------------------------------------
@@ -412,11 +486,12 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
 
 
 def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), name: str | None = None,
-                      on_reject=None) -> Iterator[dict]:
+                      on_reject=None, taken=None) -> Iterator[dict]:
     """Column batches of the valid raw rows in one input file; ``name`` is the file's name under the
     input root (:func:`input_names`), which keys rows that have none. Rejected rows go to
     ``on_reject({id: reason})`` (:func:`_batches`); a file that cannot be read raises (see
-    :func:`file_errors`) after the rows before the damage."""
+    :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
+    for keys several files give (:func:`keys_taken_by_earlier_files`)."""
     name = name or posixpath.basename(uri)
     if fmt == "parquet":
         rows = _parquet_rows(uri, columns, name)
@@ -426,7 +501,7 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
         rows = _folder_rows(uri, name)
     else:
         raise ValueError(f"unknown input format {fmt!r}")
-    yield from _batches(rows, name, on_reject)
+    yield from _batches(rows, name, on_reject, taken)
 
 
 # ---- files that cannot be read -------------------------------------------------------------------
@@ -497,10 +572,11 @@ def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callab
     skips it. Rejected rows go to ``on_reject({id: reason})``."""
     formats = input_files(inputs)
     names = file_names(formats)
+    taken = keys_taken_by_earlier_files(formats, names, columns)
     errors = file_errors()
     for uri, fmt in formats.items():
         try:
-            for batch in iter_file_batches(uri, fmt, columns, names[uri], on_reject):
+            for batch in iter_file_batches(uri, fmt, columns, names[uri], on_reject, taken):
                 yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
         except errors as e:
             if on_failed_file is None:
@@ -520,9 +596,10 @@ class _ReadFiles:
     the next file read; a file read to its end has any earlier failure record removed."""
 
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
-                 rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset()):
+                 rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
+                 taken: dict | None = None):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
-        self.rejects_dir, self.failed_dir, self.recorded = rejects_dir, failed_dir, recorded
+        self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -536,7 +613,8 @@ class _ReadFiles:
             uri = str(uri)
             name, pending, rows_read = self.names[uri], {}, 0
             try:
-                for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update):
+                for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
+                                               self.taken):
                     self._flush(pending)
                     rows_read += len(batch[schema.RAW_KEY])
                     keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys]
@@ -602,11 +680,12 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     if failed_inputs_dir is None and rejects_dir:
         failed_inputs_dir = os.path.join(os.path.dirname(os.path.normpath(rejects_dir)), FAILED_INPUTS_DIR)
     skip = frozenset(skip_keys)
+    taken = keys_taken_by_earlier_files(formats, names, columns)
     files = list(formats)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
-        return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip),
+        return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken),
                               batch_size=1, batch_format="numpy", zero_copy_batch=True)
-    ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip),
+    ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken),
                         batch_size=1, batch_format="numpy")
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

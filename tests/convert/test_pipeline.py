@@ -198,9 +198,9 @@ def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sam
 
 @pytest.mark.slow
 def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_config, tmp_path, ray_local):
-    """Files whose names shared a stem, images differing only in suffix, and a key repeated in one
-    file: every row is written once or rejected once, before and after a kill and re-run, and
-    dataset.json counts what a reader sees."""
+    """Files whose names shared a stem, images differing only in suffix, a key repeated in one file
+    and a key repeated in another file: every row is written once or rejected once, before and after
+    a kill and re-run, and dataset.json counts what a reader sees."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from diffusion.kit.sample import render_scene
@@ -220,13 +220,19 @@ def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_conf
     images, captions = zip(*(jpeg() for _ in range(4)))
     pq.write_table(pa.table({"jpg": list(images), "caption": list(captions), "key": ["k0", "k1", "k0", "k2"]}),
                    raw / "keyed.parquet")
-    distinct, duplicates = 4 * 5 + 3, 1
+    first_k1 = captions[1]
+    images, captions = zip(*(jpeg() for _ in range(2)))
+    pq.write_table(pa.table({"jpg": list(images), "caption": list(captions), "key": ["k1", "k3"]}),
+                   raw / "keyed2.parquet")  # k1 is keyed.parquet's: a duplicate here
+    distinct, duplicates = 4 * 5 + 3 + 1, 2
 
     out = tmp_path / "mds"
     run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=9))  # the "crash"
     summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
-    keys = [s[schema.KEY] for s in _read_back(out)]
+    samples = _read_back(out)
+    keys = [s[schema.KEY] for s in samples]
     assert len(keys) == len(set(keys)) == distinct == summary.written
+    assert {s[schema.KEY]: s[schema.CAPTION] for s in samples}["k1"] == first_k1  # the first file's row
     assert summary.rejects == {"duplicate_key": duplicates}
     info = schema.DatasetInfo.load(str(out))
     assert (info.count, info.rows_in) == (distinct, distinct + duplicates)

@@ -141,6 +141,25 @@ def test_repeated_keys_in_one_file_are_counted_duplicates_not_rows(tmp_path):
         assert list(recorded.values()) == [DUPLICATE_KEY], fmt
 
 
+def test_a_key_repeated_across_files_is_kept_in_the_first_file_and_a_counted_duplicate_in_the_others(tmp_path):
+    # b.parquet gives k1 (a's) and 7 (c's int 7); c.parquet gives 7 again; derived keys never collide.
+    for name, keys, captions in (("a", ["k1", "k2"], ["a1", "a2"]), ("b", ["k3", "k1", "7", None], ["b1", "b2", "b3", "b4"]),
+                                 ("c", [None, "8", "7"], ["c1", "c2", "c3"])):
+        pq.write_table(pa.table({"jpg": [_jpeg()] * len(keys), "caption": captions, "key": keys}),
+                       tmp_path / f"{name}.parquet")
+    pq.write_table(pa.table({"jpg": [_jpeg()], "caption": ["d1"], "key": pa.array([7], pa.int64())}),
+                   tmp_path / "d.parquet")
+    from diffusion.convert.readers import DUPLICATE_KEY
+    for _ in range(2):  # the same choice every time
+        recorded = {}
+        rows = list(iter_rows(tmp_path, on_reject=recorded.update))
+        assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION]) for r in rows] == [
+            ("k1", "a1"), ("k2", "a2"), ("k3", "b1"), ("7", "b3"), ("b.parquet:000000003", "b4"),
+            ("c.parquet:000000000", "c1"), ("8", "c2")]
+        assert recorded == {"k1#b.parquet:1": DUPLICATE_KEY, "7#c.parquet:2": DUPLICATE_KEY,
+                            "7#d.parquet:0": DUPLICATE_KEY}
+
+
 # ---- hostile rows, broken files, mixed formats (issue 17) ----------------------------------------
 
 def _batches_of(uri, fmt, name=None):
