@@ -109,3 +109,12 @@ def test_corrupt_reject_files_are_removed_and_their_rows_redone(tmp_path):
     assert done_keys(str(tmp_path))[1] == {"r1": "too_small"} and summarize(str(tmp_path)).rejects == {"too_small": 1}
     remove_temporary_parts(str(tmp_path))  # what a re-run does first
     assert os.listdir(rejects) == [os.path.basename(good)]
+
+
+def test_shards_record_xxh3_64_which_the_loader_checks(tmp_path):
+    from diffusion.train.mds_source import pick_hash
+    part = _sink(tmp_path).write([_block(["k1", "k2"])], ctx=None)["part"]
+    for shard in json.loads((tmp_path / part / INDEX_JSON).read_text())["shards"]:
+        for data in (shard["raw_data"], shard["zip_data"]):
+            assert sorted(data["hashes"]) == ["sha1", "xxh3_64"]
+            assert pick_hash(data["hashes"]) == "xxh3_64"
