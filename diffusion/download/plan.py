@@ -3,10 +3,12 @@
 Shards are planned from the input alone, so a re-run produces the same shards with the same keys:
 files in sorted order, each cut into ``rows_per_shard`` consecutive rows (a file's last shard may be
 shorter; shards never span files, like img2dataset). Parquet row counts come from the footer; csv and
-jsonl files are read once to count rows.
+jsonl files are read once to count rows, and a parquet file's wanted columns are read once too (a
+footer can be intact over damaged column data).
 
-A file that cannot be read stops the job at start, naming the file: planning reads every file (or its
-footer) before anything is downloaded, so this costs nothing. A row that holds a wrong kind of value
+A file that cannot be read stops the job at start with one line naming the file: planning reads every
+file before anything is downloaded, so damage (a corrupt parquet data page, a csv row with too many or
+too few fields) costs no work, and a shard task never meets it. A row that holds a wrong kind of value
 does not: URLs and captions that are numbers become their text (a caption "1984"), ones that cannot
 be text (a list, bytes that are not UTF-8) become null, so the row fails as ``invalid_url`` or goes on
 without a caption (the converter then rejects it as ``empty_caption``); a jsonl file whose rows
@@ -162,8 +164,15 @@ def count_rows(fs: pa_fs.FileSystem, path: str, fmt: str, columns: InputColumns)
         with fs.open_input_file(path) as f:
             parquet = pq.ParquetFile(f)
             _require(path, columns.names(), parquet.schema_arrow.names)
+            for _ in parquet.iter_batches(batch_size=1 << 16, columns=columns.names()):
+                pass  # decodes every page of the wanted columns: damage past an intact footer shows here
             return parquet.metadata.num_rows
     return read_input(fs, path, fmt, columns).num_rows
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def plan_shards(uri: str, columns: InputColumns, rows_per_shard: int,
@@ -177,15 +186,27 @@ def plan_shards(uri: str, columns: InputColumns, rows_per_shard: int,
     for path, fmt in files:
         try:
             n = count_rows(fs, path, fmt, columns)
-        except pa.ArrowException as e:  # a damaged file, or another format under a .parquet name
-            raise InputError(f"{path}: not a readable {fmt} file ({e})") from None
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # damaged, or another format
+            raise InputError(f"{path}: not a readable {fmt} file ({_one_line(e)}); repair or remove it "
+                             f"and re-run") from None
         for start in range(0, n, rows_per_shard):
             shards.append(ShardSpec(len(shards), path, start, min(start + rows_per_shard, n)))
     return shards, dict(files)
 
 
 def read_shard(uri: str, spec: ShardSpec, fmt: str, columns: InputColumns) -> pa.Table:
-    """The input rows of one shard. Parquet reads only the row groups the shard overlaps."""
+    """The input rows of one shard. Parquet reads only the row groups the shard overlaps. A file
+    damaged since it was planned is an InputError naming it and the rows."""
+    try:
+        return _read_shard(uri, spec, fmt, columns)
+    except InputError:
+        raise
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{spec.path}: rows {spec.start}-{spec.stop - 1} cannot be read as {fmt} "
+                         f"({_one_line(e)}); repair or remove the file and re-run") from None
+
+
+def _read_shard(uri: str, spec: ShardSpec, fmt: str, columns: InputColumns) -> pa.Table:
     fs, _ = open_filesystem(uri)
     if fmt != "parquet":
         return read_input(fs, spec.path, fmt, columns).slice(spec.start, spec.stop - spec.start)

@@ -20,6 +20,7 @@ from diffusion.download.job import DownloadConfig, download
 from diffusion.download.http import USER_AGENT, FetchConfig, Fetcher, FetchError
 from diffusion.download.image import ImageRules, check_image
 from diffusion.download.plan import InputColumns, ShardSpec, plan_shards
+from diffusion.errors import InputError
 from diffusion.download.shard import ShardJob, ShardNaming, download_shard
 
 FETCH = FetchConfig(timeout=0.5, retries=2, backoff=0.01, max_bytes=200_000, max_redirects=3)
@@ -219,6 +220,51 @@ def test_hostile_input_values_do_not_fail_the_file(tmp_path):
     shards, _ = plan_shards(str(tmp_path / "bin.parquet"), InputColumns(), rows_per_shard=10)
     rows = read_shard(str(tmp_path / "bin.parquet"), shards[0], "parquet", InputColumns()).to_pylist()
     assert [r["TEXT"] for r in rows] == [None, "ok"]  # not UTF-8: no caption, the row goes on
+
+
+def _refused(config):
+    """Run the download of ``config``: it must stop at start with one line, and write nothing."""
+    with pytest.raises(InputError) as err:
+        download(config)
+    message = str(err.value)
+    assert "\n" not in message and not os.path.exists(config.output)
+    return message
+
+
+def test_a_parquet_file_with_an_intact_footer_over_damaged_data_stops_at_start_naming_it(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    _write_input(src / "a.parquet", [f"http://127.0.0.1:1/{i}.jpg" for i in range(6)])
+    urls = [f"http://127.0.0.1:1/{i}.jpg" for i in range(500)]
+    pq.write_table(pa.table({"URL": urls, "TEXT": [f"a longer caption, number {i}" for i in range(500)]}),
+                   src / "b.parquet", compression="none")
+    data = bytearray((src / "b.parquet").read_bytes())
+    data[100:len(data) // 2] = b"\xab" * (len(data) // 2 - 100)  # the data pages, not the footer
+    (src / "b.parquet").write_bytes(bytes(data))
+    assert pq.ParquetFile(src / "b.parquet").metadata.num_rows == 500  # the footer reads
+    message = _refused(DownloadConfig(input=str(src), output=str(tmp_path / "out")))
+    assert message.startswith(f"{src / 'b.parquet'}: not a readable parquet file (") and "re-run" in message
+
+
+@pytest.mark.parametrize("line,problem", [("http://a/2.jpg,a caption,extra", "Expected 2 columns, got 3"),
+                                          ("http://a/2.jpg", "Expected 2 columns, got 1")])
+def test_a_csv_row_with_too_many_or_too_few_fields_stops_at_start_naming_the_file(tmp_path, line, problem):
+    src = tmp_path / "in.csv"
+    src.write_text(f"URL,TEXT\nhttp://a/1.jpg,a cat\n{line}\nhttp://a/3.jpg,a dog\n")
+    message = _refused(DownloadConfig(input=str(src), output=str(tmp_path / "out")))
+    assert message.startswith(f"{src}: not a readable csv file (") and problem in message
+
+
+def test_a_shard_of_a_file_damaged_after_planning_names_the_file_and_rows(tmp_path):
+    from diffusion.download.plan import read_shard
+    src = _write_input(tmp_path / "in.parquet", [f"http://127.0.0.1:1/{i}.jpg" for i in range(6)])
+    shards, _ = plan_shards(src, InputColumns(), rows_per_shard=4)
+    with open(src, "r+b") as f:  # damaged while the job runs: the footer stays, the data goes
+        f.seek(4)
+        f.write(b"\xab" * 64)
+    with pytest.raises(InputError) as err:
+        read_shard(src, shards[0], "parquet", InputColumns())
+    assert str(err.value).startswith(f"{src}: rows 0-3 cannot be read as parquet (")
 
 
 @pytest.mark.parametrize("mode,size,expected", [("no", 32, (64, 48)), ("center_crop", 32, (32, 32)),
