@@ -63,9 +63,13 @@ class ImageLogger(Callback):
         self._due = create_interval_scheduler(interval, checkpoint_events=False) if interval else None
         self._sampler = None  # loaded on first use: the VAE and text encoder stay resident after that
         self.saved: list[str] = []
+        self._eval_logged_at: int | None = None
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        if self._due is None:
+        # EVAL_END comes once per evaluator (raw and EMA evaluators): one grid per eval is enough.
+        batch = int(state.timestamp.batch)
+        if self._due is None and batch != self._eval_logged_at:
+            self._eval_logged_at = batch
             self.log_grid(state, logger)
 
     def batch_end(self, state: State, logger: Logger) -> None:

@@ -132,6 +132,22 @@ def test_logs_at_eval_by_default(tiny_kit):
     assert [step for _, step, _ in logged] == [1, 2]
 
 
+def test_one_grid_per_eval_whatever_the_number_of_evaluators(tiny_kit):
+    """EVAL_END comes once per evaluator (training evaluates raw and EMA weights separately)."""
+    from composer.core import Evaluator
+    model = TinyDiffusion(tiny_kit)
+    data = torch.utils.data.DataLoader(Batches(model.unet), batch_size=2)
+    capture = ImageCapture()
+    trainer = Trainer(model=model, train_dataloader=data, max_duration="2ba", loggers=[capture],
+                      callbacks=[ImageLogger(PROMPTS, steps=2)], device="cpu", progress_bar=False,
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.0), eval_interval="1ba",
+                      eval_dataloader=[Evaluator(label="eval", dataloader=data),
+                                       Evaluator(label="eval_ema", dataloader=data)], save_folder=None)
+    trainer.fit()
+    trainer.close()
+    assert [step for _, step, _ in capture.images] == [1, 2]
+
+
 # ---- log_grid called directly, with just the parts of Composer's State it reads -----------------------
 
 def _state(model, algorithms=()):
