@@ -337,6 +337,14 @@ def test_a_read_only_compressed_dataset_uses_the_configured_cache(pristine, stor
     assert os.path.isfile(os.path.join(cache, "shard.00004.mds"))
 
 
+def test_a_read_only_uncompressed_dataset_is_read_in_place(pristine, stored, dim, tmp_path, unwritable):
+    mds = _copy(pristine, "none", tmp_path)
+    before = _listing(unwritable(mds))
+    assert not mds_source.needs_decompression_cache(mds)
+    assert sorted(_epoch(mds, dim, stored)) == list(range(N))
+    assert _listing(mds) == before
+
+
 def test_a_writable_compressed_dataset_decompresses_in_place(pristine, stored, dim, tmp_path):
     mds = _copy(pristine, "zstd", tmp_path)
     assert not mds_source.needs_decompression_cache(mds)
@@ -423,3 +431,17 @@ def test_cleanup_at_start_keeps_another_jobs_shared_memory_and_removes_a_killed_
             if job.poll() is None:
                 job.stdin.close()  # the job ends, and removes its shared memory as it exits
                 job.wait(timeout=60)
+
+
+def test_run_py_refuses_a_batch_larger_than_the_dataset_in_one_line(pristine, train_kit, tmp_path):
+    from train_fixtures import tiny_overrides
+    mds = _copy(pristine, "none", tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "run.py", "yamls/tiny-cpu.yaml",
+                             *tiny_overrides(train_kit, mds, batch_size=48)],
+                            cwd=root, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert (f"run.py: error: data.train.batch_size 48 is larger than dataset {mds}, which holds 40 samples"
+            in result.stderr)
