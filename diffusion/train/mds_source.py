@@ -662,6 +662,11 @@ def stale_shared_memory() -> tuple[list[str], list[str]]:
     this process and its dataset was deleted; a prefix's filelocks (in the temp directory) are stale
     once no segment of it is in use. Another job's segments and filelocks are never listed."""
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+    # Filelocks first: a dataset creates its segments before its filelocks, so one whose filelock is
+    # listed here has its segments listed (and mapped) below.
+    root = tempfile.gettempdir()
+    lock_names = [name for name in os.listdir(root)
+                  if name.endswith((f"_{BARRIER_FILELOCK}", f"_{CACHE_FILELOCK}")) and _prefix_of(name) is not None]
     try:
         entries = os.listdir(_SHM_DIR)
     except OSError:
@@ -679,10 +684,7 @@ def stale_shared_memory() -> tuple[list[str], list[str]]:
             segments += [os.path.join(_SHM_DIR, name) for name in sorted(names)]
         else:
             live.add(prefix_int)
-    root = tempfile.gettempdir()
-    locks = sorted(os.path.join(root, name) for name in os.listdir(root)
-                   if name.endswith((f"_{BARRIER_FILELOCK}", f"_{CACHE_FILELOCK}"))
-                   and _prefix_of(name) is not None and _prefix_of(name) not in live)
+    locks = sorted(os.path.join(root, name) for name in lock_names if _prefix_of(name) not in live)
     return segments, locks
 
 
