@@ -114,6 +114,11 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class FSDPSection:
+    # 1: torch's FullyShardedDataParallel, the path the suite runs (EMA swap, checkpoints, NaN stop).
+    # 2: torch's fully_shard (Composer's FSDP2Config): sharding_strategy FULL_SHARD or SHARD_GRAD_OP only
+    #    (as reshard_after_forward), a number for device_train_microbatch_size (Composer's 'auto' fails
+    #    there). Chosen here, not by Composer's FSDP_VERSION environment variable, so a YAML means one thing.
+    version: Literal[1, 2] = 1
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                "_HYBRID_SHARD_ZERO2"] = "SHARD_GRAD_OP"
     mixed_precision: str = "DEFAULT"  # Composer's FSDP mixed precision preset
@@ -354,6 +359,13 @@ def _check_consistency(cfg: Config) -> None:
              f"trainer.grad_clip_norm={t.grad_clip_norm} must be a positive norm (null or 0 turns clipping off)")
     if isinstance(t.device_train_microbatch_size, int) and t.device_train_microbatch_size <= 0:
         raise ConfigError("trainer.device_train_microbatch_size must be positive or 'auto'")
+    if t.fsdp is not None and t.fsdp.version == 2:
+        if t.fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise ConfigError(f"trainer.fsdp.sharding_strategy={t.fsdp.sharding_strategy} has no FSDP2 equivalent "
+                              f"here: use FULL_SHARD or SHARD_GRAD_OP, or trainer.fsdp.version=1")
+        if t.device_train_microbatch_size == "auto":
+            raise ConfigError("trainer.device_train_microbatch_size=auto fails under FSDP2 in Composer 0.32: give "
+                              "a number of samples, or use trainer.fsdp.version=1")
     if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms:
         raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.ema (the EMA is "
                           "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "

@@ -62,6 +62,12 @@ BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
 BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
+# Training batches also carry each sample's random draws (diffusion.train.batches.NoiseDraws), float32:
+BATCH_POSTERIOR_NOISE = "posterior_noise"  # (B, 4, h, w) ε of the latent's draw from its moments
+BATCH_NOISE = "noise"  # (B, 4, h, w) the diffusion noise ε
+BATCH_OFFSET_NOISE = "offset_noise"  # (B, 4) per-channel offset (used when model.offset_noise > 0)
+BATCH_TIMESTEP_DRAW = "timestep_draw"  # (B,) uniform in [0, 1): the timestep is ⌊u·T⌋
+BATCH_PERTURBATION_NOISE = "perturbation_noise"  # (B, 4, h, w) only when model.input_perturbation > 0
 
 
 def vae_moments_column(resolution: int) -> str:

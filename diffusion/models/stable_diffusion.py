@@ -1,8 +1,11 @@
 """The ComposerModel: a diffusers UNet trained to denoise latents drawn from stored VAE moments.
 
-One training step, per sample: latent = (mean + σ·ε) · scaling_factor  (the ONLY place latents are
-scaled), noise ~ N(0, I) (+ optional offset), t ~ U{0..T-1}, x_t = √ᾱ_t·latent + √(1-ᾱ_t)·noise,
-loss = MSE(UNet(x_t, t, text), target) with target = noise (epsilon) or v, optionally min-SNR-γ weighted.
+One training step, per sample: latent = (mean + σ·ε_z) · scaling_factor  (the ONLY place latents are
+scaled), noise ε ~ N(0, I) (+ optional offset), t ~ U{0..T-1}, x_t = √ᾱ_t·latent + √(1-ᾱ_t)·ε,
+loss = MSE(UNet(x_t, t, text), target) with target = ε (epsilon) or v, optionally min-SNR-γ weighted.
+The random numbers come with the batch, drawn per sample from (seed, epoch, key) by the loader
+(:class:`diffusion.train.batches.NoiseDraws`): the step is the same whatever the microbatch size or
+the number of ranks, and the forward has no generator or host sync for ``torch.compile`` to break on.
 Eval uses the same path with noise and timesteps pinned per held-out sample, so evals are comparable.
 """
 
@@ -24,7 +27,8 @@ from diffusion.models import loading
 # Modules FSDP wraps (and activation checkpointing recomputes) one by one: by name, so the wrapping
 # survives diffusers moving classes between modules.
 _BLOCKS = frozenset({"ResnetBlock2D", "BasicTransformerBlock"})
-EXTRA_STATE_KEYS = ("model_ref", "unet_config", "scaling_factor", "prediction_type", "resolution", "text_dim")
+EXTRA_STATE_KEYS = ("model_ref", "unet_config", "scaling_factor", "prediction_type", "resolution", "text_dim",
+                    "noise_schedule")
 
 
 class StableDiffusion(ComposerModel):
@@ -32,8 +36,7 @@ class StableDiffusion(ComposerModel):
 
     def __init__(self, unet, noise_scheduler, *, scaling_factor: float, model_ref: str, resolution: int,
                  downsample: int = 8, prediction_type: str | None = None, offset_noise: float = 0.0,
-                 min_snr_gamma: float | None = None, input_perturbation: float = 0.0, eval_seed: int = 0,
-                 noise_seed: int = 0):
+                 min_snr_gamma: float | None = None, input_perturbation: float = 0.0, eval_seed: int = 0):
         super().__init__()
         self.unet = unet
         self.model_ref = model_ref
@@ -49,51 +52,58 @@ class StableDiffusion(ComposerModel):
         self.min_snr_gamma = min_snr_gamma
         self.input_perturbation = input_perturbation
         self.eval_seed = eval_seed
+        # Carried in checkpoints (get_extra_state): samplers and export rebuild exactly this schedule.
+        self.noise_schedule = loading.noise_schedule_of(noise_scheduler.config)
         alphas_cumprod = noise_scheduler.alphas_cumprod.to(torch.float64)
         # Not persistent: the schedule is rebuilt from the model reference, not carried in checkpoints.
         self.register_buffer("sqrt_alphas_cumprod", alphas_cumprod.sqrt().float(), persistent=False)
         self.register_buffer("sqrt_one_minus_alphas_cumprod", (1 - alphas_cumprod).sqrt().float(), persistent=False)
         self.register_buffer("snr", (alphas_cumprod / (1 - alphas_cumprod)).float(), persistent=False)
-        self.noise_seed = int(noise_seed)
-        # Training noise comes from a generator seeded by (seed, rank, step), with the step saved in the
-        # checkpoint: a run resumed mid-epoch draws exactly the noise the uninterrupted run would have.
-        self.register_buffer("noise_step", torch.zeros((), dtype=torch.int64))
+        # Checkpoints written before the noise moved into the batch hold a step counter: not needed now.
+        self._register_load_state_dict_pre_hook(_drop_noise_step)
         self.loaded_extra_state: dict | None = None
         # Composer's FSDP and activation checkpointing ask the root's children for these.
         unet.fsdp_wrap_fn = _is_block
         unet.activation_checkpointing_fn = _is_block
 
     # ---- the one place latents are scaled ------------------------------------------------------------
-    def sample_latents(self, moments: torch.Tensor, generator=None) -> torch.Tensor:
-        """Draw a latent from the stored posterior moments and scale it for the UNet."""
+    def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
+        """Draw a latent from the stored posterior moments (with ``eps`` as the standard normal draw
+        when given) and scale it for the UNet."""
         if moments.shape[1:] != (2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size):
             raise ValueError(f"moments of shape {tuple(moments.shape[1:])} do not fit a {self.resolution}px model "
                              f"(expected {(2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size)})")
         mean, logvar = moments.float().chunk(2, dim=1)
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-        eps = _randn(mean.shape, generator, mean.device)
+        if eps is None:
+            eps = _randn(mean.shape, generator, mean.device)
         return (mean + std * eps) * self.scaling_factor
 
     # ---- training ------------------------------------------------------------------------------------
     def forward(self, batch: dict) -> dict:
         moments = batch[schema.BATCH_MOMENTS]
-        g = self._step_generator(moments.device)
-        latents = self.sample_latents(moments, generator=g)
-        noise = torch.randn(latents.shape, generator=g, device=latents.device)
+        latents = self.sample_latents(moments, eps=self._draw(batch, schema.BATCH_POSTERIOR_NOISE, moments))
+        noise = self._draw(batch, schema.BATCH_NOISE, moments)
         if self.offset_noise:
-            offset = torch.randn(*latents.shape[:2], 1, 1, generator=g, device=latents.device)
-            noise = noise + self.offset_noise * offset
-        timesteps = torch.randint(0, self.num_timesteps, (latents.shape[0],), generator=g, device=latents.device)
+            noise = noise + self.offset_noise * self._draw(batch, schema.BATCH_OFFSET_NOISE, moments)[..., None, None]
+        timesteps = (self._draw(batch, schema.BATCH_TIMESTEP_DRAW, moments) * self.num_timesteps).long()
+        timesteps = timesteps.clamp(0, self.num_timesteps - 1)
         perturbed = noise
         if self.input_perturbation and self.training:
-            perturbed = noise + self.input_perturbation * torch.randn(noise.shape, generator=g, device=noise.device)
+            perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
         return self._denoise(latents, noise, perturbed, timesteps, batch[schema.BATCH_TEXT_EMBEDS])
 
-    def _step_generator(self, device) -> torch.Generator:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        seed = ((self.noise_seed * 1_000_003 + rank) * 1_000_003 + int(self.noise_step)) % (2 ** 63)
-        self.noise_step += 1
-        return torch.Generator(device=device).manual_seed(seed)
+    @staticmethod
+    def _draw(batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
+        """The batch's per-sample draw ``name``; a batch built by hand without them gets fresh ones."""
+        if name in batch:
+            return batch[name].to(device=moments.device, dtype=torch.float32)
+        n, latent_channels = moments.shape[0], moments.shape[1] // 2
+        if name == schema.BATCH_TIMESTEP_DRAW:
+            return torch.rand(n, device=moments.device)
+        if name == schema.BATCH_OFFSET_NOISE:
+            return torch.randn(n, latent_channels, device=moments.device)
+        return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
 
     def _denoise(self, latents, noise, input_noise, timesteps, text_embeds) -> dict:
         a = self.sqrt_alphas_cumprod[timesteps].view(-1, 1, 1, 1)
@@ -148,22 +158,31 @@ class StableDiffusion(ComposerModel):
 
     # ---- self-description in checkpoints ---------------------------------------------------------------
     def get_extra_state(self) -> dict:
+        """What sampling and export need to rebuild this model: ``noise_schedule`` is the training noise
+        schedule (:func:`diffusion.models.loading.noise_schedule_of`, zero terminal SNR included), so
+        samplers use the betas training used, not just the model reference's."""
+        schedule = self.noise_schedule
         return {"model_ref": self.model_ref, "unet_config": dict(self.unet.config),
                 "scaling_factor": self.scaling_factor, "prediction_type": self.prediction_type,
-                "resolution": self.resolution, "text_dim": self.text_dim}
+                "resolution": self.resolution, "text_dim": self.text_dim,
+                "noise_schedule": dict(schedule) if schedule else None}
 
     def set_extra_state(self, state: dict) -> None:
         """Keep this model's settings (phase 2 loads phase-1 weights at a new resolution); check they fit."""
         self.loaded_extra_state = dict(state)
         if state.get("text_dim") not in (None, self.text_dim):
             raise ValueError(f"checkpoint was trained with text_dim {state['text_dim']}, this model has {self.text_dim}")
-        for key in ("scaling_factor", "prediction_type"):
+        for key in ("scaling_factor", "prediction_type", "noise_schedule"):
             if state.get(key) not in (None, getattr(self, key)):
                 warnings.warn(f"checkpoint {key}={state[key]!r} differs from this run's {getattr(self, key)!r}")
 
 
 def _is_block(module: torch.nn.Module) -> bool:
     return type(module).__name__ in _BLOCKS
+
+
+def _drop_noise_step(state_dict, prefix, *args) -> None:
+    state_dict.pop(prefix + "noise_step", None)
 
 
 def _randn(shape, generator, device) -> torch.Tensor:
@@ -228,4 +247,4 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0) -> StableDif
         scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,
         downsample=info.downsample, prediction_type=model_cfg.prediction_type,
         offset_noise=model_cfg.offset_noise, min_snr_gamma=model_cfg.min_snr_gamma,
-        input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed, noise_seed=seed)
+        input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed)

@@ -2,8 +2,10 @@
 
 The MDS source (stored shards) and the stream source (online mode) both hand over the same columns:
 VAE moments at the model's resolution, text embeddings, token ids and each sample's key. Caption
-dropout is a pure function of (seed, epoch, key), so a sample is dropped the same way whichever
-source, rank, worker or restart reads it, and the same rows give the same batch offline and online.
+dropout and every random number a training step draws for a sample (its posterior draw, noise,
+offset and timestep: :class:`NoiseDraws`) are pure functions of (seed, epoch, key), so a sample is
+treated the same way whichever source, rank, worker or restart reads it, and the same global batch
+gives the same gradient whatever the microbatch size or the number of ranks.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import torch
 from diffusion import schema
 
 
-def unit_hash(*values: int) -> float:
-    """A uniform number in [0, 1) that is a pure function of ``values`` (splitmix64 over them)."""
+def mix64(*values: int) -> int:
+    """A 64-bit number that is a pure function of ``values`` (splitmix64 folded over them)."""
     x = 0
     for v in values:
         x = (x ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 31
-    return (x >> 11) / float(1 << 53)
+    return x
+
+
+def unit_hash(*values: int) -> float:
+    """A uniform number in [0, 1) that is a pure function of ``values``."""
+    return (mix64(*values) >> 11) / float(1 << 53)
 
 
 def key_number(key: str) -> int:
@@ -48,6 +55,41 @@ class CaptionDropout:
         return np.array([self.drops(k, epoch) for k in keys], dtype=bool)
 
 
+# Separates the noise's seeds from caption dropout's, which hash the same (seed, epoch, key).
+_NOISE_STREAM = 0x6E6F697365
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseDraws:
+    """The random numbers one training step needs per sample, drawn in the loader from a generator
+    seeded by (seed, epoch, key), in a fixed order: the posterior draw ε_z and the noise ε (each the
+    latent's shape), a per-channel offset, a uniform number that picks the timestep, and with
+    ``perturbation`` the input-perturbation noise (last, so switching it on changes nothing else).
+
+    The model only reads them (no generator, no host sync, nothing for ``torch.compile`` to break on),
+    and a sample gets the same numbers however the global batch is split into ranks and microbatches.
+    """
+
+    seed: int = 0
+    perturbation: bool = False
+
+    def __call__(self, keys, epoch: int, latent_shape) -> dict[str, torch.Tensor]:
+        n, shape = len(keys), tuple(int(d) for d in latent_shape)
+        draws = {schema.BATCH_POSTERIOR_NOISE: torch.empty(n, *shape), schema.BATCH_NOISE: torch.empty(n, *shape),
+                 schema.BATCH_OFFSET_NOISE: torch.empty(n, shape[0]), schema.BATCH_TIMESTEP_DRAW: torch.empty(n)}
+        if self.perturbation:
+            draws[schema.BATCH_PERTURBATION_NOISE] = torch.empty(n, *shape)
+        generator = torch.Generator()
+        for i, key in enumerate(keys):
+            generator.manual_seed(mix64(self.seed, _NOISE_STREAM, epoch, key_number(key)))
+            for name, values in draws.items():  # dict order is the draw order
+                if name == schema.BATCH_TIMESTEP_DRAW:
+                    values[i:i + 1].uniform_(generator=generator)
+                else:
+                    values[i].normal_(generator=generator)
+        return draws
+
+
 SAMPLE_EPOCH = "epoch"  # in an MDS sample: the epoch it is read in (its caption dropout depends on it)
 
 
@@ -55,13 +97,16 @@ class ToModelBatch:
     """Stacked columns of one batch → the model's batch tensors, with caption dropout applied.
 
     ``columns`` maps contract column names to arrays with the batch first (``key`` to a sequence of
-    strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise).
+    strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise). With
+    ``noise`` (training batches), each sample's :class:`NoiseDraws` are added.
     """
 
-    def __init__(self, resolution: int, empty_text_embeds: np.ndarray, dropout: CaptionDropout = CaptionDropout()):
+    def __init__(self, resolution: int, empty_text_embeds: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
+                 noise: NoiseDraws | None = None):
         self.moments_column = schema.vae_moments_column(resolution)
         self.empty_text_embeds = np.asarray(empty_text_embeds, dtype=np.float16)
         self.dropout = dropout
+        self.noise = noise
 
     def __call__(self, columns: dict, epoch: int) -> dict[str, torch.Tensor]:
         text = columns[schema.TEXT_EMBEDS]
@@ -75,6 +120,10 @@ class ToModelBatch:
                  schema.BATCH_INPUT_IDS: torch.from_numpy(np.asarray(columns[schema.INPUT_IDS], dtype=np.int64))}
         if schema.BATCH_SAMPLE_INDEX in columns:
             batch[schema.BATCH_SAMPLE_INDEX] = torch.as_tensor(np.asarray(columns[schema.BATCH_SAMPLE_INDEX]))
+        if self.noise is not None:
+            moments = batch[schema.BATCH_MOMENTS]
+            latent_shape = (moments.shape[1] // 2, *moments.shape[2:])
+            batch.update(self.noise(columns[schema.KEY], epoch, latent_shape))
         return batch
 
 

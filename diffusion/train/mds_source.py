@@ -55,7 +55,7 @@ from streaming.base.world import World
 from diffusion import schema
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.storage import share_endpoint_with_streaming
-from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, StackSamples, ToModelBatch
+from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
 
 
 def is_remote(path: str) -> bool:
@@ -574,8 +574,9 @@ def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) ->
 
 
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
-                     seed: int = 0) -> StreamingDataLoader:
-    """A StreamingDataLoader yielding device batches (the global ``batch_size`` split across ranks)."""
+                     seed: int = 0, noise: NoiseDraws | None = None) -> StreamingDataLoader:
+    """A StreamingDataLoader yielding device batches (the global ``batch_size`` split across ranks),
+    with each sample's training draws when ``noise`` is given."""
     if loader_cfg.batch_size % world_size:
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
@@ -591,7 +592,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
         raise DataIntegrityError(f"{empty_path} is not an array written by convert/laion_to_mds.py "
                                  f"({type(e).__name__}: {_one_line(e)}): restore it from a copy, or re-convert "
                                  f"the dataset") from e
-    to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed))
+    to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.

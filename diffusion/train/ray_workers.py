@@ -329,11 +329,12 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
              "%d train worker(s) x %.2f CPU, %.2f GPU", pools.num_transformers, pools.cpus_per_transformer,
              pools.num_encoders, pools.cpus_per_encoder, pools.gpus_per_encoder, pools.encoder_batch,
              o.num_train_workers, o.train_cpus, o.train_gpus)
+    from diffusion.train.trainer import noise_draws
     info, empty_text_embeds = stream_info(cfg)
     plan = WorkerPlan(
         make_trainer=OnlineTrainer(cfg, info),
         to_batch=ToModelBatch(cfg.model.resolution, empty_text_embeds,
-                              CaptionDropout(cfg.data.train.caption_dropout, t.seed)),
+                              CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg)),
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),

@@ -21,8 +21,14 @@ from diffusion import components
 from diffusion.config import Config
 from diffusion import schema
 from diffusion.train import mds_source
+from diffusion.train.batches import NoiseDraws
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
 
+
+
+def noise_draws(cfg: Config) -> NoiseDraws:
+    """What the training loader draws per sample for the model (offline and online alike)."""
+    return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -43,14 +49,25 @@ def build_scheduler(cfg: Config):
 
 
 def build_parallelism(cfg: Config) -> dict | None:
-    """FSDP through Composer (SHARD_GRAD_OP by default); None means DDP (or a single process)."""
+    """FSDP through Composer (FSDP1, SHARD_GRAD_OP by default; ``trainer.fsdp.version: 2`` for FSDP2);
+    None means DDP (or a single process).
+
+    The config object is built here, whichever version, so Composer's ``FSDP_VERSION`` environment
+    variable cannot switch a run to FSDP2 and silently drop the FSDP1 settings it has no use for.
+    """
+    from composer.utils.parallelism import FSDP2Config, FSDPConfig
     fsdp = cfg.trainer.fsdp
     if fsdp is None:
         return None
-    return {"fsdp": {"sharding_strategy": fsdp.sharding_strategy, "mixed_precision": fsdp.mixed_precision,
-                     "state_dict_type": fsdp.state_dict_type, "limit_all_gathers": fsdp.limit_all_gathers,
-                     "forward_prefetch": fsdp.forward_prefetch, "backward_prefetch": fsdp.backward_prefetch,
-                     "activation_checkpointing": cfg.trainer.activation_checkpointing, "use_orig_params": True}}
+    if fsdp.version == 2:
+        # FSDP2 keeps the gathered parameters after forward when not resharding: SHARD_GRAD_OP.
+        return {"fsdp": FSDP2Config(reshard_after_forward=fsdp.sharding_strategy == "FULL_SHARD",
+                                    mixed_precision=fsdp.mixed_precision, state_dict_type=fsdp.state_dict_type,
+                                    activation_checkpointing=cfg.trainer.activation_checkpointing)}
+    return {"fsdp": FSDPConfig(sharding_strategy=fsdp.sharding_strategy, mixed_precision=fsdp.mixed_precision,
+                               state_dict_type=fsdp.state_dict_type, limit_all_gathers=fsdp.limit_all_gathers,
+                               forward_prefetch=fsdp.forward_prefetch, backward_prefetch=fsdp.backward_prefetch,
+                               activation_checkpointing=cfg.trainer.activation_checkpointing, use_orig_params=True)}
 
 
 def _fsdp_device(device: str, cfg: Config):
@@ -133,7 +150,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
                        world_size=dist.get_world_size(), seed=t.seed)
     train_loader = (train_dataloader if train_dataloader is not None
-                    else mds_source.build_dataloader(cfg.data.train, **loader_args))
+                    else mds_source.build_dataloader(cfg.data.train, noise=noise_draws(cfg), **loader_args))
     eval_loader = mds_source.build_dataloader(cfg.data.eval, **loader_args) if cfg.data.eval else None
 
     optimizer = build_optimizer(cfg, model)

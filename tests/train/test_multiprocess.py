@@ -1,12 +1,19 @@
-"""`composer -n 2 run.py yamls/tiny-cpu.yaml` on CPU (gloo DDP): disjoint samples, identical weights."""
+"""`composer -n 2 run.py yamls/tiny-cpu.yaml` on CPU (gloo DDP): disjoint samples, identical weights, and
+the same weights as one process training the same global batches in any number of microbatches."""
 
 import os
 import subprocess
 import sys
 
+import gc
+
 import pytest
 import torch
+from composer.core import Callback
 
+from diffusion import schema
+from diffusion.config import load_config
+from diffusion.train.trainer import build_trainer
 from train_fixtures import tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,14 +45,43 @@ trainer.close()
 '''
 
 
+class RecordBatches(Callback):
+    def __init__(self):
+        self.batches = []
+
+    def batch_start(self, state, logger):
+        self.batches.append(sorted(state.batch[schema.BATCH_SAMPLE_INDEX].tolist()))
+
+
+def _fit_one_process(args: list[str]):
+    """Train in this process; the sample indices of each batch and the final weights (DDP-free names)."""
+    trainer = build_trainer(load_config(args[0], args[1:]))
+    record = RecordBatches()
+    trainer.state.callbacks.append(record)
+    trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
+    trainer.close()
+    del trainer
+    gc.collect()
+    return record.batches, weights
+
+
 @pytest.mark.slow
 def test_two_ranks_read_disjoint_samples_and_agree(train_kit, tmp_path):
+    """Two ranks split each global batch; the result equals one process training the same global
+    batches whole or in microbatches of 4 or 8: the noise is the sample's, not the split's."""
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=64)
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
+    # input perturbation and offset noise on: every kind of draw takes part
     args = ["yamls/tiny-cpu.yaml", *tiny_overrides(train_kit, mds, batches=4, batch_size=16,
-                                                  save_folder=str(tmp_path / "ckpt")),
+                                                  save_folder=str(tmp_path / "ckpt"),
+                                                  extra=("model.offset_noise=0.1", "model.input_perturbation=0.1",
+                                                         "data.train.shuffle=false", "algorithms={}",
+                                                         # Adam with a large eps: smooth in the gradient
+                                                         # (see below), so float error stays float error
+                                                         "optimizer.eps=1.0", "optimizer.lr=0.1")),
             "trainer.save_interval=4ba"]
     env = dict(os.environ, RECORD_DIR=str(tmp_path), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     result = subprocess.run([composer, "-n", "2", "--master_port", "29533", str(harness), *args], cwd=ROOT,
@@ -59,6 +95,19 @@ def test_two_ranks_read_disjoint_samples_and_agree(train_kit, tmp_path):
         if name != "_extra_state":
             torch.testing.assert_close(r1["weights"][name], tensor, rtol=0, atol=0, msg=name)
     assert os.path.exists(tmp_path / "ckpt" / "latest-rank0.pt")
+
+    two_rank_batches = [sorted(r0["seen"][i:i + 8] + r1["seen"][i:i + 8]) for i in range(0, 32, 8)]
+    one_process = [a for a in args if not a.startswith("trainer.save_folder")] + ["trainer.save_folder=null"]
+    for microbatch in ("null", 4, 8):
+        batches, weights = _fit_one_process(one_process + [f"trainer.device_train_microbatch_size={microbatch}"])
+        assert batches == two_rank_batches, microbatch  # the same global batches ...
+        # ... give the same weights, to float tolerance. (Summation order differs between the splits; with
+        # Adam's usual eps, a near-zero gradient's sign decides a whole lr-sized first step, so this test
+        # uses eps = 1, where the step is continuous in the gradient.)
+        for name, tensor in r0["weights"].items():
+            if name != "_extra_state":
+                torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"microbatch {microbatch}: {name}: {m}")
 
 
 @pytest.mark.slow
