@@ -537,7 +537,13 @@ def decompression_cache(path: str) -> str:
 
 
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int) -> LatentDataset:
-    """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model."""
+    """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
+
+    A local dataset is read in place, except compressed shards whose directory cannot be written (a
+    read-only mount, another user's files): those are decompressed into ``local`` (default: a
+    directory under the temp dir named by the dataset's path, reused by later runs), the dataset
+    read as streaming reads a remote one. Two jobs on one node reading the same read-only dataset
+    need a ``local`` each."""
     path = loader_cfg.path
     info = read_dataset_info(path, loader_cfg.download_timeout)
     check_compatible(info, path, resolution, text_dim)
