@@ -402,6 +402,14 @@ class LatentDataset(StreamingDataset):
                 present = True
                 if problem:
                     return self._corrupt(shard_id, info, problem)
+        if stream.remote not in (None, stream.local) and not is_remote(stream.remote):
+            # A local directory read through a cache (read-only): is the source file there?
+            raw_info, zip_info = shard.file_pairs[0]
+            source = os.path.normpath(os.path.join(stream.remote, stream.split, (zip_info or raw_info).basename))
+            if not os.path.exists(source):
+                return DataIntegrityError(
+                    f"shard {source} of dataset {stream.remote} is missing: index.json lists it but it is not "
+                    f"there; restore it from a copy, or re-convert the dataset")
         if stream.remote not in (None, stream.local):
             return error
         if not present:

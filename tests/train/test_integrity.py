@@ -337,6 +337,15 @@ def test_a_read_only_compressed_dataset_uses_the_configured_cache(pristine, stor
     assert os.path.isfile(os.path.join(cache, "shard.00004.mds"))
 
 
+def test_a_shard_missing_from_a_read_only_dataset_names_it(pristine, stored, dim, tmp_path, unwritable):
+    mds = _copy(pristine, "zstd", tmp_path)
+    path = _shard_file(mds)
+    os.remove(path)
+    unwritable(mds)
+    message = _fails_naming(path, mds, dim, stored, local=str(tmp_path / "cache"))
+    assert f"shard {path} of dataset {mds} is missing" in message
+
+
 def test_a_read_only_uncompressed_dataset_is_read_in_place(pristine, stored, dim, tmp_path, unwritable):
     mds = _copy(pristine, "none", tmp_path)
     before = _listing(unwritable(mds))
