@@ -118,3 +118,23 @@ def test_edge_values_that_can_train_are_accepted():
                              "data.train.batch_size=64"])
     assert cfg.trainer.grad_clip_norm is None and cfg.scheduler.t_warmup == "0ba"
     assert load_config(TINY, ["trainer.grad_clip_norm=0"]).trainer.grad_clip_norm == 0.0  # off, as before
+
+
+def test_fsdp_version_is_the_configs_choice_not_the_environments(monkeypatch):
+    """FSDP1 unless the YAML says version 2; FSDP2 takes only the settings it can honour."""
+    from composer.utils.parallelism import FSDP2Config, FSDPConfig
+
+    from diffusion.train.trainer import build_parallelism
+    monkeypatch.setenv("FSDP_VERSION", "2")  # Composer's switch: must not turn a version-1 YAML into FSDP2
+    one = build_parallelism(load_config(TINY, ["trainer.fsdp.sharding_strategy=FULL_SHARD"]))["fsdp"]
+    assert isinstance(one, FSDPConfig) and one.sharding_strategy == "FULL_SHARD"
+    two = build_parallelism(load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP"]))
+    assert isinstance(two["fsdp"], FSDP2Config) and two["fsdp"].reshard_after_forward is False
+    full = build_parallelism(load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=FULL_SHARD"]))
+    assert full["fsdp"].reshard_after_forward is True
+    with pytest.raises(ConfigError, match="HYBRID_SHARD has no FSDP2 equivalent"):
+        load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=HYBRID_SHARD"])
+    with pytest.raises(ConfigError, match="auto fails under FSDP2"):
+        load_config(TINY, ["trainer.fsdp.version=2", "trainer.device_train_microbatch_size=auto"])
+    with pytest.raises(ConfigError, match="trainer.fsdp.version"):
+        load_config(TINY, ["trainer.fsdp.version=3"])
