@@ -121,3 +121,24 @@ def test_composer_launches_run_py(train_kit, tmp_path):
                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert os.path.exists(tmp_path / "ckpt" / "latest-rank0.pt")
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_with_ema_and_writes_a_full_checkpoint(train_kit, tmp_path):
+    """``trainer.fsdp.version=2`` (torch's fully_shard through Composer), as the SD2 YAMLs allow it:
+    two CPU ranks, EMA, two microbatches per rank; the checkpoint holds whole weights and the EMA."""
+    from diffusion.models.checkpoint import load_unet
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=32)
+    composer = os.path.join(os.path.dirname(sys.executable), "composer")
+    args = tiny_overrides(train_kit, mds, batches=3, batch_size=8, save_folder=str(tmp_path / "ckpt"),
+                          extra=("trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
+                                 "trainer.device_train_microbatch_size=2", "trainer.save_interval=3ba"))
+    result = subprocess.run([composer, "-n", "2", "--master_port", "29535", "run.py", "yamls/tiny-cpu.yaml", *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    unet, info = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"))
+    assert info["ema_used"]
+    raw, _ = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"), ema=False)
+    assert sum(p.numel() for p in unet.parameters()) == sum(p.numel() for p in raw.parameters())
+    assert not torch.equal(unet.conv_in.weight, raw.conv_in.weight)  # the EMA, not the raw weights again
