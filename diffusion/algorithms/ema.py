@@ -4,10 +4,22 @@ Why our own and not Composer's: under FSDP each rank holds only its shard of eve
 keeps a copy of exactly that local shard (no full gather per step), updates all of it with one
 ``torch._foreach_lerp_`` per step, and gathers full tensors only when a checkpoint is written.
 
-    ema_t = smoothing * ema_{t-1} + (1 - smoothing) * weights_t        (every ``update_interval`` batches)
+    ema_t = decay_n * ema_{t-1} + (1 - decay_n) * weights_t            (every ``update_interval`` batches)
+    decay_n = min(smoothing, (1 + n) / (10 + n))    n = 1, 2, ...: the updates since the EMA started
 
-The EMA starts as a copy of the weights once ``start_batch`` batches have run (at fit start when 0).
-Evaluation runs on the EMA weights (swapped in before the evaluators, swapped back after); image
+The EMA starts as a copy of the weights at ``start``: a batch count ("800000ba", or an int), samples
+("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"), resolved at fit start (at fit start
+when 0). The warm-up (``warmup=True``, the default) is diffusers' ``EMAModel`` decay schedule
+(``1 - (1 + step) / (10 + step)`` is the weight of the new weights, ``decay`` its cap): early updates
+follow the weights closely, so the average does not keep the weights of its start for long; the
+decay reaches ``smoothing`` after ``(10 * smoothing - 1) / (1 - smoothing)`` updates (80 for 0.9,
+~100k for 0.9999). ``warmup=False`` uses ``smoothing`` from the first update, as Composer's EMA does.
+The update count ``n`` is checkpointed, so a resumed run continues the warm-up exactly.
+
+Evaluation: the raw weights are evaluated as always (label ``eval``: ``metrics/eval/loss``), and once
+the EMA has started, the EMA weights too, by a second evaluator on the same held-out loader
+(:meth:`EMA.evaluator`, label ``eval_ema``: ``metrics/eval_ema/loss``): the EMA is swapped in at that
+evaluator's ``EVAL_START`` and the training weights back at its ``EVAL_END``, around it only. Image
 loggers use ``with ema.ema_weights(model): ...``. ``state_dict()["ema_params"]`` maps the
 ComposerModel's parameter names (``unet.conv_in.weight``) to full tensors; Composer stores it in the
 checkpoint under ``state["algorithms"]``, and loading it restores the average exactly.
@@ -34,8 +46,7 @@ from composer.loggers import Logger
 # Wrapper modules insert these components into parameter names; the saved names drop them.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module")
 
-_SWAP_IN = (Event.EVAL_BEFORE_ALL, Event.EVAL_STANDALONE_START)
-_SWAP_OUT = (Event.EVAL_AFTER_ALL, Event.EVAL_STANDALONE_END)
+EVAL_LABEL = "eval_ema"  # the evaluator whose batches run on the EMA weights: metrics/eval_ema/...
 
 
 def smoothing_from_half_life(half_life: str, update_interval: int = 1) -> float:
@@ -46,6 +57,33 @@ def smoothing_from_half_life(half_life: str, update_interval: int = 1) -> float:
     if time.value <= 0:
         raise ValueError(f"EMA half_life must be positive, got {half_life!r}")
     return 0.5 ** (update_interval / time.value)
+
+
+def _parse_start(start: str | int) -> Time:
+    """``start`` as a Time in batches, samples or a fraction of the run ("dur"); an int counts batches."""
+    if isinstance(start, bool) or not isinstance(start, (int, str)):
+        raise ValueError(f"EMA start must be a batch count or a time string ('1000ba', '0.05dur'), got {start!r}")
+    try:
+        time = Time(start, TimeUnit.BATCH) if isinstance(start, int) else Time.from_timestring(start.strip())
+    except ValueError as e:
+        raise ValueError(f"EMA start {start!r} is not a time: give batches ('1000ba'), samples ('...sp') or a "
+                         f"fraction of trainer.max_duration ('0.05dur')") from e
+    if time.unit not in (TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.DURATION):
+        raise ValueError(f"EMA start {start!r} must be in batches ('1000ba'), samples ('...sp') or a fraction of "
+                         f"trainer.max_duration ('0.05dur'): epochs change length on resumption")
+    if time.value < 0 or (time.unit == TimeUnit.DURATION and time.value > 1):
+        raise ValueError(f"EMA start {start!r} must be >= 0 (and a fraction of the run at most 1dur)")
+    return time
+
+
+def resolve_start(start: Time, max_duration: Time | None) -> Time:
+    """``start`` in batches or samples; a fraction of the run becomes that fraction of ``max_duration``."""
+    if start.unit != TimeUnit.DURATION:
+        return start
+    if max_duration is None or max_duration.unit not in (TimeUnit.BATCH, TimeUnit.SAMPLE):
+        raise ValueError(f"EMA start {start} is a fraction of the run: trainer.max_duration must then be in "
+                         f"batches or samples, not {max_duration}")
+    return Time(int(round(start.value * max_duration.value)), max_duration.unit)
 
 
 def parameter_name(name: str) -> str:
@@ -103,24 +141,31 @@ class EMA(Algorithm):
 
     Args:
         half_life: a batch count ("1000ba"); when given it sets ``smoothing`` from ``update_interval``.
-        smoothing: weight of the old average at each update.
-        start_batch: the EMA starts as a copy of the weights after this many batches.
-        update_interval: update every this many batches.
+        smoothing: weight of the old average at each update (once warmed up).
+        start: when the EMA starts as a copy of the weights: batches ("800000ba", or an int), samples
+            ("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"); 0 starts at fit start.
+        update_interval: update every this many batches, counted from the start.
+        warmup: diffusers' EMA warm-up: the decay of update ``n`` is ``min(smoothing, (1+n)/(10+n))``.
+            False: ``smoothing`` from the first update.
     """
 
-    def __init__(self, half_life: str | None = None, smoothing: float = 0.9999, start_batch: int = 0,
-                 update_interval: int = 1):
+    eval_label = EVAL_LABEL
+
+    def __init__(self, half_life: str | None = None, smoothing: float = 0.9999, start: str | int = 0,
+                 update_interval: int = 1, warmup: bool = True):
         if update_interval < 1:
             raise ValueError(f"EMA update_interval must be >= 1, got {update_interval}")
-        if start_batch < 0:
-            raise ValueError(f"EMA start_batch must be >= 0, got {start_batch}")
         self.half_life = half_life
         self.smoothing = smoothing_from_half_life(half_life, update_interval) if half_life else float(smoothing)
         if not 0.0 <= self.smoothing <= 1.0:
             raise ValueError(f"EMA smoothing must be in [0, 1], got {self.smoothing}")
-        self.start_batch = int(start_batch)
+        self.start = start
+        self._start = _parse_start(start)  # resolved against max_duration at fit start
         self.update_interval = int(update_interval)
-        self.num_updates = 0
+        self.warmup = bool(warmup)
+        self.num_updates = 0  # updates since the start: the warm-up's n, checkpointed
+        self.started_at_batch: int | None = None  # the batch count at the start (update_interval counts from it)
+        self._resolved_start: Time | None = None  # ``start`` in batches or samples, set at fit start
         self._model: torch.nn.Module | None = None
         self._sharded_checkpoints = False
         self._names: list[str] = []
@@ -130,35 +175,60 @@ class EMA(Algorithm):
         self._swapped: list[torch.Tensor] | None = None  # training weights while the EMA is swapped in
 
     def __repr__(self) -> str:
-        return (f"EMA(half_life={self.half_life!r}, smoothing={self.smoothing}, start_batch={self.start_batch}, "
-                f"update_interval={self.update_interval})")
+        return (f"EMA(half_life={self.half_life!r}, smoothing={self.smoothing}, start={self.start!r}, "
+                f"update_interval={self.update_interval}, warmup={self.warmup})")
 
     @property
     def started(self) -> bool:
         return self._ema is not None
 
+    @property
+    def decay(self) -> float:
+        """The weight of the old average in the next update (the warm-up's, then ``smoothing``)."""
+        if not self.warmup:
+            return self.smoothing
+        n = self.num_updates + 1
+        return min(self.smoothing, (1 + n) / (10 + n))
+
+    def evaluator(self, dataloader, eval_interval: str | int | Time):
+        """A Composer ``Evaluator`` (label ``eval_ema``) of ``dataloader`` on the EMA weights, every
+        ``eval_interval`` and at fit end as the plain evaluator, from the first eval after the start on.
+
+        Give the same loader as the raw-weights evaluator: both see the same batches (and noise).
+        """
+        from composer.core import Evaluator
+        from composer.utils import create_interval_scheduler
+        due = create_interval_scheduler(eval_interval, checkpoint_events=False, final_events={Event.FIT_END})
+
+        def eval_interval_fn(state: State, event: Event) -> bool:
+            return due(state, event) and self.started
+
+        return Evaluator(label=self.eval_label, dataloader=dataloader, eval_interval=eval_interval_fn)
+
     # ---- Composer hooks ----------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
-        return event in (Event.FIT_START, Event.BATCH_END, *_SWAP_IN, *_SWAP_OUT)
+        return event in (Event.FIT_START, Event.BATCH_END, Event.EVAL_START, Event.EVAL_END)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         self._bind(state.model, sharded=bool(getattr(state, "fsdp_sharded_state_dict_enabled", False)))
-        batch = int(state.timestamp.batch)
         if event == Event.FIT_START:
             if self._sharded_checkpoints and _uses_fsdp1(self._model):
                 # Refuse now rather than at the first checkpoint, hours in.
                 raise NotImplementedError("EMA with FSDP1 sharded checkpoints is not supported: use "
                                           "state_dict_type 'full' (trainer.fsdp.state_dict_type=full)")
-            self._maybe_start(batch)
+            self._resolved_start = resolve_start(self._start, state.max_duration)
+            self._maybe_start(state)
         elif event == Event.BATCH_END:
-            if self.started and (batch - self.start_batch) % self.update_interval == 0:
+            batch = int(state.timestamp.batch)
+            if self.started and (batch - self.started_at_batch) % self.update_interval == 0:
                 self.update()
             else:
-                self._maybe_start(batch)
-        elif event in _SWAP_IN:
-            self._swap_in()
-        elif event in _SWAP_OUT:
-            self._swap_out()
+                self._maybe_start(state)
+        elif state.dataloader_label == self.eval_label:  # around the EMA evaluator only
+            if event == Event.EVAL_START:
+                self._swap_in()
+            else:
+                self._swap_out()
 
     # ---- the average -------------------------------------------------------------------------
     def _bind(self, model: torch.nn.Module, sharded: bool = False) -> None:
@@ -179,10 +249,19 @@ class EMA(Algorithm):
             pending, self._pending = self._pending, None
             self._restore(pending)
 
-    def _maybe_start(self, batch: int) -> None:
-        if not self.started and batch >= self.start_batch:
-            self._ema = [p.clone() for p in self._params]
-            self.num_updates = 0
+    def _maybe_start(self, state: State) -> None:
+        if self.started:
+            return
+        if self._resolved_start is None:
+            self._resolved_start = resolve_start(self._start, state.max_duration)
+        if state.timestamp.get(self._resolved_start.unit) >= self._resolved_start:
+            self._start_now(int(state.timestamp.batch))
+
+    def _start_now(self, batch: int = 0) -> None:
+        """The EMA becomes a copy of the weights, after ``batch`` batches."""
+        self._ema = [p.clone() for p in self._params]
+        self.num_updates = 0
+        self.started_at_batch = batch
 
     def local_averages(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's EMA tensors (its shards under FSDP) by parameter name; empty before the start."""
@@ -191,7 +270,7 @@ class EMA(Algorithm):
     @torch.no_grad()
     def update(self) -> None:
         """One EMA step over every local shard, fused."""
-        torch._foreach_lerp_(self._ema, self._params, 1.0 - self.smoothing)
+        torch._foreach_lerp_(self._ema, self._params, 1.0 - self.decay)
         self.num_updates += 1
 
     # ---- swapping the EMA into the model -----------------------------------------------------
@@ -231,8 +310,9 @@ class EMA(Algorithm):
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(num_updates=self.num_updates, smoothing=self.smoothing, start_batch=self.start_batch,
-                     update_interval=self.update_interval, ema_params=self._ema_params())
+        state.update(num_updates=self.num_updates, smoothing=self.smoothing, start=str(self.start),
+                     started_at_batch=self.started_at_batch, update_interval=self.update_interval,
+                     warmup=self.warmup, ema_params=self._ema_params())
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
@@ -246,7 +326,11 @@ class EMA(Algorithm):
         saved = state.get("ema_params") or {}
         if not saved:
             self._ema = None  # the checkpoint was written before the EMA started
+            self.started_at_batch = None
             return
+        # Checkpoints of before ``start`` had the start batch only (the EMA started there).
+        started_at = state.get("started_at_batch", state.get("start_batch"))
+        self.started_at_batch = int(started_at) if started_at is not None else 0
         missing = [n for n in self._names if n not in saved]
         if missing:
             raise KeyError(f"EMA checkpoint state has no entry for {len(missing)} trainable parameter(s), "

@@ -13,14 +13,17 @@ from unittest import mock
 import torch
 from composer import Trainer
 from composer.algorithms import GradientClipping
+from composer.core import Evaluator
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
                             LinearWithWarmupScheduler)
 from composer.utils import dist
 
 from diffusion import components
+from diffusion.algorithms.ema import EMA
+from diffusion.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
 from diffusion.config import Config
 from diffusion import schema
-from diffusion.train import mds_source
+from diffusion.train import mds_source, shared_memory
 from diffusion.train.batches import NoiseDraws
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
 
@@ -131,6 +134,16 @@ def _console_logging(loggers: dict) -> tuple[dict, dict]:
     return loggers, console
 
 
+def build_evaluators(cfg: Config, eval_loader, algorithms) -> list[Evaluator] | None:
+    """The held-out loss of the raw weights (``metrics/eval/loss``) and, with the EMA algorithm and once
+    it has started, of the EMA weights on the same batches (``metrics/eval_ema/loss``)."""
+    if eval_loader is None:
+        return None
+    evaluators = [Evaluator(label="eval", dataloader=eval_loader)]
+    evaluators += [a.evaluator(eval_loader, cfg.trainer.eval_interval) for a in algorithms if isinstance(a, EMA)]
+    return evaluators
+
+
 def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo | None = None,
                   extra_callbacks=()) -> Trainer:
     """The Composer trainer for ``cfg``.
@@ -142,7 +155,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     t = cfg.trainer
     device = t.device or ("gpu" if torch.cuda.is_available() else "cpu")
     dist.initialize_dist(device, timeout=t.dist_timeout)
-    mds_source.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
+    shared_memory.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
 
     if info is None:
         info = mds_source.read_dataset_info(cfg.data.train.path, cfg.data.train.download_timeout)
@@ -160,9 +173,12 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
     loggers, console = _console_logging(cfg.loggers)
+    if t.autoresume:
+        forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy
     with _fsdp_device(device, cfg):
-        return Trainer(
-            model=model, train_dataloader=train_loader, eval_dataloader=eval_loader, max_duration=t.max_duration,
+        trainer = Trainer(
+            model=model, train_dataloader=train_loader, eval_dataloader=build_evaluators(cfg, eval_loader, algorithms),
+            max_duration=t.max_duration,
             eval_interval=t.eval_interval if eval_loader else 1, eval_subset_num_batches=t.eval_subset_num_batches,
             optimizers=optimizer, schedulers=build_scheduler(cfg), step_schedulers_every_batch=True,
             algorithms=algorithms, callbacks=callbacks,
@@ -175,6 +191,10 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
             save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
             autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
             load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
+    # Composer prunes local checkpoints only; this prunes a remote save_folder, after Composer's
+    # CheckpointSaver (which the Trainer appends last) has uploaded.
+    trainer.state.callbacks.extend(remote_pruner(t.save_folder, t.save_num_checkpoints_to_keep))
+    return trainer
 
 
 def finished_message(trainer: Trainer) -> str | None:

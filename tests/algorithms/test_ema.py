@@ -1,4 +1,5 @@
-"""EMA: against a plain-Python reference, start batch, half-life, trainable-only, eval swap, checkpoints."""
+"""EMA: against a plain-Python reference, warm-up, start (batches or a fraction of the run), half-life,
+trainable-only, raw and EMA eval under their own labels, checkpoints."""
 
 import copy
 import math
@@ -7,7 +8,8 @@ import os
 import pytest
 import torch
 from composer import Trainer
-from composer.core import Callback
+from composer.core import Callback, Evaluator
+from composer.loggers import InMemoryLogger
 from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanSquaredError
@@ -55,7 +57,7 @@ def trainable(model):
 
 
 class WeightRecorder(Callback):
-    """Training weights after each batch, weights seen at eval start, and after eval."""
+    """Training weights after each batch, weights each evaluator starts with (by label), and after eval."""
 
     def __init__(self):
         self.after_batch, self.at_eval, self.after_eval = [], [], []
@@ -64,7 +66,7 @@ class WeightRecorder(Callback):
         self.after_batch.append(trainable(state.model))
 
     def eval_start(self, state, logger):
-        self.at_eval.append(trainable(state.model))
+        self.at_eval.append((int(state.timestamp.batch), state.dataloader_label, trainable(state.model)))
 
     def eval_after_all(self, state, logger):
         self.after_eval.append(trainable(state.model))
@@ -80,16 +82,20 @@ def fit(ema, duration="6ba", **kwargs):
     return trainer, recorder
 
 
-def reference_ema(weights, smoothing, start_batch=0, initial=None, interval=1):
-    """Plain Python over the per-batch weights: copy at start_batch, then one update per interval."""
+def reference_ema(weights, smoothing, start_batch=0, initial=None, interval=1, warmup=True):
+    """Plain Python over the per-batch weights: copy at start_batch, then one update per interval, the
+    n-th with decay min(smoothing, (1 + n) / (10 + n)) (diffusers' EMAModel) when warming up."""
     ema = {k: v.clone() for k, v in initial.items()} if start_batch == 0 else None
+    n = 0
     for batch, w in enumerate(weights, start=1):
         if ema is None:
             if batch >= start_batch:
                 ema = {k: v.clone() for k, v in w.items()}
             continue
         if (batch - start_batch) % interval == 0:
-            ema = {k: smoothing * ema[k] + (1 - smoothing) * w[k] for k in w}
+            n += 1
+            decay = min(smoothing, (1 + n) / (10 + n)) if warmup else smoothing
+            ema = {k: decay * ema[k] + (1 - decay) * w[k] for k in w}
     return ema
 
 
@@ -100,23 +106,63 @@ def assert_close(a, b):
 
 
 def test_ema_matches_reference_over_several_steps():
-    ema = EMA(smoothing=0.8)
+    ema = EMA(smoothing=0.8, warmup=False)
     trainer, rec = fit(ema)
     initial = trainable(TinyRegressor())
-    expected = reference_ema(rec.after_batch, 0.8, initial=initial)
+    expected = reference_ema(rec.after_batch, 0.8, initial=initial, warmup=False)
     assert_close(ema.state_dict()["ema_params"], expected)
     assert ema.num_updates == 6
     # the average really lags behind the trained weights
     assert not torch.allclose(expected["body.0.weight"], rec.after_batch[-1]["body.0.weight"])
 
 
-def test_start_batch_and_interval():
-    ema = EMA(smoothing=0.5, start_batch=3, update_interval=2)
-    assert EMA(smoothing=0.5, start_batch=3).state_dict()["ema_params"] == {}  # nothing before start
+def test_warmup_follows_diffusers_schedule_by_default():
+    # decay of update n: min(smoothing, (1 + n) / (10 + n)): 2/11, 3/12, ... until it reaches smoothing
+    ema = EMA(smoothing=0.25)
+    assert ema.warmup and ema.decay == pytest.approx(2 / 11)
+    _, rec = fit(ema)
+    initial = trainable(TinyRegressor())
+    assert_close(ema.state_dict()["ema_params"], reference_ema(rec.after_batch, 0.25, initial=initial))
+    assert ema.decay == 0.25  # update 7: 8/17 > 0.25
+    slow = EMA(smoothing=0.9)
+    fit(slow)
+    assert slow.decay == pytest.approx(8 / 17)  # still warming up after 6 updates
+    warmed = reference_ema(rec.after_batch, 0.9, initial=initial)
+    plain = reference_ema(rec.after_batch, 0.9, initial=initial, warmup=False)
+    assert_close(slow.state_dict()["ema_params"], warmed)
+    # the warm-up follows the weights: early on far closer to them than a plain 0.9 average
+    last = rec.after_batch[-1]["body.0.weight"]
+    assert (warmed["body.0.weight"] - last).norm() < 0.5 * (plain["body.0.weight"] - last).norm()
+
+
+def test_start_and_interval():
+    ema = EMA(smoothing=0.5, start="3ba", update_interval=2)
+    assert EMA(smoothing=0.5, start=3).state_dict()["ema_params"] == {}  # nothing before start
     _, rec = fit(ema, duration="8ba")
     expected = reference_ema(rec.after_batch, 0.5, start_batch=3, interval=2)
     assert_close(ema.state_dict()["ema_params"], expected)
     assert ema.num_updates == 2  # batches 5 and 7
+    assert ema.state_dict()["started_at_batch"] == 3
+
+
+@pytest.mark.parametrize("start, duration, started_at", [("0.5dur", "8ba", 4), ("0.25dur", "32sp", 2),
+                                                         ("8sp", "6ba", 2), (0, "6ba", 0)])
+def test_start_as_a_fraction_of_the_run_or_in_samples(start, duration, started_at):
+    # 4 samples per batch: 32sp is 8 batches, 8sp is 2 batches
+    ema = EMA(smoothing=0.5, start=start)
+    _, rec = fit(ema, duration=duration)
+    assert ema.state_dict()["started_at_batch"] == started_at
+    initial = trainable(TinyRegressor())
+    expected = reference_ema(rec.after_batch, 0.5, start_batch=started_at, initial=initial)
+    assert_close(ema.state_dict()["ema_params"], expected)
+
+
+def test_bad_starts_are_refused():
+    for bad in ("1ep", "-3ba", "1.5dur", "soon", -1, 2.5):
+        with pytest.raises(ValueError, match="EMA start"):
+            EMA(start=bad)
+    with pytest.raises(ValueError, match="max_duration must then be in batches or samples"):
+        fit(EMA(start="0.5dur"), duration="1ep")
 
 
 def test_half_life_conversion():
@@ -137,15 +183,29 @@ def test_only_trainable_parameters_and_clean_names():
     assert parameter_name("module.unet.conv_in.weight") == "unet.conv_in.weight"
 
 
-def test_eval_sees_ema_weights_and_training_weights_come_back():
-    ema = EMA(smoothing=0.7)
-    _, rec = fit(ema, duration="4ba", eval_dataloader=loader(8), eval_interval="2ba")
-    assert len(rec.at_eval) == 2
-    initial = trainable(TinyRegressor())
-    expected_at_2 = reference_ema(rec.after_batch[:2], 0.7, initial=initial)
-    assert_close(rec.at_eval[0], expected_at_2)
-    assert_close(rec.after_eval[0], rec.after_batch[1])  # training weights restored after eval
-    assert_close(rec.after_eval[1], rec.after_batch[3])
+def test_raw_and_ema_weights_are_evaluated_under_their_own_labels_once_the_ema_runs():
+    ema = EMA(smoothing=0.7, start="3ba")
+    held_out = loader(8)
+    metrics = InMemoryLogger()
+    _, rec = fit(ema, duration="6ba", eval_dataloader=[Evaluator(label="eval", dataloader=held_out),
+                                                       ema.evaluator(held_out, "2ba")],
+                 eval_interval="2ba", loggers=[metrics])
+    # before the start (batch 2) only the raw weights; then both, raw first, on the same batches
+    assert [(b, label) for b, label, _ in rec.at_eval] == [(2, "eval"), (4, "eval"), (4, "eval_ema"),
+                                                           (6, "eval"), (6, "eval_ema")]
+    for batch, label, weights in rec.at_eval:
+        if label == "eval":
+            assert_close(weights, rec.after_batch[batch - 1])
+    expected = {b: reference_ema(rec.after_batch[:b], 0.7, start_batch=3) for b in (4, 6)}
+    assert_close(rec.at_eval[2][2], expected[4])
+    assert_close(rec.at_eval[4][2], expected[6])
+    for restored, batch in zip(rec.after_eval, (2, 4, 6)):  # training weights back after every eval
+        assert_close(restored, rec.after_batch[batch - 1])
+    logged = metrics.data
+    assert [int(t.batch) for t, _ in logged["metrics/eval/mse"]] == [2, 4, 6]
+    assert [int(t.batch) for t, _ in logged["metrics/eval_ema/mse"]] == [4, 6]
+    # distinct numbers: the EMA lags behind the weights it averages
+    assert logged["metrics/eval_ema/mse"][-1][1] != logged["metrics/eval/mse"][-1][1]
 
 
 def test_ema_weights_context_manager_swaps_and_restores():
@@ -177,20 +237,22 @@ def test_state_dict_round_trip_into_a_fresh_algorithm():
 
 
 def test_checkpoint_holds_ema_and_resume_is_exact(tmp_path):
-    straight = EMA(smoothing=0.8, start_batch=2)
+    # smoothing 0.9 warms up for 80 updates: the resumed run must continue the warm-up, not restart it
+    straight = EMA(smoothing=0.9, start="0.3dur")  # batch 2 of 6
     fit(straight, duration="6ba")
 
-    first = EMA(smoothing=0.8, start_batch=2)
+    first = EMA(smoothing=0.9, start="0.3dur")
     fit(first, duration="6ba", save_folder=str(tmp_path), save_interval="3ba",
         save_filename="ep{epoch}-ba{batch}.pt")
     ckpt = torch.load(tmp_path / "ep0-ba3.pt", weights_only=False)
     algorithms = dict(ckpt["state"]["algorithms"])
     assert set(algorithms["EMA"]["ema_params"]) == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"}
-    assert algorithms["EMA"]["num_updates"] == 1
+    assert algorithms["EMA"]["num_updates"] == 1 and algorithms["EMA"]["started_at_batch"] == 2
 
-    resumed = EMA(smoothing=0.8, start_batch=2)
+    resumed = EMA(smoothing=0.9, start="0.3dur")
     fit(resumed, duration="6ba", load_path=str(tmp_path / "ep0-ba3.pt"))
     assert resumed.num_updates == straight.num_updates == 4
+    assert resumed.decay == straight.decay == pytest.approx(6 / 15)
     assert_close(resumed.state_dict()["ema_params"], straight.state_dict()["ema_params"])
 
 

@@ -42,7 +42,7 @@ class Recorder(Callback):
         self.forwards, self.nan_at, self.microbatch = [], nan_at, 0
     def hook(self, state):
         def pre_forward(module, args):
-            mode = "train" if module.training else "eval"
+            mode = "train" if module.training else state.dataloader_label  # eval (raw) or eval_ema
             self.forwards.append((mode, int(state.timestamp.batch), module.weight.detach().clone()))
         return pre_forward
     def batch_start(self, state, logger):
@@ -64,9 +64,9 @@ def fsdp2(evaluate):
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_global_rank()))
-    ema, seen = EMA(smoothing=0.9), []
+    ema, seen = EMA(smoothing=0.9, warmup=False), []
     ema._bind(model)
-    ema._maybe_start(0)
+    ema._start_now()
     def record(module, args):
         weight = module.weight  # the unsharded tensor inside forward (a DTensor would be gathered)
         seen.append((weight.full_tensor() if hasattr(weight, "full_tensor") else weight).detach().clone())
@@ -123,7 +123,7 @@ def fsdp_runs(train_kit, tmp_path_factory):
     # training weights are far apart after one step.
     common = tiny_overrides(train_kit, mds, batches=3, batch_size=8, extra=(
         "trainer.device_train_microbatch_size=2", "optimizer.lr=1e-2", "algorithms.ema.smoothing=0.9",
-        "algorithms.ema.start_batch=0", "callbacks={nan_catcher: {}}"))
+        "algorithms.ema.start=0ba", "algorithms.ema.warmup=false", "callbacks={nan_catcher: {}}"))
     evaluated = [f"data.eval={{path: {held_out}, batch_size: 4, num_workers: 0}}", "trainer.eval_interval=1ba",
                  "trainer.eval_subset_num_batches=1"]
     variants = []
@@ -169,15 +169,20 @@ def test_an_ema_eval_between_steps_leaves_training_unchanged(fsdp_runs, strategy
         torch.testing.assert_close(evaluated["final"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     for name, tensor in plain["ema"].items():
         torch.testing.assert_close(evaluated["ema"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    assert not _forwards(plain, "eval")
+    assert not _forwards(plain, "eval") and not _forwards(plain, "eval_ema")
 
-    # Evals ran on the EMA (smoothing 0.9, started at fit start) of the weights training computed with.
+    # The raw evaluator ran on the weights training computed with; the EMA evaluator on their EMA
+    # (smoothing 0.9, started at fit start).
     weights = [train_plain[b][0] for b in (0, 1, 2)] + [plain["final"]["conv_in.weight"]]
+    raw = _forwards(evaluated, "eval")
+    assert sorted(raw) == [1, 2, 3]
+    for batch, seen in raw.items():
+        torch.testing.assert_close(seen[0], weights[batch], rtol=1e-5, atol=1e-6, msg=f"raw eval after batch {batch}")
     ema, expected = weights[0].clone(), {}
     for batch in (1, 2, 3):
         ema = 0.9 * ema + 0.1 * weights[batch]
         expected[batch] = ema
-    evals = _forwards(evaluated, "eval")
+    evals = _forwards(evaluated, "eval_ema")
     assert sorted(evals) == [1, 2, 3]
     for batch, seen in evals.items():
         torch.testing.assert_close(seen[0], expected[batch], rtol=1e-5, atol=1e-6, msg=f"eval after batch {batch}")

@@ -1,0 +1,120 @@
+"""Remote checkpoints are pruned to the newest N, never the one autoresume loads: against a real S3 server
+(moto's, on 127.0.0.1), the pruning rules directly and a tiny run saving every batch to s3://."""
+
+import gc
+import io
+import os
+import tempfile
+
+import pytest
+import torch
+
+from diffusion.callbacks.checkpoint_pruning import RemoteCheckpointPruner, remote_pruner
+from diffusion.config import load_config
+from diffusion.train.trainer import build_trainer
+from train_fixtures import tiny_overrides, write_latent_mds
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "yamls",
+                    "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint, monkeypatch, request):
+    """A fresh bucket; the endpoint where boto3, pyarrow and Composer's uploader (S3_ENDPOINT_URL) look."""
+    import boto3
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_ENDPOINT_URL": moto_endpoint, "S3_ENDPOINT_URL": moto_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    client = boto3.client("s3", endpoint_url=moto_endpoint)
+    bucket = request.node.name.lower().replace("_", "-")[:40].strip("-[]")
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def keys(client, bucket, prefix=""):
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"] for o in listing if not o["Key"].endswith("/"))  # pyarrow's directory markers
+
+
+def test_keeps_the_newest_and_what_latest_points_to(s3):
+    client, bucket = s3
+    for batch in range(1, 7):
+        client.put_object(Bucket=bucket, Key=f"run/ep0-ba{batch}-rank0.pt", Body=b"x")
+    client.put_object(Bucket=bucket, Key="run/ep0-ba1/__0_0.distcp", Body=b"x")  # a sharded checkpoint's folder
+    client.put_object(Bucket=bucket, Key="run/notes.txt", Body=b"not a checkpoint")
+    client.put_object(Bucket=bucket, Key="other/ep0-ba1-rank0.pt", Body=b"another run")
+    # the symlink lags (Composer moves it once the newer uploads are confirmed): it and all newer stay
+    client.put_object(Bucket=bucket, Key="run/latest-rank0.pt.symlink", Body=b"run/ep0-ba3-rank0.pt")
+    pruner = RemoteCheckpointPruner(f"s3://{bucket}/run", keep=2)
+    deleted = pruner.prune()
+    assert sorted(os.path.basename(os.path.dirname(p)) if p.endswith(".distcp") else os.path.basename(p)
+                  for p in deleted) == ["ep0-ba1", "ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt"]
+    assert keys(client, bucket) == ["other/ep0-ba1-rank0.pt", "run/ep0-ba3-rank0.pt", "run/ep0-ba4-rank0.pt",
+                                    "run/ep0-ba5-rank0.pt", "run/ep0-ba6-rank0.pt", "run/latest-rank0.pt.symlink",
+                                    "run/notes.txt"]
+    # once latest points to the newest, only the newest 2 stay
+    client.put_object(Bucket=bucket, Key="run/latest-rank0.pt.symlink", Body=b"run/ep0-ba6-rank0.pt")
+    pruner.prune()
+    assert keys(client, bucket) == ["other/ep0-ba1-rank0.pt", "run/ep0-ba5-rank0.pt", "run/ep0-ba6-rank0.pt",
+                                    "run/latest-rank0.pt.symlink", "run/notes.txt"]
+
+
+def test_only_remote_folders_with_a_positive_count_are_pruned():
+    assert remote_pruner("s3://bucket/run", 3)[0].keep == 3
+    assert remote_pruner("s3://bucket/run", -1) == remote_pruner("s3://bucket/run", 0) == []
+    assert remote_pruner("/tmp/run", 3) == remote_pruner(None, 3) == []
+
+
+@pytest.fixture(scope="module")
+def mds(train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=train_kit, n=48)  # 6 batches an epoch: all saves in epoch 0
+
+
+def _run(train_kit, mds, folder, batches):
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=batches, save_folder=folder, extra=(
+        "trainer.save_interval=1ba", "trainer.save_num_checkpoints_to_keep=2", "trainer.autoresume=true")))
+    trainer = build_trainer(cfg)
+    trainer._checkpoint_saver._symlink_upload_wait_before_next_try_in_seconds = 0.2  # Composer's test knob
+    resumed_at = int(trainer.state.timestamp.batch)
+    trainer.fit()
+    trainer.close()
+    del trainer
+    gc.collect()
+    return resumed_at
+
+
+@pytest.mark.slow
+def test_a_run_saving_every_batch_to_s3_keeps_two_and_autoresumes(s3, train_kit, mds, tmp_path, monkeypatch):
+    client, bucket = s3
+    folder = f"s3://{bucket}/run"
+    monkeypatch.chdir(tmp_path)  # Composer's autoresume writes its download under ./s3:/ (see below)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and stages checkpoints in a mkdtemp() it keeps
+    assert _run(train_kit, mds, folder, batches=3) == 0
+    assert keys(client, bucket, "run/") == ["run/ep0-ba2-rank0.pt", "run/ep0-ba3-rank0.pt",
+                                           "run/latest-rank0.pt.symlink"]
+    symlink = client.get_object(Bucket=bucket, Key="run/latest-rank0.pt.symlink")["Body"].read().decode()
+    assert symlink == "run/ep0-ba3-rank0.pt"
+
+    # autoresume from the bucket alone (a fresh local folder): it continues at batch 3, and prunes on
+    assert _run(train_kit, mds, folder, batches=4) == 3
+    assert keys(client, bucket, "run/") == ["run/ep0-ba3-rank0.pt", "run/ep0-ba4-rank0.pt",
+                                           "run/latest-rank0.pt.symlink"]
+    # Composer left its download of ba3 where its next autoresume would look first...
+    assert (tmp_path / f"s3:/{bucket}/run/latest-rank0.pt").exists()
+    # ...yet a second resume (another preemption) starts from the remote latest, batch 4
+    assert _run(train_kit, mds, folder, batches=5) == 4
+    assert keys(client, bucket, "run/") == ["run/ep0-ba4-rank0.pt", "run/ep0-ba5-rank0.pt",
+                                           "run/latest-rank0.pt.symlink"]
+    body = client.get_object(Bucket=bucket, Key="run/ep0-ba5-rank0.pt")["Body"].read()
+    state = torch.load(io.BytesIO(body), weights_only=False)["state"]
+    assert state["timestamp"]["Timestamp"]["batch"] == 5
