@@ -96,7 +96,7 @@ def measure(directory: str, resolution: int, batch_size: int, passes: int,
     """(samples/s, CPU microseconds per sample, samples) of each pass of each of MODES: ``passes`` rounds
     of one pass per loader (the baseline in the first ``baseline_passes`` only), each pass reading every
     sample once and checking every shard again, after a warm-up pass."""
-    from diffusion.train.mds_source import clean_shared_memory
+    from diffusion.train.shared_memory import clean_shared_memory
     clean_shared_memory()
     for _ in _loader(directory, resolution, batch_size, "off"):  # warm-up: page cache
         pass

@@ -17,7 +17,7 @@ import streaming
 from diffusion import schema
 from diffusion.config import TrainLoaderConfig
 from diffusion.errors import ConfigError, DataIntegrityError, UserError
-from diffusion.train import mds_source
+from diffusion.train import mds_source, shared_memory
 from train_fixtures import kit_text_dim, write_latent_mds
 
 N, PER_SHARD = 40, 8  # five shards
@@ -428,7 +428,7 @@ def test_cleanup_at_start_keeps_another_jobs_shared_memory_and_removes_a_killed_
         killed.wait()
         assert _segments(killed_prefix)  # left behind
 
-        mds_source.clean_shared_memory()  # what a new training run does at start
+        shared_memory.clean_shared_memory()  # what a new training run does at start
 
         assert _segments(killed_prefix) == []
         assert _segments(live_prefix) == live_segments
