@@ -28,7 +28,7 @@ from diffusion.convert.summary import ConversionSummary, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.settings import PipelineSettings
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
-                                     remove_temporary_parts, write_json_atomic)
+                                     migrate_records, remove_temporary_parts, write_json_atomic)
 from diffusion.convert.readers import KEY_SCHEME, RawColumns, check_inputs, read_raw
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
@@ -250,6 +250,7 @@ def _holds_progress(out: str) -> bool:
 def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -> ConversionSummary:
     if not os.path.exists(os.path.join(out, SETTINGS_JSON)):
         write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
+    migrate_records(out)  # an output of the old layout: its records renamed before anything reads them
     remove_temporary_parts(out)
     written, rejected = done_keys(out)
     before = summarize(out).written

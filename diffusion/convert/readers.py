@@ -5,9 +5,20 @@ Every reader is a plain generator of column batches (``dict[str, list]``) named 
 and the tests. Inputs may be local paths, directories, globs or ``s3://`` URIs (pyarrow's filesystems;
 ``AWS_ENDPOINT_URL`` points them at a local S3 server; see :mod:`diffusion.storage`).
 
-Each file is read by its own suffix, so one input may mix formats (``.parquet`` files, ``.tar`` files and
-images with ``.txt`` sidecars are all read). One exception: ``X.parquet`` beside ``X.tar`` is the tar's
-metadata, as img2dataset writes it with ``output_format=webdataset`` (no image column), and is not read.
+A folder is read as img2dataset writes it, in each of its output formats that carries images:
+
+- ``parquet``: ``00000.parquet`` with the image bytes in a ``jpg`` column (``--image-column``), caption,
+  key, status (rows whose status is not ``success`` are failed downloads, not samples);
+- ``webdataset``: ``00000.tar`` of ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``: key, status, width,
+  height), beside ``00000.parquet``, the shard's metadata;
+- ``files``: ``00000/KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), beside ``00000.parquet``, the metadata;
+
+and any folder of images with ``.txt`` captions beside them. Each file is read by its own suffix, so
+one input may mix formats (``.parquet`` files, ``.tar`` files and images are all read). A parquet file
+named like a tar, a ``.tfrecord`` or a folder of images beside it (``X.parquet`` beside ``X.tar`` or
+``X/``) and without the image column is that shard's metadata and is not read (:func:`data_files`); one
+with the image column is data and is read beside them. img2dataset's ``tfrecord`` format is not read;
+an input with no data of a known layout stops at start with one line listing the layouts looked for.
 
 Bad input, from the smallest unit up; one bad row or file never stops a conversion:
 
@@ -48,7 +59,8 @@ import zlib
 from typing import Callable, Iterator
 
 from diffusion import schema
-from diffusion.convert.transforms import (BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected,
+from diffusion.convert.transforms import (BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, LEGACY_RECORD_SUFFIX,
+                                          RECORD_SUFFIX, UNDECODABLE, Rejected,
                                           write_rejects)
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
@@ -75,7 +87,7 @@ def _join_uri(uri: str, path: str) -> str:
     return scheme + path
 
 
-def list_input_files(inputs) -> list[str]:
+def list_input_files(inputs, columns: RawColumns = RawColumns()) -> list[str]:
     """Expand paths, directories and globs into a sorted list of input files (URIs kept as URIs)."""
     import pyarrow.fs as pafs
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
@@ -97,7 +109,7 @@ def list_input_files(inputs) -> list[str]:
             names = [n for n in names if fnmatch.fnmatch(n, path)]
         files.extend(_join_uri(spec, n) for n in names)
     if not files:
-        raise InputError(f"no input files found in {inputs}")
+        raise no_data_error(inputs, files, columns)
     return files
 
 
@@ -116,33 +128,66 @@ def file_format(path: str) -> str | None:
     return None
 
 
-def data_files(files: list[str]) -> dict[str, str]:
-    """{file: format} of the files a reader reads, in order: every file of a known format, except a
-    parquet file beside a tar of the same name (img2dataset's metadata of that tar, without images)."""
-    tars = {f[: -len(".tar")] for f in files if f.endswith(".tar")}
+def data_files(files: list[str], columns: RawColumns = RawColumns()) -> dict[str, str]:
+    """{file: format} of the files a reader reads, in order: every file of a known format, except
+    img2dataset's metadata of a shard whose data lies beside it: a parquet file named like a tar, a
+    tfrecord or a folder of images (``X.parquet`` beside ``X.tar``, ``X.tfrecord`` or ``X/KEY.jpg``)
+    that has no ``columns.image`` column (one that cannot be read is taken for metadata too: the
+    shard's data is beside it). One with the image column is data, read beside the others."""
+    shards = {f[: -len(suffix)] for f in files for suffix in (".tar", TFRECORD_SUFFIX) if f.endswith(suffix)}
+    shards |= {posixpath.dirname(f) for f in files if file_format(f) == "folder"}
     found = {}
     for f in files:
         fmt = file_format(f)
-        if fmt is None or (fmt == "parquet" and f[: -len(".parquet")] in tars):
+        if fmt is None or (fmt == "parquet" and f[: -len(".parquet")] in shards and _is_metadata(f, columns)):
             continue
         found[f] = fmt
     return found
 
 
-def detect_format(files: list[str]) -> str:
+def _is_metadata(uri: str, columns: RawColumns) -> bool:
+    try:
+        return columns.image not in _parquet_columns(uri)
+    except InputError:
+        return True
+
+
+TFRECORD_SUFFIX = ".tfrecord"
+LAYOUTS = ("img2dataset's parquet (NNNNN.parquet with a {image!r} column), webdataset (NNNNN.tar of "
+           "KEY.jpg + KEY.txt [+ KEY.json], beside NNNNN.parquet) and files (NNNNN/KEY.jpg + KEY.txt "
+           "[+ KEY.json]) layouts, and images with .txt captions")
+
+
+def no_data_error(inputs, files: list[str], columns: RawColumns = RawColumns()) -> InputError:
+    """The one line for an input that holds no data of a known layout: what was looked for, and
+    what is there instead."""
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    where = ", ".join(map(os.fspath, inputs))
+    if files:
+        suffixes = collections.Counter(posixpath.splitext(f)[1].lower() or "(no suffix)" for f in files)
+        held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
+        held = f"it holds {len(files)} file{'s' * (len(files) > 1)} ({held}{', ...' if len(suffixes) > 5 else ''})"
+        if suffixes.get(TFRECORD_SUFFIX):
+            held += "; img2dataset's tfrecord format is not read: write webdataset or parquet instead"
+    else:
+        held = "it holds no files"
+    return InputError(f"no images to convert in {where}: looked for {LAYOUTS.format(image=columns.image)}; {held}")
+
+
+def detect_format(files: list[str], columns: RawColumns = RawColumns()) -> str:
     """The formats of ``files``: ``parquet``, ``webdataset``, ``folder``, or several joined by ``+``."""
-    found = set(data_files(files).values())
+    found = set(data_files(files, columns).values())
     if not found:
-        raise InputError(f"cannot tell the input format of {files[:3]}...: expected .parquet, .tar or images")
+        raise no_data_error(files, files, columns)
     return "+".join(f for f in FORMATS if f in found)
 
 
-def input_files(inputs) -> dict[str, str]:
+def input_files(inputs, columns: RawColumns = RawColumns()) -> dict[str, str]:
     """{file: format} of every input file to read (see :func:`data_files`); InputError if none."""
-    files = list_input_files(inputs)
-    found = data_files(files)
+    files = list_input_files(inputs, columns)
+    found = data_files(files, columns)
     if not found:
-        raise InputError(f"cannot tell the input format of {files[:3]}...: expected .parquet, .tar or images")
+        raise no_data_error(inputs, files, columns)
     return found
 
 
@@ -333,8 +378,12 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
     required = (columns.image, columns.caption) if columns.caption_required else (columns.image,)
     missing = [c for c in required if c not in names]
     if missing:
+        hint = "choose with --image-column/--caption-column"
+        if columns.image in missing and schema.RAW_URL in names:
+            hint += ("; a parquet of URLs without images (a URL list, or img2dataset's metadata of a shard "
+                     "whose .tar or folder is missing) is downloaded first: convert/download_laion.py")
         raise InputError(f"{uri} has no column {', '.join(map(repr, missing))}; its columns are "
-                         f"{', '.join(names)} (choose with --image-column/--caption-column)")
+                         f"{', '.join(names)} ({hint})")
 
 
 def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
@@ -506,7 +555,7 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
 
 # ---- files that cannot be read -------------------------------------------------------------------
 
-FAILED_INPUTS_DIR = "failed_inputs"  # beside rejects/: one {file, uri, error, rows_read} record per failed file
+FAILED_INPUTS_DIR = "failed_inputs"  # beside rejects/: one {file, uri, error, rows_read} record (.jsonl) per failed file
 
 
 def file_errors() -> tuple[type[BaseException], ...]:
@@ -525,7 +574,7 @@ def describe_error(error: BaseException) -> str:
 
 
 def _failed_record_path(directory: str, name: str) -> str:
-    return os.path.join(directory, hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json")
+    return os.path.join(directory, hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16] + RECORD_SUFFIX)
 
 
 def record_failed_input(directory: str, name: str, uri: str, error: BaseException, rows_read: int) -> None:
@@ -539,10 +588,12 @@ def record_failed_input(directory: str, name: str, uri: str, error: BaseExceptio
 
 def clear_failed_input(directory: str, name: str) -> None:
     """Forget an earlier failure of ``name`` (it has now been read to its end)."""
-    try:
-        os.remove(_failed_record_path(directory, name))
-    except FileNotFoundError:
-        pass
+    path = _failed_record_path(directory, name)
+    for old in (path, path[: -len(RECORD_SUFFIX)] + LEGACY_RECORD_SUFFIX):  # and its record in the old layout
+        try:
+            os.remove(old)
+        except FileNotFoundError:
+            pass
 
 
 def read_failed_inputs(directory: str) -> dict[str, str]:
@@ -552,7 +603,7 @@ def read_failed_inputs(directory: str) -> dict[str, str]:
     if not os.path.isdir(directory):
         return failed
     for entry in sorted(os.listdir(directory)):
-        if not entry.endswith(".json"):
+        if not entry.endswith((RECORD_SUFFIX, LEGACY_RECORD_SUFFIX)):  # legacy: an output not yet migrated
             continue
         try:
             with open(os.path.join(directory, entry)) as f:
@@ -570,7 +621,7 @@ def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callab
     A file that cannot be read raises (InputError names it) after its readable rows, unless
     ``on_failed_file(name, error)`` is given: then it is told and the file skipped, as the converter
     skips it. Rejected rows go to ``on_reject({id: reason})``."""
-    formats = input_files(inputs)
+    formats = input_files(inputs, columns)
     names = file_names(formats)
     taken = keys_taken_by_earlier_files(formats, names, columns)
     errors = file_errors()
@@ -647,7 +698,7 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
     Returns (format, or formats joined by ``+``; number of data files).
     """
-    formats = input_files(inputs)
+    formats = input_files(inputs, columns)
     parquet = [f for f, fmt in formats.items() if fmt == "parquet"]
     first_error = None
     for uri in parquet:
@@ -675,7 +726,7 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
     """
     import ray
-    formats = input_files(inputs)
+    formats = input_files(inputs, columns)
     names = file_names(formats)
     if failed_inputs_dir is None and rejects_dir:
         failed_inputs_dir = os.path.join(os.path.dirname(os.path.normpath(rejects_dir)), FAILED_INPUTS_DIR)

@@ -4,18 +4,26 @@ Layout of an output directory::
 
     index.json              merged index of every committed part (what StreamingDataset reads)
     dataset.json            schema.DatasetInfo
+    convert.json            the settings its samples were made with (diffusion.convert.pipeline)
     empty_text_embeds.npy   the text embedding of ""
-    part-<id>/              one per write task: index.json, shard.*.mds.zstd, keys.json, stats.json;
+    part-<id>/              one per write task: index.json, shard.*.mds.zstd, keys.jsonl, stats.jsonl;
                             <id> is a hash of the part's keys, so the same rows make the same part
-    rejects/<id>.json       {key: reason} per transformed batch with rejects
-    failed_inputs/<id>.json one per input file that could not be read (see diffusion.convert.readers)
+    rejects/<id>.jsonl      {key: reason} per transformed batch with rejects
+    failed_inputs/<id>.jsonl one per input file that could not be read (see diffusion.convert.readers)
+
+This is the layout streaming's own tools expect of a folder of MDS parts: below the root, the only
+``*.json`` files are the parts' ``index.json``, so ``streaming.base.util.merge_index(out)`` (which takes
+every ``*.json`` below the root for a part's index) merges the same index the converter writes. The
+converter's records are one line of JSON each, named ``*.jsonl``; an output written before they were
+(``keys.json``, ``stats.json``, ``rejects/*.json``, ``failed_inputs/*.json``) has them renamed at the
+start of its next run (:func:`migrate_records`), before anything else reads them.
 
 A part is written under a temporary name and renamed to ``part-<id>`` once complete, so a killed run
 leaves only whole parts (plus temporary ones, removed on the next run); a retried write task whose
-first attempt already committed finds its part there and discards the copy. ``keys.json`` lists the
+first attempt already committed finds its part there and discards the copy. ``keys.jsonl`` lists the
 keys a part holds: together with ``rejects/`` it is what a re-run skips.
 
-Records damaged on disk never block a re-run: a part whose ``keys.json``, ``stats.json`` or
+Records damaged on disk never block a re-run: a part whose ``keys.jsonl``, ``stats.jsonl`` or
 ``index.json`` is missing or unreadable, disagrees on the sample count, or whose shard files are
 missing or of another size than its index says, is not committed (:func:`read_part`); the next run
 removes it (:func:`remove_temporary_parts`) and converts its rows again. An unreadable reject file is
@@ -36,12 +44,14 @@ import numpy as np
 from ray.data import Datasink
 
 from diffusion import schema
+from diffusion.convert.readers import FAILED_INPUTS_DIR
+from diffusion.convert.transforms import LEGACY_RECORD_SUFFIX, RECORD_SUFFIX
 
 INDEX_JSON = "index.json"
 PART_PREFIX = "part-"
 TMP_PREFIX = ".tmp-"
-KEYS_JSON = "keys.json"
-STATS_JSON = "stats.json"
+KEYS_RECORD = "keys" + RECORD_SUFFIX  # a part's keys, in order: one line of JSON, a list
+STATS_RECORD = "stats" + RECORD_SUFFIX  # a part's sample count and stage seconds: one line of JSON
 REJECTS_DIR = "rejects"
 SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
 
@@ -62,7 +72,7 @@ def read_part(part_dir: str) -> tuple[list[str], dict, dict] | None:
     unreadable, counts that disagree (keys, stats' count, the index's samples), or a shard file
     missing or of another size than the index records."""
     try:
-        keys, index, stats = (_read_json(os.path.join(part_dir, name)) for name in (KEYS_JSON, INDEX_JSON, STATS_JSON))
+        keys, index, stats = (_read_json(os.path.join(part_dir, name)) for name in (KEYS_RECORD, INDEX_JSON, STATS_RECORD))
         if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(stats, dict)
                 and isinstance(index, dict) and isinstance(index.get("shards"), list)):
             return None
@@ -131,12 +141,50 @@ def remove_temporary_parts(out: str) -> list[str]:
     rejects = os.path.join(out, REJECTS_DIR)
     for name in sorted(os.listdir(rejects)) if os.path.isdir(rejects) else []:
         path = os.path.join(rejects, name)
-        if name.endswith(".tmp") or (name.endswith(".json") and read_rejects(path) is None):
+        if name.endswith(".tmp") or (is_record(name) and read_rejects(path) is None):
             try:
                 os.remove(path)
             except OSError:
                 pass
     return stale
+
+
+def is_record(name: str) -> bool:
+    """Whether a file in rejects/ or failed_inputs/ is a record (``.jsonl``; ``.json`` in the old layout)."""
+    return name.endswith((RECORD_SUFFIX, LEGACY_RECORD_SUFFIX))
+
+
+_LEGACY_PART_RECORDS = {"keys.json": KEYS_RECORD, "stats.json": STATS_RECORD}
+
+
+def migrate_records(out: str) -> int:
+    """Rename the records of an output written in the old layout (``keys.json``, ``stats.json``,
+    ``rejects/*.json``, ``failed_inputs/*.json``) to their ``.jsonl`` names; returns how many were
+    renamed. Each rename is atomic and a record already renamed is left alone, so a run killed
+    half-way through is finished by the next one; run it before anything decides which parts are
+    committed (a part with one record renamed and one not is complete, not damaged)."""
+    if not os.path.isdir(out):
+        return 0
+    moves = []
+    for entry in os.listdir(out):
+        folder = os.path.join(out, entry)
+        if not os.path.isdir(folder):
+            continue
+        if entry.startswith(PART_PREFIX):
+            moves += [(os.path.join(folder, old), os.path.join(folder, new)) for old, new in _LEGACY_PART_RECORDS.items()]
+        elif entry in (REJECTS_DIR, FAILED_INPUTS_DIR):
+            moves += [(os.path.join(folder, name), os.path.join(folder, name[: -len(LEGACY_RECORD_SUFFIX)] + RECORD_SUFFIX))
+                      for name in os.listdir(folder) if name.endswith(LEGACY_RECORD_SUFFIX)]
+    renamed = 0
+    for old, new in moves:
+        if not os.path.exists(old):
+            continue
+        if os.path.exists(new):  # written by this code already: the old copy is the stale one
+            os.remove(old)
+        else:
+            os.replace(old, new)
+            renamed += 1
+    return renamed
 
 
 def read_rejects(path: str) -> dict[str, str] | None:
@@ -153,8 +201,9 @@ def read_rejects(path: str) -> dict[str, str] | None:
 def merge_index(out: str) -> int:
     """Write ``out/index.json`` listing every committed part's shards; returns the sample count.
 
-    Equivalent to ``streaming.base.util.merge_index`` for a local root, but only over committed parts
-    (a temporary or damaged part must never enter the index).
+    On a finished output, the same index as ``streaming.base.util.merge_index(out)`` writes (parts in
+    name order, each part's shards in its own order; tested); this one reads only committed parts, so
+    a temporary or damaged part a killed run left never enters the index.
     """
     shards = []
     for part in committed_parts(out):
@@ -185,7 +234,7 @@ class MDSPartSink(Datasink):
     """Each write task streams its rows into one MDS part; ``on_write_complete`` merges the index.
 
     ``columns`` is the MDS column mapping (``schema.mds_columns``); columns named ``_*_seconds``
-    (stage timings) are summed into the part's ``stats.json`` instead of being stored.
+    (stage timings) are summed into the part's ``stats.jsonl`` instead of being stored.
     ``on_complete(out)`` runs after the merge (the converter writes dataset.json there). ``hashes``
     are recorded per shard file in index.json: sha1 for any reader, and xxh3_64, the fastest
     streaming knows, which the training loader checks each shard with (xxh64 costs it twice as much).
@@ -225,8 +274,8 @@ class MDSPartSink(Datasink):
                 return {"part": None, "count": 0}
             writer.finish()
             seconds["write_seconds"] = time.perf_counter() - start
-            write_json_atomic(os.path.join(tmp, STATS_JSON), {"count": len(keys), **seconds})
-            write_json_atomic(os.path.join(tmp, KEYS_JSON), keys)
+            write_json_atomic(os.path.join(tmp, STATS_RECORD), {"count": len(keys), **seconds})
+            write_json_atomic(os.path.join(tmp, KEYS_RECORD), keys)
             name = part_name(keys)
             target = os.path.join(self.out, name)
             try:

@@ -10,12 +10,11 @@ record lists nothing (the file is tried again).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 
 from diffusion.convert.readers import FAILED_INPUTS_DIR, read_failed_inputs
-from diffusion.convert.sink import KEYS_JSON, REJECTS_DIR, STATS_JSON, committed_parts, read_rejects
+from diffusion.convert.sink import KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, read_rejects
 
 
 FAILED_SHOWN = 10  # failed input files listed by name in the table
@@ -63,11 +62,13 @@ def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
     """(keys held by committed parts, {rejected key: reason}) under a local output directory."""
     written = set()
     for part in committed_parts(out):
-        with open(os.path.join(out, part, KEYS_JSON)) as f:
+        with open(os.path.join(out, part, KEYS_RECORD)) as f:
             written.update(json.load(f))
     rejected = {}
-    for path in sorted(glob.glob(os.path.join(out, REJECTS_DIR, "*.json"))):
-        rejected.update(read_rejects(path) or {})
+    rejects = os.path.join(out, REJECTS_DIR)
+    for name in sorted(os.listdir(rejects)) if os.path.isdir(rejects) else []:
+        if is_record(name):
+            rejected.update(read_rejects(os.path.join(rejects, name)) or {})
     for key in written:  # a key both written and rejected cannot happen in one run; trust the part
         rejected.pop(key, None)
     return written, rejected
@@ -81,7 +82,7 @@ def summarize(out: str) -> ConversionSummary:
     for reason in rejected.values():
         summary.rejects[reason] = summary.rejects.get(reason, 0) + 1
     for part in committed_parts(out):
-        with open(os.path.join(out, part, STATS_JSON)) as f:
+        with open(os.path.join(out, part, STATS_RECORD)) as f:
             for name, value in json.load(f).items():
                 if name == "count":
                     summary.written += int(value)

@@ -230,10 +230,18 @@ def center_square_crops(image: Image.Image, resolutions) -> dict[int, np.ndarray
     return crops
 
 
+# The converter's own records below an output's root (parts' keys and stats, rejects, failed inputs)
+# are one line of JSON each, named *.jsonl: streaming's merge_index(root) takes every *.json below the
+# root for a part's index.json, so none of them may end in .json. Outputs written before used .json;
+# a re-run renames them (diffusion.convert.sink.migrate_records).
+RECORD_SUFFIX = ".jsonl"
+LEGACY_RECORD_SUFFIX = ".json"
+
+
 def write_rejects(directory: str, rejects: dict[str, str]) -> str:
     """Record rejected keys (key -> reason) in a new small file, atomically, for counting and resume."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{uuid.uuid4().hex}.json")
+    path = os.path.join(directory, f"{uuid.uuid4().hex}{RECORD_SUFFIX}")
     with open(path + ".tmp", "w") as f:
         json.dump(rejects, f)
     os.replace(path + ".tmp", path)

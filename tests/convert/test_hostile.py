@@ -13,7 +13,7 @@ import pytest
 
 from diffusion import schema
 from diffusion.convert.pipeline import run_conversion
-from diffusion.convert.sink import KEYS_JSON, REJECTS_DIR, committed_parts
+from diffusion.convert.sink import KEYS_RECORD, REJECTS_DIR, committed_parts
 
 
 def _scene(rng) -> bytes:
@@ -85,10 +85,10 @@ def test_hostile_rows_broken_files_and_damaged_records(convert_config, tmp_path,
     # Damage the resume records as a disk or a kill would; fix one broken input. The re-run must
     # repair what it finds (damaged parts and reject files are redone) and count the same.
     parts = committed_parts(str(out))
-    (out / parts[0] / KEYS_JSON).write_text('["k0", "k')
+    (out / parts[0] / KEYS_RECORD).write_text('["k0", "k')
     if len(parts) > 1:
-        (out / parts[-1] / KEYS_JSON).unlink()
-    reject_file = sorted((out / REJECTS_DIR).glob("*.json"))[0]
+        (out / parts[-1] / KEYS_RECORD).unlink()
+    reject_file = sorted((out / REJECTS_DIR).glob("*.jsonl"))[0]
     reject_file.write_text(reject_file.read_text()[:5])
     pq.write_table(pa.table({"caption": ["a fixed file"], "jpg": [_scene(np.random.default_rng(1))]}),
                    raw / "z.parquet")

@@ -257,3 +257,79 @@ def test_mixed_formats_are_all_read_but_a_tars_metadata_parquet_is_not(tmp_path)
     assert check_inputs(tmp_path) == ("parquet+webdataset+folder", 3)
     assert sorted(r[schema.RAW_KEY] for r in iter_rows(tmp_path)) == ["00000.tar/t0", "00000.tar/t1", "img.png",
                                                                        "p0", "p1"]
+
+
+# ---- img2dataset's output layouts, read by folder (issue 18) -------------------------------------
+
+def _img2dataset_metadata(keys, statuses) -> pa.Table:
+    """The metadata parquet img2dataset writes beside each shard (no image column)."""
+    n = len(keys)
+    return pa.table({schema.RAW_KEY: keys, schema.RAW_URL: [f"http://x/{k}.jpg" for k in keys],
+                     schema.RAW_CAPTION: [f"caption {k}" for k in keys], schema.RAW_STATUS: statuses,
+                     "error_message": [None if s == "success" else "timeout" for s in statuses],
+                     schema.WIDTH: [80] * n, schema.HEIGHT: [60] * n})
+
+
+def _write_img2dataset(folder, layout, shards=("00000", "00001")):
+    """img2dataset's output in ``layout`` (parquet, webdataset or files): two shards of three rows,
+    the last of each a failed download; each shard with its NNNNN_stats.json."""
+    folder.mkdir()
+    for shard in shards:
+        keys = [f"{shard}{i:04d}" for i in range(3)]
+        statuses = ["success", "success", "failed_to_download"]
+        meta = _img2dataset_metadata(keys, statuses)
+        (folder / f"{shard}_stats.json").write_text(json.dumps({"count": 3, "successes": 2}))
+        if layout == "parquet":
+            pq.write_table(meta.append_column(schema.RAW_IMAGE, pa.array([_jpeg(), _jpeg(), None], pa.binary()))
+                           .append_column("txt", meta.column(schema.RAW_CAPTION)), folder / f"{shard}.parquet")
+            continue
+        pq.write_table(meta, folder / f"{shard}.parquet")
+        samples = [(k, {".jpg": _jpeg(), ".txt": f"caption {k}".encode(),
+                        ".json": json.dumps({"key": k, "status": "success", "width": 80, "height": 60}).encode()})
+                   for k in keys[:2]]
+        if layout == "webdataset":
+            _write_tar(folder / f"{shard}.tar", samples)
+        else:
+            (folder / shard).mkdir()
+            for key, parts in samples:
+                for ext, data in parts.items():
+                    (folder / shard / f"{key}{ext}").write_bytes(data)
+
+
+@pytest.mark.parametrize("layout, fmt, files, key", [("parquet", "parquet", 2, "{}".format),
+                                                     ("webdataset", "webdataset", 2, "{}".format),
+                                                     ("files", "folder", 4, "{}.jpg".format)])
+def test_each_img2dataset_output_layout_is_read_by_folder(tmp_path, layout, fmt, files, key):
+    _write_img2dataset(tmp_path / layout, layout)
+    assert check_inputs(tmp_path / layout) == (fmt, files)  # data files: the metadata parquets are not
+    rows = list(iter_rows(tmp_path / layout))
+    keys = ["000000000", "000000001", "000010000", "000010001"]
+    expected = [key(f"{k[:5]}/{k}" if layout == "files" else k) for k in keys]
+    assert [r[schema.RAW_KEY] for r in rows] == expected  # successes only
+    assert [r[schema.RAW_CAPTION] for r in rows] == [f"caption {k}" for k in keys]
+
+
+def test_a_shards_parquet_with_images_is_data_and_a_damaged_one_is_metadata(tmp_path):
+    _write_img2dataset(tmp_path / "wds", "webdataset")
+    # 00001.parquet now holds images: data beside its tar, read with it (as any mixed folder is)
+    pq.write_table(pa.table({schema.RAW_IMAGE: [_jpeg()], schema.RAW_CAPTION: ["a parquet row"],
+                             schema.RAW_KEY: ["p0"]}), tmp_path / "wds" / "00001.parquet")
+    (tmp_path / "wds" / "00000.parquet").write_bytes(b"cut short")  # img2dataset killed mid-write
+    assert check_inputs(tmp_path / "wds") == ("parquet+webdataset", 3)
+    keys = [r[schema.RAW_KEY] for r in iter_rows(tmp_path / "wds")]
+    assert sorted(keys) == ["000000000", "000000001", "000010000", "000010001", "p0"]
+
+
+def test_a_folder_without_images_names_the_layouts_looked_for(tmp_path):
+    (tmp_path / "00000.tfrecord").write_bytes(b"\0" * 16)  # img2dataset's tfrecord format: not read
+    pq.write_table(_img2dataset_metadata(["k0"], ["success"]), tmp_path / "00000.parquet")
+    (tmp_path / "00000_stats.json").write_text("{}")
+    with pytest.raises(InputError) as e:
+        check_inputs(tmp_path)
+    message = str(e.value)
+    assert str(tmp_path) in message and "tfrecord format is not read" in message
+    for layout in ("parquet", "webdataset", "files", "images with .txt captions"):
+        assert layout in message
+    pq.write_table(_img2dataset_metadata(["k0"], ["success"]), tmp_path / "urls.parquet")  # no tar beside it
+    with pytest.raises(InputError, match="urls.parquet has no column 'jpg'.*download_laion"):
+        check_inputs(tmp_path)
