@@ -44,12 +44,16 @@ RAW_IMAGE = "jpg"  # encoded image bytes (any format PIL reads; the name follows
 RAW_CAPTION = "caption"
 RAW_KEY = "key"
 RAW_URL = "url"
-RAW_STATUS = "status"  # download output: "success" or "failed"
-RAW_ERROR = "error"  # download output: failure reason, None on success
+# Download output: img2dataset's names and values.
+RAW_STATUS = "status"  # "success", "failed_to_download" or "failed_to_resize"
+RAW_ERROR = "error_message"  # "reason: detail" of a failed row (the reason is what stats count), None on success
 RAW_STATUS_SUCCESS = "success"  # values of RAW_STATUS
-RAW_STATUS_FAILED = "failed"
-RAW_ORIGINAL_WIDTH = "original_width"  # download output: size before an optional resize (img2dataset)
+RAW_STATUS_FAILED_TO_DOWNLOAD = "failed_to_download"  # no image bytes came back
+RAW_STATUS_FAILED_TO_RESIZE = "failed_to_resize"  # bytes came back but are no usable image
+RAW_ORIGINAL_WIDTH = "original_width"  # size before an optional resize
 RAW_ORIGINAL_HEIGHT = "original_height"
+RAW_EXIF = "exif"  # JSON object of the original image's EXIF tags, None for a failed row
+RAW_SHA256 = "sha256"  # hex SHA-256 of the bytes downloaded (before any resize), None for a failed row
 
 
 def image_column(resolution: int) -> str:

@@ -7,6 +7,8 @@ timeouts and 5xx answers are retried, with exponential backoff; a 404 will not c
 Failures raise :class:`FetchError` whose ``reason`` is a short code counted in the stats: ``timeout``
 only for a server that did not answer in time; a refused connection is ``connection_refused``, a host
 name that does not resolve ``dns_error``, any other failure to connect or read ``connection_error``.
+Its text, ``"reason: detail"``, is a row's ``error_message`` and a key of its shard's ``status_dict``,
+so the detail never repeats the row's own URL (the row has it): one 404 reads like every other.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class _Retryable(Exception):
 def check_scheme(url: str, reason: str = "unsupported_scheme", referrer: str | None = None) -> None:
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme.lower() not in ALLOWED_SCHEMES or not parsed.netloc:
-        came_from = f" (redirected from {referrer})" if referrer else ""
-        raise FetchError(reason, f"{url!r}{came_from}: only http and https URLs are fetched")
+        if referrer:  # a redirect's target is news (the row has the URL it came from): name it
+            raise FetchError(reason, f"redirected to {url!r}: only http and https URLs are fetched")
+        what = f"scheme {parsed.scheme!r}" if parsed.scheme else "no scheme"
+        raise FetchError(reason, f"{what}: only http and https URLs are fetched")
 
 
 def connect_failure(error: Exception) -> str:
@@ -94,7 +98,7 @@ class Fetcher:
     def fetch(self, url: str) -> bytes:
         """The body of ``url`` after redirects; raises FetchError."""
         if not isinstance(url, str) or not url.strip():
-            raise FetchError("invalid_url", f"{url!r} is not a URL")
+            raise FetchError("invalid_url", "empty or not text")
         url = url.strip()
         check_scheme(url)
         attempts = self.config.retries + 1
@@ -109,7 +113,6 @@ class Fetcher:
 
     def _follow(self, url: str) -> bytes:
         deadline = time.monotonic() + self.config.timeout
-        origin = url
         for _ in range(self.config.max_redirects + 1):
             response = self._request(url)
             body = None
@@ -123,16 +126,16 @@ class Fetcher:
                     url = target
                     continue
                 if response.status >= 500:
-                    raise _Retryable(FetchError(f"http_{response.status}", url))
+                    raise _Retryable(FetchError(f"http_{response.status}", response.reason or ""))
                 if not 200 <= response.status < 300:
-                    raise FetchError(f"http_{response.status}", url)
+                    raise FetchError(f"http_{response.status}", response.reason or "")
                 body = self._read_body(response, deadline)
                 return body
             finally:
                 if body is None:  # close rather than drain: an unread body may be huge or endless
                     response.close()
                 response.release_conn()  # a fully read connection goes back to the pool for reuse
-        raise FetchError("too_many_redirects", f"more than {self.config.max_redirects} redirects from {origin}")
+        raise FetchError("too_many_redirects", f"more than {self.config.max_redirects}")
 
     def _request(self, url: str) -> urllib3.BaseHTTPResponse:
         try:
@@ -140,25 +143,25 @@ class Fetcher:
         except urllib3.exceptions.NewConnectionError as e:
             # Caught before TimeoutError: urllib3 2 makes every failed connect a ConnectTimeoutError
             # subclass, a refused connection or an unknown host included.
-            raise FetchError(connect_failure(e), f"{url}: {type(e).__name__}") from None
+            raise FetchError(connect_failure(e), type(e).__name__) from None
         except urllib3.exceptions.TimeoutError as e:
-            raise _Retryable(FetchError("timeout", f"{url}: {type(e).__name__}")) from None
+            raise _Retryable(FetchError("timeout", type(e).__name__)) from None
         except urllib3.exceptions.LocationValueError as e:
-            raise FetchError("invalid_url", f"{url}: {e}") from None
+            raise FetchError("invalid_url", str(e)) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise FetchError("connection_error", f"{url}: {type(e).__name__}") from None
+            raise FetchError("connection_error", type(e).__name__) from None
 
     def _read_body(self, response: urllib3.BaseHTTPResponse, deadline: float) -> bytes:
         limit = self.config.max_bytes
         declared = response.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise FetchError("too_large", f"Content-Length {declared} > {limit} bytes")
+            raise FetchError("too_large", f"more than {limit} bytes (Content-Length)")
         body = bytearray()
         try:
             for chunk in response.stream(_CHUNK):
                 body += chunk
                 if len(body) > limit:
-                    raise FetchError("too_large", f"body exceeds {limit} bytes")
+                    raise FetchError("too_large", f"more than {limit} bytes")
                 if time.monotonic() > deadline:  # a trickling server can dodge the per-read timeout
                     raise _Retryable(FetchError("timeout", f"body not received within {self.config.timeout} s"))
         except urllib3.exceptions.TimeoutError:

@@ -2,15 +2,17 @@
 
 The default keeps the original bytes: the converter crops and resizes for each training resolution,
 so re-encoding here would only lose quality. Resizing at download time trades that for disk space.
+Each valid image also gives its EXIF tags (img2dataset's ``exif`` column, see :func:`exif_json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import warnings
 
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, TiffImagePlugin
 
 from diffusion.download.http import FetchError
 from diffusion.errors import ConfigError
@@ -40,6 +42,7 @@ class CheckedImage:
     height: int
     original_width: int
     original_height: int
+    exif: str | None = None  # JSON object of the original's EXIF tags (exif_json)
 
 
 def check_image(data: bytes, rules: ImageRules) -> CheckedImage:
@@ -50,24 +53,69 @@ def check_image(data: bytes, rules: ImageRules) -> CheckedImage:
             image = Image.open(io.BytesIO(data))
             width, height = image.size  # from the header: refuse giants before decoding them
             if width * height > rules.max_pixels:
-                raise FetchError("too_many_pixels", f"{width}x{height} > {rules.max_pixels} pixels")
+                raise FetchError("too_many_pixels", f"more than {rules.max_pixels} pixels")
             image.load()
     except FetchError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise FetchError("too_many_pixels", str(e)) from None
+        raise FetchError("too_many_pixels", f"more than {rules.max_pixels} pixels") from None
     except Image.UnidentifiedImageError:
-        raise FetchError("not_image", f"{len(data)} bytes starting {data[:16]!r}") from None
+        raise FetchError("not_image", "cannot identify image file") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or corrupt
         raise FetchError("decode_error", str(e)) from None
     if min(width, height) < rules.min_size:
-        raise FetchError("too_small", f"{width}x{height}, shorter side < {rules.min_size}")
+        raise FetchError("too_small", f"shorter side < {rules.min_size} px")
+    exif = exif_json(image)
     if rules.resize_mode == "no":
-        return CheckedImage(data, width, height, width, height)
+        return CheckedImage(data, width, height, width, height, exif)
     resized = _resize(ImageOps.exif_transpose(image).convert("RGB"), rules)
     buf = io.BytesIO()
     resized.save(buf, "JPEG", quality=rules.jpeg_quality)
-    return CheckedImage(buf.getvalue(), resized.width, resized.height, width, height)
+    return CheckedImage(buf.getvalue(), resized.width, resized.height, width, height, exif)
+
+
+# IFDs as img2dataset's EXIF reader (exifread) prefixes their tags; MakerNote and the thumbnail are left out.
+_SUB_IFDS = (("EXIF", ExifTags.IFD.Exif, ExifTags.TAGS), ("GPS", ExifTags.IFD.GPSInfo, ExifTags.GPSTAGS),
+             ("Interoperability", ExifTags.IFD.Interop, ExifTags.TAGS))
+_SKIPPED_TAGS = {int(ExifTags.IFD.MakerNote)}
+
+
+def exif_json(image: Image.Image) -> str | None:
+    """The image's EXIF tags as a JSON object of strings, keyed as img2dataset keys them ("Image Make",
+    "EXIF DateTimeOriginal", "GPS GPSLatitude"); "{}" when it has none, None when they cannot be read.
+    Values are text: a rational as "1/100", a sequence as "[1, 2]"; binary values are left out."""
+    try:
+        exif = image.getexif()
+        tags = {}
+        for prefix, ifd, names in (("Image", None, ExifTags.TAGS),) + _SUB_IFDS:
+            try:
+                entries = exif if ifd is None else exif.get_ifd(ifd)
+            except KeyError:  # Pillow's answer for an Interop IFD that the Exif IFD does not point to
+                continue
+            for tag, value in entries.items():
+                text = None if tag in _SKIPPED_TAGS else _exif_text(value)
+                if text is not None:
+                    tags[f"{prefix} {names.get(tag, f'Tag 0x{tag:04X}')}"] = text
+        return json.dumps(tags)
+    except Exception:  # a damaged EXIF block loses the tags, never the image
+        return None
+
+
+def _exif_text(value) -> str | None:
+    if isinstance(value, TiffImagePlugin.IFDRational):
+        num, den = value.numerator, value.denominator
+        return str(num) if den == 1 else f"{num}/{den}"
+    if isinstance(value, bytes):
+        text = value.rstrip(b"\0").decode("ascii", "replace")
+        return text.strip() if text.isprintable() and len(text) <= 256 else None
+    if isinstance(value, (tuple, list)):
+        items = [_exif_text(v) for v in value]
+        return None if None in items else "[" + ", ".join(items) + "]"
+    if isinstance(value, str):
+        return value.rstrip("\0").strip()
+    if isinstance(value, (int, float)):
+        return str(value)
+    return None
 
 
 def _resize(image: Image.Image, rules: ImageRules) -> Image.Image:

@@ -3,16 +3,22 @@
 ``download(DownloadConfig(input=..., output=...))`` plans shards from the input (see
 :mod:`diffusion.download.plan`), skips the shards a previous run finished, and runs the rest as
 one Ray Data ``map_batches`` with one shard per batch (:mod:`diffusion.download.shard`). Output,
-beside each other in ``output``:
+beside each other in ``output``, named and laid out as img2dataset's:
 
-- ``NNNNN.parquet``: ``key, url, caption, jpg, width, height, original_width, original_height, status,
-  error`` plus kept input columns. Failed rows stay, with an empty image and the reason in ``error``
-  (``"http_404: …"``, ``"timeout: …"``; the code before the colon is what the stats count).
+- ``NNNNN.parquet`` (``--output-format parquet``, the default): ``url, caption``, the kept input
+  columns, ``key, status, error_message, width, height, original_width, original_height, exif, sha256,
+  jpg``, one row per input row, in the order downloads finished. ``status`` is ``success``,
+  ``failed_to_download`` or ``failed_to_resize`` (bytes came back but are no usable image); a failed row
+  has a null image and ``error_message`` ``"http_404: Not Found"``, ``"timeout: ReadTimeoutError"``, ...:
+  the code before the colon is what the stats count by reason.
+- ``--output-format webdataset``: ``NNNNN.tar`` with ``KEY.jpg``, ``KEY.txt`` (caption) and
+  ``KEY.json`` (the row's metadata) per downloaded image, and ``NNNNN.parquet`` with every row's
+  metadata (the columns above less ``jpg``).
 - ``NNNNN_stats.json``: img2dataset's fields (count, successes, failed_to_download, failed_to_resize,
-  duration, status_dict) plus ``failures`` by reason.
+  duration, start_time, end_time, status_dict: rows by error message) plus ``failures`` by reason.
 - ``download_plan.json`` (what a re-run must match) and ``summary.json`` (the totals).
 
-The converter reads the parquet shards directly and keeps ``status == "success"``.
+The converter reads either format directly and keeps ``status == "success"``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from diffusion.download.http import FetchConfig
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.download.image import RESIZE_MODES, ImageRules
 from diffusion.download.plan import InputColumns, ShardSpec, open_filesystem, plan_shards
-from diffusion.download.shard import OUTPUT_FIELDS, ShardJob, ShardNaming, download_shard, read_stats
+from diffusion.download.shard import (OUTPUT_FIELDS, OUTPUT_FORMATS, ShardJob, ShardNaming, download_shard,
+                                      read_stats)
 
 PLAN_JSON = "download_plan.json"
 SUMMARY_JSON = "summary.json"
@@ -49,6 +56,7 @@ class DownloadConfig:
     num_cpus: float = 0.25  # per shard task: downloading waits on the network, not the CPU
     fetch: FetchConfig = FetchConfig()
     image: ImageRules = ImageRules()
+    output_format: str = "parquet"  # parquet | webdataset (tar + metadata parquet), as img2dataset writes them
 
 
 @dataclasses.dataclass
@@ -78,6 +86,8 @@ def _check_config(config: DownloadConfig) -> None:
     clash = reserved.intersection(config.columns.keep)
     if clash:
         raise ConfigError(f"--keep-columns {sorted(clash)} would overwrite output columns {sorted(reserved)}")
+    if config.output_format not in OUTPUT_FORMATS:
+        raise ConfigError(f"output_format must be one of {OUTPUT_FORMATS}, got {config.output_format!r}")
     if config.threads < 1 or config.num_cpus <= 0:
         raise ConfigError(f"threads must be >= 1 and num_cpus > 0, got {config.threads}, {config.num_cpus}")
 
@@ -88,7 +98,10 @@ def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
     ranges = [(os.path.relpath(s.path, input_root), s.start, s.stop) for s in shards]
     return {"rows_per_shard": config.rows_per_shard, "columns": config.columns.names(),
             "shards": len(shards), "shard_ranges_sha256": hashlib.sha256(json.dumps(ranges).encode()).hexdigest(),
-            "image": dataclasses.asdict(config.image)}
+            "image": dataclasses.asdict(config.image), "output_format": config.output_format}
+
+
+_FINGERPRINT_DEFAULTS = {"output_format": "parquet"}  # what a plan written before the key existed meant
 
 
 def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: str) -> None:
@@ -96,7 +109,7 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
     if fs.get_file_info(path).type == pa_fs.FileType.File:
         with fs.open_input_stream(path) as f:
             previous = json.loads(f.read())
-        changed = sorted(k for k in fingerprint if previous.get(k) != fingerprint[k])
+        changed = sorted(k for k in fingerprint if previous.get(k, _FINGERPRINT_DEFAULTS.get(k)) != fingerprint[k])
         if changed:
             raise OutputMismatchError(f"{output} holds a download with a different plan ({', '.join(changed)} changed); "
                              f"resume with the same input and options, or choose a new --output")
@@ -126,7 +139,7 @@ def download(config: DownloadConfig) -> DownloadSummary:
     _claim_output(fs, root, _plan_fingerprint(config, shards), config.output)
     naming = ShardNaming.for_plan(len(shards), config.rows_per_shard)
     job = ShardJob(config.input, config.output, formats, config.columns, naming, config.fetch, config.image,
-                   config.threads)
+                   config.threads, config.output_format)
     todo = [s for s in shards if fs.get_file_info(f"{root}/{naming.stats(s.shard_id)}").type
             != pa_fs.FileType.File]
 
@@ -158,18 +171,25 @@ DOWNLOAD_EXAMPLES = """examples:
   python convert/download_laion.py --input laion/part-00000.parquet --output out/raw
   python convert/download_laion.py --input s3://bucket/urls/ --output out/raw --resize-mode center_crop \\
       --image-size 512 --address auto
+  python convert/download_laion.py --input urls.parquet --output out/wds --output-format webdataset
 
-Re-running the same command resumes: finished shards are skipped."""
+Re-running the same command resumes: finished shards are skipped, a shard a kill interrupted is
+downloaded again from its first row."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python convert/download_laion.py", epilog=DOWNLOAD_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Download a LAION-style url+caption list into image shards (img2dataset-compatible "
-                    "NNNNN.parquet + NNNNN_stats.json) with Ray Data; the converter reads them directly.")
+        description="Download a LAION-style url+caption list into image shards with Ray Data, in img2dataset's "
+                    "layout and schema (NNNNN.parquet, or NNNNN.tar + NNNNN.parquet, and NNNNN_stats.json); "
+                    "the converter reads them directly.")
     p.add_argument("--input", required=True, help="parquet/csv/jsonl file or directory, local or s3://")
-    p.add_argument("--output", required=True, help="output directory for NNNNN.parquet + NNNNN_stats.json")
+    p.add_argument("--output", required=True, help="output directory for the shards and their stats")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="parquet",
+                   help="parquet: images in NNNNN.parquet (default); webdataset: NNNNN.tar of KEY.jpg, KEY.txt, "
+                        "KEY.json per image, plus NNNNN.parquet of every row's metadata (what most LAION "
+                        "tooling reads)")
     p.add_argument("--input-format", choices=("parquet", "csv", "jsonl"), help="default: from the extension")
     p.add_argument("--url-col", default="URL", help="input column holding the image URL (default: URL)")
     p.add_argument("--caption-col", default="TEXT", help="input column holding the caption (default: TEXT)")
@@ -196,7 +216,7 @@ def main(argv=None) -> DownloadSummary:
     config = DownloadConfig(
         input=args.input, output=args.output, input_format=args.input_format,
         columns=InputColumns(args.url_col, args.caption_col, keep), rows_per_shard=args.rows_per_shard,
-        threads=args.threads, concurrency=args.concurrency, num_cpus=args.num_cpus,
+        threads=args.threads, concurrency=args.concurrency, num_cpus=args.num_cpus, output_format=args.output_format,
         fetch=FetchConfig(timeout=args.timeout, retries=args.retries, max_bytes=args.max_bytes,
                           max_redirects=args.max_redirects),
         image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, resize_mode=args.resize_mode,

@@ -2,10 +2,12 @@
 
 import collections
 import glob
+import hashlib
 import http.server
 import io
 import json
 import os
+import tarfile
 import threading
 import time
 
@@ -36,6 +38,21 @@ def _image_bytes(fmt: str, size=(64, 48), seed=0) -> bytes:
 
 
 JPEG, PNG, TINY = _image_bytes("JPEG"), _image_bytes("PNG", (40, 40)), _image_bytes("PNG", (8, 8))
+STALL_S = 2.0  # how long /stall takes to answer (it answers: a slow server, not a dead one)
+PACED_S = 0.1  # how long /paced takes to answer
+
+
+def _jpeg_with_exif() -> bytes:
+    from PIL import ExifTags, TiffImagePlugin
+    exif = Image.Exif()
+    exif[0x010F] = "Canon"  # Make
+    exif.get_ifd(ExifTags.IFD.Exif)[0x829A] = TiffImagePlugin.IFDRational(1, 100)  # ExposureTime
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(JPEG)).save(buf, "JPEG", exif=exif)
+    return buf.getvalue()
+
+
+EXIF_JPEG = _jpeg_with_exif()
 
 # path -> expected status of the row ("success" or the failure reason), in the order the input lists them
 CASES = {
@@ -97,6 +114,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif path == "/slow":
             time.sleep(SLOW_S)
             self._send(200, JPEG)
+        elif path.startswith("/stall"):
+            time.sleep(STALL_S)
+            self._send(200, JPEG)
+        elif path.startswith("/paced"):
+            time.sleep(PACED_S)
+            self._send(200, JPEG)
+        elif path == "/exif.jpg":
+            self._send(200, EXIF_JPEG)
         elif path == "/big":
             self._send(200, b"\xff" * 300_000)
         elif path == "/big-stream":
@@ -156,8 +181,10 @@ def _write_input(path, urls, fmt="parquet", extra=None):
 
 
 def _read_output(out) -> pa.Table:
+    """Every row of the output's parquet shards, by key (a shard holds its rows in the order they finished)."""
     files = sorted(glob.glob(os.path.join(out, "*.parquet")))
-    return pa.concat_tables([pq.read_table(f) for f in files])
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    return table.sort_by(schema.RAW_KEY)
 
 
 def _reason(row) -> str:
@@ -184,7 +211,7 @@ def test_fetcher_retries_only_timeouts_and_5xx_and_names_itself(server):
 def test_fetcher_refuses_other_schemes_and_endless_redirects(server):
     server.reset()
     fetcher = Fetcher(FETCH)
-    with pytest.raises(FetchError, match=r"redirect_scheme: 'file:///etc/passwd'.*only http and https"):
+    with pytest.raises(FetchError, match=r"redirect_scheme: redirected to 'file:///etc/passwd': only http and https"):
         fetcher.fetch(server.url("/to-file"))
     with pytest.raises(FetchError, match="unsupported_scheme"):
         fetcher.fetch("ftp://127.0.0.1/x.jpg")
@@ -297,16 +324,16 @@ def test_shard_rows_statuses_and_stats(server, tmp_path):
     os.makedirs(tmp_path / "out")
     stats = download_shard(job, ShardSpec(7, src, 0, len(paths)))
 
-    table = pq.read_table(tmp_path / "out" / "00007.parquet").to_pylist()
-    assert [_reason(r) for r in table] == expected  # input order, one row per input row
+    table = _read_output(tmp_path / "out").to_pylist()
+    assert [_reason(r) for r in table] == expected  # one row per input row, keyed by its input position
     assert [r[schema.RAW_KEY] for r in table] == [f"00007{i:02d}" for i in range(len(paths))]
     assert [r[schema.RAW_CAPTION] for r in table] == [f"caption {i}" for i in range(len(paths))]
     assert all(r["similarity"] == 0.5 for r in table)
     ok = [r for r in table if r[schema.RAW_STATUS] == schema.RAW_STATUS_SUCCESS]
     assert [(r[schema.WIDTH], r[schema.HEIGHT]) for r in ok] == [(64, 48), (40, 40), (64, 48), (64, 48)]
     assert ok[0][schema.RAW_IMAGE] == JPEG and ok[1][schema.RAW_IMAGE] == PNG
-    failed = [r for r in table if r[schema.RAW_STATUS] == schema.RAW_STATUS_FAILED]
-    assert all(r[schema.RAW_IMAGE] == b"" and r[schema.WIDTH] is None for r in failed)
+    failed = [r for r in table if r[schema.RAW_STATUS] != schema.RAW_STATUS_SUCCESS]
+    assert all(r[schema.RAW_IMAGE] is None and r[schema.WIDTH] is None for r in failed)
 
     on_disk = json.loads((tmp_path / "out" / "00007_stats.json").read_text())
     assert on_disk["count"] == len(paths) and on_disk["successes"] == 4
@@ -403,7 +430,7 @@ def test_s3_input_and_output(server, tmp_path, monkeypatch, endpoint_from):
         keys = sorted(o["Key"] for o in listing if not o["Key"].endswith("/"))  # pyarrow's directory marker
         assert keys == ["raw/00000.parquet", "raw/00000_stats.json"]
         body = s3.get_object(Bucket="laion", Key="raw/00000.parquet")["Body"].read()
-        rows = pq.read_table(io.BytesIO(body)).to_pylist()
+        rows = pq.read_table(io.BytesIO(body)).sort_by(schema.RAW_KEY).to_pylist()
         assert [_reason(r) for r in rows] == ["success", "http_404"] and rows[0][schema.RAW_IMAGE] == JPEG
     finally:
         moto.stop()
@@ -425,3 +452,170 @@ def test_cli_downloads_csv_with_renamed_columns_and_resize(server, tmp_path, ray
         ("a noisy photo", "en", "success"), ("gone", "de", "http_404")]
     assert Image.open(io.BytesIO(rows[0][schema.RAW_IMAGE])).size == (32, 32)
     assert (rows[0][schema.RAW_ORIGINAL_WIDTH], rows[0][schema.RAW_ORIGINAL_HEIGHT]) == (64, 48)
+
+
+# ---- stalls, kills, img2dataset's schema -----------------------------------------------------------
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_a_shard_with_stalled_urls_finishes_in_about_the_time_of_its_slowest_response(server, tmp_path):
+    """4 URLs that take STALL_S = 2 s to answer, 40 rows apart among 156 fast ones, 8 threads. Were rows
+    written in input order, each stall would hold the rows behind it and the shard would take at least
+    4 x 2 s = 8 s. Bound: the slowest response plus 1.5 s for everything else."""
+    server.reset()
+    paths = [f"/stall-{i}" if i % 40 == 0 else "/ok.jpg" for i in range(160)]
+    src = _write_input(tmp_path / "in.parquet", [server.url(p) for p in paths])
+    job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(), ShardNaming.for_plan(1, 160),
+                   FetchConfig(timeout=STALL_S + 3, retries=0), RULES, threads=8)
+    os.makedirs(tmp_path / "out")
+    start = time.monotonic()
+    stats = download_shard(job, ShardSpec(0, src, 0, 160))
+    elapsed = time.monotonic() - start
+    assert elapsed < STALL_S + 1.5, f"{elapsed:.1f} s"
+    assert stats["successes"] == 160 and sum(server.hits[p] for p in server.hits if p.startswith("/stall")) == 4
+    rows = _read_output(tmp_path / "out").to_pylist()
+    assert [r[schema.RAW_KEY] for r in rows] == [f"00000{i:03d}" for i in range(160)]
+    assert all(r[schema.RAW_IMAGE] == JPEG and r[schema.RAW_CAPTION] == f"caption {int(r[schema.RAW_KEY][5:])}"
+               for r in rows)
+
+
+KILLED_RUN = """
+import sys
+from diffusion.download.http import FetchConfig
+from diffusion.download.image import ImageRules
+from diffusion.download.plan import InputColumns, plan_shards
+from diffusion.download.shard import ShardJob, ShardNaming, download_shard
+src, out, fmt = sys.argv[1:]
+shards, formats = plan_shards(src, InputColumns(), 40)
+job = ShardJob(src, out, formats, InputColumns(), ShardNaming.for_plan(len(shards), 40),
+               FetchConfig(timeout=5, retries=0), ImageRules(min_size=16), threads=4, output_format=fmt)
+for spec in shards:  # what the job's Ray tasks run, one shard after another
+    download_shard(job, spec)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_a_download_killed_mid_shard_resumes_to_the_same_rows(server, tmp_path, ray_local, fmt):
+    """A process downloading 3 shards of 40 rows is killed (SIGKILL) while shard 1's rows are being
+    fetched; re-running the job skips shard 0, downloads shards 1 and 2 again from their first row and
+    ends with every row once: the counts of a run never interrupted."""
+    import signal
+    import subprocess
+    import sys
+    server.reset()
+    paths = ["/missing" if i % 5 == 0 else f"/paced-{i}" for i in range(120)]  # each shard: 32 images, 8 404s
+    src = _write_input(tmp_path / "in.parquet", [server.url(p) for p in paths])
+    out = tmp_path / "out"
+    os.makedirs(out)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, src, str(out), fmt], cwd=ROOT)
+    shard1 = {f"/paced-{i}" for i in range(40, 80)}
+    deadline = time.monotonic() + 60
+    while not any(server.hits[p] for p in shard1) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed, not finished
+    left = sorted(os.listdir(out))
+    assert "00000_stats.json" in left and "00001_stats.json" not in left and "00001.parquet.tmp" in left, left
+
+    server.reset()
+    config = DownloadConfig(input=src, output=str(out), rows_per_shard=40, threads=4, output_format=fmt,
+                            fetch=FetchConfig(timeout=5, retries=0), image=RULES)
+    again = download(config)
+    assert (again.skipped_shards, again.downloaded) == (1, 80)
+    assert not any(server.hits[f"/paced-{i}"] for i in range(40))  # shard 0 was not fetched again
+    assert (again.count, again.successes, again.failures) == (120, 96, {"http_404": 24})
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    rows = _read_output(out).to_pylist()
+    assert [r[schema.RAW_KEY] for r in rows] == [f"{s:05d}{i:02d}" for s in range(3) for i in range(40)]
+    assert [_reason(r) for r in rows] == ["http_404" if i % 5 == 0 else "success" for i in range(120)]
+    if fmt == "webdataset":
+        names = [n for t in sorted(glob.glob(str(out / "*.tar"))) for n in tarfile.open(t).getnames()]
+        assert sorted(names) == sorted(f"{r[schema.RAW_KEY]}{ext}" for r in rows if r[schema.RAW_STATUS] == "success"
+                                       for ext in (".jpg", ".txt", ".json"))
+
+
+# img2dataset's output, as its documentation and writer define it (its defaults: extract_exif on,
+# compute_hash "sha256"): the columns in their order, their types, the status values, the stats fields.
+IMG2DATASET_COLUMNS = [("url", pa.string()), ("caption", pa.string())]  # then the input columns it keeps
+IMG2DATASET_META = [("key", pa.string()), ("status", pa.string()), ("error_message", pa.string()),
+                    ("width", pa.int32()), ("height", pa.int32()), ("original_width", pa.int32()),
+                    ("original_height", pa.int32()), ("exif", pa.string()), ("sha256", pa.string())]
+IMG2DATASET_IMAGE = [("jpg", pa.binary())]  # parquet output only; webdataset's parquet holds the metadata
+IMG2DATASET_STATUSES = {"success", "failed_to_download", "failed_to_resize"}
+IMG2DATASET_STATS = {"count", "successes", "failed_to_download", "failed_to_resize", "duration", "start_time",
+                     "end_time", "status_dict"}
+FAILED_TO_RESIZE = {"not_image", "decode_error", "too_small"}  # bytes came back, but no usable image
+SERVED = {"/ok.jpg": JPEG, "/ok.png": PNG, "/moved": JPEG, "/flaky": JPEG, "/exif.jpg": EXIF_JPEG}
+
+
+def _download_cases(server, tmp_path, fmt):
+    """CASES plus an image with EXIF, one shard, with a kept input column; the rows by key."""
+    server.reset()
+    paths = list(CASES) + ["/exif.jpg"]
+    src = _write_input(tmp_path / "in.parquet", [server.url(p) for p in paths],
+                       extra={"similarity": [0.25] * len(paths)})
+    job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(keep=("similarity",)),
+                   ShardNaming.for_plan(1, 100), FETCH, RULES, threads=8, output_format=fmt)
+    os.makedirs(tmp_path / "out")
+    download_shard(job, ShardSpec(0, src, 0, len(paths)))
+    return paths, pq.read_table(tmp_path / "out" / "00000.parquet")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_output_has_img2dataset_columns_status_values_and_stats(server, tmp_path, fmt):
+    paths, table = _download_cases(server, tmp_path, fmt)
+    expected = IMG2DATASET_COLUMNS + [("similarity", pa.float64())] + IMG2DATASET_META + (
+        IMG2DATASET_IMAGE if fmt == "parquet" else [])
+    assert [(f.name, f.type) for f in table.schema] == expected
+    rows = table.sort_by("key").to_pylist()
+    assert len(rows) == len(paths) and {r["status"] for r in rows} == IMG2DATASET_STATUSES
+    for path, row in zip(paths, rows):
+        reason = CASES.get(path, "success")
+        assert row["url"] == server.url(path) and row["similarity"] == 0.25
+        if reason == "success":
+            assert row["status"] == "success" and row["error_message"] is None
+            assert row["sha256"] == hashlib.sha256(SERVED[path]).hexdigest()
+            exif = json.loads(row["exif"])
+            if path == "/exif.jpg":
+                assert (exif["Image Make"], exif["EXIF ExposureTime"]) == ("Canon", "1/100")
+            else:
+                assert exif == {}
+        else:
+            assert row["status"] == ("failed_to_resize" if reason in FAILED_TO_RESIZE else "failed_to_download")
+            assert row["error_message"].startswith(reason + ": ") and server.url(path) not in row["error_message"]
+            assert (row["sha256"], row["exif"], row["width"], row["original_width"]) == (None, None, None, None)
+        if fmt == "parquet":
+            assert row["jpg"] == (SERVED[path] if reason == "success" else None)
+
+    stats = json.loads((tmp_path / "out" / "00000_stats.json").read_text())
+    assert IMG2DATASET_STATS <= set(stats)
+    messages = collections.Counter(r["error_message"] or "success" for r in rows)
+    assert stats["status_dict"] == dict(messages) and stats["status_dict"]["http_404: Not Found"] == 1
+    assert (stats["count"], stats["successes"], stats["failed_to_resize"], stats["failed_to_download"]) == (
+        15, 5, 3, 7)
+
+    if fmt == "webdataset":
+        with tarfile.open(tmp_path / "out" / "00000.tar") as tar:
+            members = [(m.name, tar.extractfile(m).read()) for m in tar]
+        names = [n for n, _ in members]
+        samples = [names[i:i + 3] for i in range(0, len(names), 3)]  # each sample's members together
+        assert samples == [[n[:-4] + ext for ext in (".jpg", ".txt", ".json")] for n, *_ in samples]
+        assert sorted(n[:-4] for n, *_ in samples) == [r["key"] for r in rows if r["status"] == "success"]
+        files = dict(members)
+        for row, path in [(r, p) for p, r in zip(paths, rows) if r["status"] == "success"]:
+            assert files[row["key"] + ".jpg"] == SERVED[path]
+            assert files[row["key"] + ".txt"] == row["caption"].encode()
+            assert json.loads(files[row["key"] + ".json"]) == row  # the parquet row, every column
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_the_converter_reads_the_download_output(server, tmp_path, fmt):
+    """What the converter's reader takes from the output directory: the downloaded images only, each with
+    its key and caption (the webdataset's metadata parquet is not read as data)."""
+    from diffusion.convert.readers import iter_rows
+    paths, table = _download_cases(server, tmp_path, fmt)
+    read = sorted(iter_rows(str(tmp_path / "out")), key=lambda r: r[schema.RAW_KEY])
+    ok = [(f"00000{i:02d}", f"caption {i}", SERVED[p]) for i, p in enumerate(paths) if p in SERVED]
+    assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION], r[schema.RAW_IMAGE]) for r in read] == ok
