@@ -26,7 +26,7 @@ def test_recipe_numbers():
     for cfg in (p1, p2):
         assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.scheduler.t_warmup) == (1e-4, 0.01, "10000ba")
         assert cfg.trainer.fsdp.sharding_strategy == "SHARD_GRAD_OP"
-    assert p2.algorithms["ema"] == {"smoothing": 0.9999, "start_batch": 800000}
+    assert p2.algorithms["ema"] == {"smoothing": 0.9999, "start": "800000ba", "warmup": True}
     assert p2.trainer.load_weights_only and p2.trainer.load_strict  # strict: a key mismatch fails
 
 
