@@ -13,7 +13,8 @@ Layout of an output directory::
 
 This is the layout streaming's own tools expect of a folder of MDS parts: below the root, the only
 ``*.json`` files are the parts' ``index.json``, so ``streaming.base.util.merge_index(out)`` (which takes
-every ``*.json`` below the root for a part's index) merges the same index the converter writes. The
+every ``*.json`` below the root for a part's index, and will not replace an ``index.json`` already at
+the root: remove it first) merges the same index the converter writes. The
 converter's records are one line of JSON each, named ``*.jsonl``; an output written before they were
 (``keys.json``, ``stats.json``, ``rejects/*.json``, ``failed_inputs/*.json``) has them renamed at the
 start of its next run (:func:`migrate_records`), before anything else reads them.

@@ -15,6 +15,7 @@ from diffusion import schema
 from diffusion.convert.pipeline import ConvertConfig, PoolPlan, plan_pools, run_conversion
 from diffusion.convert.sink import TMP_PREFIX
 from diffusion.convert.readers import iter_rows
+from record_layout import records_named_json, to_old_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REASON = {"truncated": "undecodable", "not_image": "undecodable", "tiny": "too_small",
@@ -182,6 +183,47 @@ def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path,
 
 
 @pytest.mark.slow
+def test_streamings_merge_index_on_the_output_root_gives_every_sample(converted, tmp_path):
+    """``streaming.base.util.merge_index(root)``, the call users make on a folder of MDS parts, writes
+    the converter's own index, and streaming reads every sample back through it."""
+    import shutil
+    from streaming.base.util import merge_index
+    out = tmp_path / "copy"
+    shutil.copytree(converted[0], out)
+    ours = json.loads((out / "index.json").read_text())
+    (out / "index.json").unlink()
+    merge_index(str(out))
+    assert json.loads((out / "index.json").read_text()) == ours
+    keys = [s[schema.KEY] for s in _read_back(out)]
+    assert len(keys) == len(set(keys)) == converted[1].written
+    assert sorted(keys) == sorted(s[schema.KEY] for s in _read_back(converted[0]))
+
+
+@pytest.mark.slow
+def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, convert_config, tmp_path, manifest):
+    """An output written before the records were .jsonl (killed part-way, and killed again while a
+    re-run was renaming its records) finishes like a clean run, keeps what it had, and ends in the
+    layout streaming's merge_index reads."""
+    from streaming.base.util import merge_index
+    out = tmp_path / "old"
+    first = run_conversion(convert_config(out, limit=40))
+    parts = sorted(p.name for p in out.glob("part-*"))
+    to_old_layout(out, half_done_part=parts[0])
+    assert (out / parts[-1] / "keys.json").exists() and sorted((out / "rejects").glob("*.json"))
+    second = run_conversion(convert_config(out))
+    keys = [s[schema.KEY] for s in _read_back(out)]
+    assert sorted(keys) == sorted(s[schema.KEY] for s in _read_back(converted[0])) and len(keys) == len(set(keys))
+    assert second.written == manifest["good"] and second.rejects == converted[1].rejects
+    assert second.written_this_run == manifest["good"] - first.written  # the old parts were kept, not redone
+    assert set(parts) <= {p.name for p in out.glob("part-*")}
+    assert records_named_json(out) == []
+    ours = json.loads((out / "index.json").read_text())
+    (out / "index.json").unlink()  # streaming's merge_index never replaces an index.json
+    merge_index(str(out))
+    assert json.loads((out / "index.json").read_text()) == ours
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, value, setting", [("--resolutions", "32", "resolutions"),
                                                   ("--min-size", "80", "min_size")])
 def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit,
@@ -242,31 +284,69 @@ def _bad_kinds(rows, manifest):
     return [manifest["bad_keys"][r[schema.RAW_KEY]] for r in rows if r[schema.RAW_KEY] in manifest["bad_keys"]]
 
 
-@pytest.mark.slow
-def test_webdataset_and_folder_inputs(sample_data, manifest, convert_config, tmp_path, ray_local):
-    rows = list(iter_rows(sample_data))[:24]
-    tars = tmp_path / "wds"
-    tars.mkdir()
-    with tarfile.open(tars / "00000.tar", "w") as tar:
-        for r in rows[:12]:
-            for ext, data in ((".jpg", r[schema.RAW_IMAGE]), (".txt", r[schema.RAW_CAPTION].encode())):
-                info = tarfile.TarInfo(r[schema.RAW_KEY] + ext)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    folder = tmp_path / "folder"
+def _img2dataset_output(folder, layout, rows):
+    """``rows`` as img2dataset writes them with ``output_format=layout`` (webdataset or files): two
+    shards, each its samples (KEY.jpg, KEY.txt, KEY.json) in NNNNN.tar or NNNNN/, beside NNNNN.parquet,
+    the shard's metadata (no images; one more row, a failed download), and NNNNN_stats.json."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     folder.mkdir()
-    for r in rows[12:]:
-        (folder / f"{r[schema.RAW_KEY]}.jpg").write_bytes(r[schema.RAW_IMAGE])
-        (folder / f"{r[schema.RAW_KEY]}.txt").write_text(r[schema.RAW_CAPTION])
-    # keys are unique by construction: the tar's name qualifies its members; a file keeps its suffix
-    for source, part, key in ((tars, rows[:12], "00000.tar/{}".format), (folder, rows[12:], "{}.jpg".format)):
-        summary = run_conversion(convert_config(tmp_path / f"out-{source.name}", input=str(source),
+    half = len(rows) // 2
+    for shard, shard_rows in (("00000", rows[:half]), ("00001", rows[half:])):
+        keys = [r[schema.RAW_KEY] for r in shard_rows] + [f"{shard}-failed"]
+        pq.write_table(pa.table({schema.RAW_KEY: keys, schema.RAW_URL: [f"http://x/{k}" for k in keys],
+                                 schema.RAW_CAPTION: [r[schema.RAW_CAPTION] for r in shard_rows] + ["lost"],
+                                 schema.RAW_STATUS: ["success"] * len(shard_rows) + ["failed_to_download"]}),
+                       folder / f"{shard}.parquet")
+        (folder / f"{shard}_stats.json").write_text(json.dumps({"count": len(keys), "successes": len(shard_rows)}))
+        samples = [(r[schema.RAW_KEY], {".jpg": r[schema.RAW_IMAGE], ".txt": r[schema.RAW_CAPTION].encode(),
+                                        ".json": json.dumps({"key": r[schema.RAW_KEY], "status": "success"}).encode()})
+                   for r in shard_rows]
+        if layout == "webdataset":
+            with tarfile.open(folder / f"{shard}.tar", "w") as tar:
+                for key, parts in samples:
+                    for ext, data in parts.items():
+                        info = tarfile.TarInfo(key + ext)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        else:
+            (folder / shard).mkdir()
+            for key, parts in samples:
+                for ext, data in parts.items():
+                    (folder / shard / f"{key}{ext}").write_bytes(data)
+
+
+@pytest.mark.slow
+def test_img2dataset_webdataset_and_files_folders_convert(sample_data, manifest, convert_config, tmp_path, ray_local):
+    """img2dataset's webdataset and files outputs, each given by its folder: the metadata parquets
+    beside the shards are not read as data; every sample is written or rejected by reason."""
+    rows = list(iter_rows(sample_data))[:24]
+    # a tar sample takes its key from its .json; an image file is keyed by its path under the folder
+    for layout, part, key in (("webdataset", rows[:12], "{}".format), ("files", rows[12:], None)):
+        _img2dataset_output(tmp_path / layout, layout, part)
+        summary = run_conversion(convert_config(tmp_path / f"out-{layout}", input=str(tmp_path / layout),
                                                 resolutions=(32,)))
         bad = _bad_kinds(part, manifest)
-        assert summary.written == len(part) - len(bad), source.name
-        assert summary.rejects == _expected_rejects(bad), source.name
-        keys = {s[schema.KEY] for s in _read_back(tmp_path / f"out-{source.name}")}
+        assert summary.written == len(part) - len(bad), layout
+        assert summary.rejects == _expected_rejects(bad), layout
+        assert summary.failed_inputs == {}, layout
+        keys = {s[schema.KEY] for s in _read_back(tmp_path / f"out-{layout}")}
+        shard_of = {r[schema.RAW_KEY]: "00000" if i < 6 else "00001" for i, r in enumerate(part)}
+        key = key or (lambda k: f"{shard_of[k]}/{k}.jpg")
         assert keys == {key(r[schema.RAW_KEY]) for r in part if r[schema.RAW_KEY] not in manifest["bad_keys"]}
+
+
+def test_cli_folder_without_images_lists_the_layouts_looked_for(tiny_kit, tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "urls.csv").write_text("url,caption\nhttp://x/a.jpg,a red circle\n")
+    result = _convert_cli("--input", tmp_path / "raw", "--output", tmp_path / "mds", "--model", tiny_kit)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    line = result.stderr.strip()
+    assert str(tmp_path / "raw") in line and "1 .csv" in line
+    for layout in ("parquet", "webdataset", "files", "images with .txt captions"):
+        assert layout in line
+    assert not (tmp_path / "mds").exists()
 
 
 @pytest.fixture

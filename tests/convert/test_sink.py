@@ -10,6 +10,7 @@ import pytest
 from diffusion import schema
 from diffusion.convert.sink import (INDEX_JSON, KEYS_RECORD, REJECTS_DIR, STATS_RECORD, MDSPartSink, committed_parts,
                                    migrate_records, part_name, remove_temporary_parts)
+from record_layout import records_named_json, to_old_layout
 
 DIM = 8
 
@@ -150,31 +151,15 @@ def test_streamings_merge_index_on_the_output_root_writes_the_same_index(tmp_pat
     assert sorted(ds[i][schema.KEY] for i in range(len(ds))) == ["k1", "k2", "k3"]
 
 
-def _to_old_layout(out, half_done_part=None):
-    """Rename an output's records the way the code before issue 18 named them (``.json``); one part
-    optionally half renamed back, as a run killed while migrating leaves it."""
-    for path in sorted(out.rglob("*.jsonl")):
-        path.rename(path.with_suffix(".json"))
-    if half_done_part is not None:
-        (out / half_done_part / "stats.json").rename(out / half_done_part / STATS_RECORD)
-
-
-def _records_named_json(out) -> list[str]:
-    """Files below the root named *.json other than the parts' index.json: what streaming's merge_index
-    would take for an index."""
-    return sorted(str(p.relative_to(out)) for p in out.rglob("*.json")
-                  if p.parent != out and p.name != INDEX_JSON)
-
-
 def test_an_output_of_the_old_layout_is_migrated_and_keeps_its_parts_rejects_and_failures(tmp_path):
     from diffusion.convert.readers import FAILED_INPUTS_DIR, read_failed_inputs
     from diffusion.convert.summary import done_keys, summarize
     _sink_output(tmp_path)
     parts = committed_parts(str(tmp_path))
-    _to_old_layout(tmp_path, half_done_part=parts[0])
-    assert _records_named_json(tmp_path)  # what made streaming's merge_index fail
+    to_old_layout(tmp_path, half_done_part=parts[0])
+    assert records_named_json(tmp_path)  # what made streaming's merge_index fail
     assert migrate_records(str(tmp_path)) == 2 + 1 + 1 + 1  # keys x2, the other part's stats, reject, failure
-    assert _records_named_json(tmp_path) == [] and migrate_records(str(tmp_path)) == 0
+    assert records_named_json(tmp_path) == [] and migrate_records(str(tmp_path)) == 0
     assert committed_parts(str(tmp_path)) == parts and remove_temporary_parts(str(tmp_path)) == []
     assert done_keys(str(tmp_path)) == ({"k1", "k2", "k3"}, {"r1": "too_small"})
     assert summarize(str(tmp_path)).written == 3
