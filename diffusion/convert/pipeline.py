@@ -49,8 +49,10 @@ class ConvertConfig(PipelineSettings):
     """The converter's settings; each is also its command-line flag (``--field-name``). The pipeline's
     own (columns, image checks, pools) are :class:`PipelineSettings`, shared with online mode."""
 
-    input: str | list[str] = flag(help="raw data: parquet, webdataset tars or image folders (files, "
-                                       "directories, globs or s3:// URIs)", nargs="+")
+    input: str | list[str] = flag(help="raw data: a folder img2dataset wrote (parquet, webdataset or files "
+                                       "format; the metadata parquets beside tars and folders are not read as "
+                                       "data), or images with .txt captions (files, directories, globs or "
+                                       "s3:// URIs)", nargs="+")
     output: str = flag(help="local directory or s3://bucket/prefix for the MDS shards")
     model: str = flag(help="hub id or diffusers directory with the VAE, text encoder and tokenizer")
     resolutions: tuple[int, ...] = flag((256,), "square crop sizes to encode, e.g. 256 512", type=int, nargs="+")
