@@ -21,7 +21,7 @@ ALGORITHMS = {
 CALLBACKS = {
     "speed_monitor": "composer.callbacks:SpeedMonitor",
     "lr_monitor": "composer.callbacks:LRMonitor",
-    "optimizer_monitor": "composer.callbacks:OptimizerMonitor",
+    "optimizer_monitor": "diffusion.callbacks.optimizer_monitor:OptimizerMonitor",
     "memory_monitor": "composer.callbacks:MemoryMonitor",
     "runtime_estimator": "composer.callbacks:RuntimeEstimator",
     "nan_catcher": "diffusion.callbacks.nan_catcher:NaNCatcher",

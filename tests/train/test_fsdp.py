@@ -28,6 +28,7 @@ from train_fixtures import launch_composer, tiny_overrides, write_latent_mds
 HARNESS = '''
 import gc, json, os, sys, torch
 from composer.core import Callback
+from composer.loggers import InMemoryLogger
 from composer.utils import dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from diffusion.algorithms.ema import EMA, parameter_name
@@ -39,7 +40,7 @@ from diffusion.train.trainer import build_trainer
 class Recorder(Callback):
     """The conv_in weight each forward computes with; a NaN into one microbatch's outputs on one rank."""
     def __init__(self, nan_at=None):
-        self.forwards, self.nan_at, self.microbatch = [], nan_at, 0
+        self.forwards, self.nan_at, self.microbatch, self.full_grad_norms = [], nan_at, 0, []
     def hook(self, state):
         def pre_forward(module, args):
             mode = "train" if module.training else state.dataloader_label  # eval (raw) or eval_ema
@@ -47,6 +48,11 @@ class Recorder(Callback):
         return pre_forward
     def batch_start(self, state, logger):
         self.microbatch = 0
+    def batch_end(self, state, logger):
+        # the norm of the whole gradient of this batch, gathered by FSDP
+        with FSDP.summon_full_params(state.model.unet, writeback=False, with_grads=True):
+            grads = [p.grad.float().pow(2).sum() for p in state.model.unet.parameters() if p.grad is not None]
+            self.full_grad_norms.append(torch.stack(grads).sum().sqrt().item())
     def after_forward(self, state, logger):
         self.microbatch += 1
         if self.nan_at and [int(state.timestamp.batch) + 1, self.microbatch, dist.get_global_rank()] == self.nan_at:
@@ -91,12 +97,19 @@ for variant in json.loads(os.environ["VARIANTS"]):
     recorder = Recorder(variant.get("nan_at"))
     trainer.state.callbacks.insert(0, recorder)
     model.unet.conv_in.register_forward_pre_hook(recorder.hook(trainer.state))
+    logged = InMemoryLogger()
+    logged.init(trainer.state, trainer.logger)
+    trainer.logger.destinations = (*trainer.logger.destinations, logged)
     record = {"error": None}
     try:
         trainer.fit()
     except NonFiniteLossError as e:
         record["error"] = str(e)
     if record["error"] is None:
+        # the grad norms callbacks.optimizer_monitor logged, and the norm of the whole last gradient
+        record["grad_norms"] = [v for _, v in logged.data["l2_norm/grad/global"]]
+        record["grad_keys"] = sorted(k for k in logged.data if k.startswith("l2_norm/grad/"))
+        record["full_grad_norms"] = recorder.full_grad_norms
         with FSDP.summon_full_params(model.unet):
             record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.unet.named_parameters()}
         ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
@@ -123,7 +136,8 @@ def fsdp_runs(train_kit, tmp_path_factory):
     # training weights are far apart after one step.
     common = tiny_overrides(train_kit, mds, batches=3, batch_size=8, extra=(
         "trainer.device_train_microbatch_size=2", "optimizer.lr=1e-2", "algorithms.ema.smoothing=0.9",
-        "algorithms.ema.start=0ba", "algorithms.ema.warmup=false", "callbacks={nan_catcher: {}}"))
+        "algorithms.ema.start=0ba", "algorithms.ema.warmup=false",
+        "callbacks={nan_catcher: {}, optimizer_monitor: {batch_log_interval: 1}}"))
     evaluated = [f"data.eval={{path: {held_out}, batch_size: 4, num_workers: 0}}", "trainer.eval_interval=1ba",
                  "trainer.eval_subset_num_batches=1"]
     variants = []
@@ -188,6 +202,19 @@ def test_an_ema_eval_between_steps_leaves_training_unchanged(fsdp_runs, strategy
         torch.testing.assert_close(seen[0], expected[batch], rtol=1e-5, atol=1e-6, msg=f"eval after batch {batch}")
         assert not torch.allclose(seen[0], weights[batch], atol=1e-4)  # really not the training weights
     torch.testing.assert_close(plain["ema"]["unet.conv_in.weight"], expected[3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_logged_grad_norm_is_the_whole_gradients_on_every_rank(fsdp_runs, strategy):
+    """callbacks.optimizer_monitor under FSDP: each rank holds a shard of the gradient; both log the
+    norm of all of it (Composer's own OptimizerMonitor logs each rank's shard with torch's AdamW)."""
+    tmp, _ = fsdp_runs
+    rank0, rank1 = _load(tmp, f"{strategy}-plain", 0), _load(tmp, f"{strategy}-plain", 1)
+    assert len(rank0["grad_norms"]) == 3 and rank0["grad_norms"] == rank1["grad_norms"]
+    assert rank0["grad_keys"] == rank1["grad_keys"] and "l2_norm/grad/unet.conv_in.weight" in rank0["grad_keys"]
+    assert rank0["grad_norms"] == pytest.approx(rank0["full_grad_norms"], rel=1e-4)
+    assert all(n > 0 for n in rank0["grad_norms"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,89 @@
+"""Gradient norms, right under FSDP: Composer's ``OptimizerMonitor`` with the reduction it lacks for torch's optimizers.
+
+Composer 0.32's ``OptimizerMonitor`` takes the norm of each ``p.grad`` on every rank and relies on the
+optimizer to combine ranks (``pre_reduce_metrics``/``dist_reduce_metrics``, which only Composer's own
+optimizers have). Under FSDP each rank holds only its shard of every gradient, so with ``torch.optim.AdamW``
+each rank logged the norm of its own shard (and the ranks' key sets differ: a parameter wholly on another
+rank has no gradient here). This subclass sums the squared norms of the local gradient shards over the
+ranks in one all-reduce (divided by the replicas under hybrid sharding), so every rank logs the norm of
+the whole gradient:
+
+- ``l2_norm/grad/global``: the L2 norm of all trainable parameters' gradients;
+- ``l2_norm/grad/<name>``: per parameter, by the model's own names (``unet.conv_in.weight``, no wrapper
+  prefixes).
+
+Without FSDP (one process, or DDP with gradients already averaged) and with NO_SHARD, nothing is
+summed. It logs at ``BATCH_END`` every ``batch_log_interval`` batches, as Composer's does: after
+the optimizer step, and after ``GradientClipping`` (``trainer.grad_clip_norm``), so with clipping on the
+global norm is at most the threshold. An optimizer with Composer's ``report_per_parameter_metrics``
+(Composer's ``DecoupledAdamW``) is left to Composer's own code, which reduces its metrics itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from composer.callbacks import OptimizerMonitor as ComposerOptimizerMonitor
+from composer.core import State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from diffusion.algorithms.ema import trainable_parameters
+
+
+def gradient_replicas(model: torch.nn.Module) -> int | None:
+    """How many ranks hold each gradient element when gradients are sharded (FSDP); None when every rank
+    holds whole gradients (no FSDP, DDP, NO_SHARD) and nothing is to be summed."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    fsdp1 = [m for m in model.modules() if isinstance(m, FSDP)]
+    if fsdp1:
+        strategy = fsdp1[0].sharding_strategy
+        if strategy == ShardingStrategy.NO_SHARD:
+            return None
+        if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            return max(1, dist.get_world_size() // dist.get_local_world_size())  # sharded within a node
+        return 1
+    meshes = [p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")]
+    if meshes:  # FSDP2: a 2-D mesh is (replicate, shard)
+        return meshes[0].size(0) if meshes[0].ndim == 2 else 1
+    return None
+
+
+class OptimizerMonitor(ComposerOptimizerMonitor):
+    """Gradient L2 norms, global and per parameter, summed over the ranks' shards (see the module docstring).
+
+    Args:
+        log_optimizer_metrics: with Composer's optimizers, also their per-parameter metrics (as Composer).
+        batch_log_interval: log every this many batches.
+    """
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if state.timestamp.batch.value % self.batch_log_interval != 0:
+            return
+        if callable(getattr(state.optimizers[0], "report_per_parameter_metrics", None)):
+            super().batch_end(state, logger)  # Composer's optimizers reduce their own metrics
+            return
+        logger.log_metrics(self.gradient_norms(state.model))
+
+    @staticmethod
+    @torch.no_grad()
+    def gradient_norms(model: torch.nn.Module) -> dict[str, float]:
+        """``l2_norm/grad/<name>`` and ``l2_norm/grad/global`` of the whole gradient (a collective under FSDP)."""
+        params = trainable_parameters(model)
+        if not params:
+            return {"l2_norm/grad/global": 0.0}
+        device = next(iter(params.values())).device
+        squares = torch.stack([
+            _local(p.grad).detach().float().pow(2).sum() if p.grad is not None else torch.zeros((), device=device)
+            for p in params.values()]).to(device)
+        replicas = gradient_replicas(model)
+        if replicas is not None:
+            dist.all_reduce(squares, reduce_operation="SUM")
+            squares /= replicas
+        metrics = {f"l2_norm/grad/{name}": value for name, value in zip(params, squares.sqrt().tolist())}
+        metrics["l2_norm/grad/global"] = squares.sum().sqrt().item()
+        return metrics
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
