@@ -195,6 +195,8 @@ class EMA(Algorithm):
         ``eval_interval`` and at fit end as the plain evaluator, from the first eval after the start on.
 
         Give the same loader as the raw-weights evaluator: both see the same batches (and noise).
+        A standalone ``trainer.eval()`` runs every evaluator: before the start this one then reports
+        the raw weights (there is no average yet).
         """
         from composer.core import Evaluator
         from composer.utils import create_interval_scheduler

@@ -93,10 +93,17 @@ class RemoteCheckpointPruner(Callback):
         saves = _saves(state)
         if saves != self._saves_seen:  # a checkpoint was saved since the last pass
             self._saves_seen = saves
+            self._format_folder(state)
             self.prune()
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        self._format_folder(state)
         self.prune()  # after the saver's fit_end: every upload done, the final symlink written
+
+    def _format_folder(self, state: State) -> None:
+        if "{" in self.folder:  # e.g. s3://bucket/{run_name}/checkpoints, as Composer formats it
+            from composer.utils import format_name_with_dist
+            self.folder, self._fs = format_name_with_dist(self.folder, state.run_name), None
 
     # ---- pruning -----------------------------------------------------------------------------
     def checkpoints(self) -> tuple[dict[int, list[str]], set[int]]:

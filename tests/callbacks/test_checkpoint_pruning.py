@@ -5,6 +5,7 @@ import gc
 import io
 import os
 import tempfile
+import types
 
 import pytest
 import torch
@@ -67,6 +68,15 @@ def test_keeps_the_newest_and_what_latest_points_to(s3):
     pruner.prune()
     assert keys(client, bucket) == ["other/ep0-ba1-rank0.pt", "run/ep0-ba5-rank0.pt", "run/ep0-ba6-rank0.pt",
                                     "run/latest-rank0.pt.symlink", "run/notes.txt"]
+
+
+def test_the_run_name_in_the_folder_is_filled_in_as_composer_does(s3):
+    client, bucket = s3
+    for batch in (1, 2):
+        client.put_object(Bucket=bucket, Key=f"my-run/ckpt/ep0-ba{batch}-rank0.pt", Body=b"x")
+    state = types.SimpleNamespace(run_name="my-run", callbacks=[])
+    RemoteCheckpointPruner(f"s3://{bucket}/{{run_name}}/ckpt", keep=1).fit_end(state, None)
+    assert keys(client, bucket) == ["my-run/ckpt/ep0-ba2-rank0.pt"]
 
 
 def test_only_remote_folders_with_a_positive_count_are_pruned():
