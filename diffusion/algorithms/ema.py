@@ -8,8 +8,8 @@ keeps a copy of exactly that local shard (no full gather per step), updates all 
     decay_n = min(smoothing, (1 + n) / (10 + n))    n = 1, 2, ...: the updates since the EMA started
 
 The EMA starts as a copy of the weights at ``start``: a batch count ("800000ba", or an int), samples
-("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"), resolved at fit start (at fit start
-when 0). The warm-up (``warmup=True``, the default) is diffusers' ``EMAModel`` decay schedule
+("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"), resolved at each fit start against
+that launch's ``max_duration`` (0: at fit start). The warm-up (``warmup=True``, the default) is diffusers' ``EMAModel`` decay schedule
 (``1 - (1 + step) / (10 + step)`` is the weight of the new weights, ``decay`` its cap): early updates
 follow the weights closely, so the average does not keep the weights of its start for long; the
 decay reaches ``smoothing`` after ``(10 * smoothing - 1) / (1 - smoothing)`` updates (80 for 0.9,

@@ -29,6 +29,7 @@ import logging
 import os
 import posixpath
 import re
+import warnings
 
 from composer.core import Callback, State
 from composer.loggers import Logger
@@ -59,8 +60,18 @@ def forget_autoresume_download(save_folder: str | None, run_name: str | None) ->
 
 
 def remote_pruner(save_folder: str | None, num_checkpoints_to_keep: int) -> list[Callback]:
-    """``[RemoteCheckpointPruner]`` for a remote ``save_folder`` and a positive count; else ``[]``."""
+    """``[RemoteCheckpointPruner]`` for a remote ``save_folder`` and a positive count; else ``[]``.
+
+    A remote that pyarrow cannot reach (Composer also uploads to oci://, azure://, ...) is warned about
+    here, at start, and left unpruned, as Composer leaves it."""
     if not save_folder or "://" not in save_folder or num_checkpoints_to_keep <= 0:
+        return []
+    from diffusion.storage import filesystem_for
+    try:
+        filesystem_for(save_folder)
+    except ValueError as e:
+        warnings.warn(f"trainer.save_num_checkpoints_to_keep={num_checkpoints_to_keep} keeps local checkpoints "
+                      f"only: remote checkpoints under {save_folder} are not pruned ({e})")
         return []
     return [RemoteCheckpointPruner(save_folder, num_checkpoints_to_keep)]
 
