@@ -9,10 +9,12 @@ keeps a copy of exactly that local shard (no full gather per step), updates all 
 
 The EMA starts as a copy of the weights at ``start``: a batch count ("800000ba", or an int), samples
 ("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"), resolved at each fit start against
-that launch's ``max_duration`` (0: at fit start). The warm-up (``warmup=True``, the default) is diffusers' ``EMAModel`` decay schedule
-(``1 - (1 + step) / (10 + step)`` is the weight of the new weights, ``decay`` its cap): early updates
-follow the weights closely, so the average does not keep the weights of its start for long; the
-decay reaches ``smoothing`` after ``(10 * smoothing - 1) / (1 - smoothing)`` updates (80 for 0.9,
+that launch's ``max_duration`` (0: at fit start).
+
+The warm-up (``warmup=True``, the default) is the decay schedule of diffusers' ``EMAModel``: its
+``(1 + step) / (10 + step)`` capped at ``smoothing`` (``decay`` there). Early updates follow the weights
+closely, so the average does not hold on to the weights it started from; the decay reaches
+``smoothing`` after ``(10 * smoothing - 1) / (1 - smoothing)`` updates (80 for 0.9, 890 for 0.99,
 ~100k for 0.9999). ``warmup=False`` uses ``smoothing`` from the first update, as Composer's EMA does.
 The update count ``n`` is checkpointed, so a resumed run continues the warm-up exactly.
 
