@@ -49,8 +49,8 @@ class ConvertConfig(PipelineSettings):
     """The converter's settings; each is also its command-line flag (``--field-name``). The pipeline's
     own (columns, image checks, pools) are :class:`PipelineSettings`, shared with online mode."""
 
-    input: str | list[str] = flag(help="raw data: a folder img2dataset wrote (parquet, webdataset or files "
-                                       "format; the metadata parquets beside tars and folders are not read as "
+    input: str | list[str] = flag(help="raw data: a folder img2dataset wrote (parquet, webdataset, files or "
+                                       "tfrecord format; the metadata parquets beside tars and folders are not read as "
                                        "data), or images with .txt captions (files, directories, globs or "
                                        "s3:// URIs)", nargs="+")
     output: str = flag(help="local directory or s3://bucket/prefix for the MDS shards")

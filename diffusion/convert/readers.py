@@ -1,4 +1,4 @@
-"""Readers: raw image-caption rows from parquet, webdataset tars or a folder of images with .txt sidecars.
+"""Readers: raw image-caption rows from parquet, webdataset tars, tfrecords or a folder of images with .txt sidecars.
 
 Every reader is a plain generator of column batches (``dict[str, list]``) named by the data contract's
 ``RAW_*`` names, so the same code feeds Ray Data read tasks (:func:`read_raw`), the ``--visualize`` view
@@ -12,13 +12,16 @@ A folder is read as img2dataset writes it, in each of its output formats that ca
 - ``webdataset``: ``00000.tar`` of ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``: key, status, width,
   height), beside ``00000.parquet``, the shard's metadata;
 - ``files``: ``00000/KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), beside ``00000.parquet``, the metadata;
+- ``tfrecord``: ``00000.tfrecord`` of tf.train.Example records (features ``key``, ``jpg``, ``txt`` and
+  the metadata), beside ``00000.parquet``; read without TensorFlow;
 
 and any folder of images with ``.txt`` captions beside them. Each file is read by its own suffix, so
-one input may mix formats (``.parquet`` files, ``.tar`` files and images are all read). A parquet file
-named like a tar, a ``.tfrecord`` or a folder of images beside it (``X.parquet`` beside ``X.tar`` or
-``X/``) and without the image column is that shard's metadata and is not read (:func:`data_files`); one
-with the image column is data and is read beside them. img2dataset's ``tfrecord`` format is not read;
-an input with no data of a known layout stops at start with one line listing the layouts looked for.
+one input may mix formats (``.parquet``, ``.tar`` and ``.tfrecord`` files and images are all read). A
+parquet file named like a tar, a tfrecord or a folder of images beside it (``X.parquet`` beside
+``X.tar``, ``X.tfrecord`` or ``X/``) and without the image column is that shard's metadata and is not
+read (:func:`data_files`); one with the image column is data and is read beside them. An input with
+no data of a known layout stops at start with one line listing the layouts looked for
+(:func:`no_data_error`).
 
 Bad input, from the smallest unit up; one bad row or file never stops a conversion:
 
@@ -28,7 +31,7 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
   ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`valid_row`) like the transform's rejects.
   Only well-typed rows reach Ray's fixed schema.
 - A file that cannot be read (zero bytes, not parquet under a ``.parquet`` name, a truncated or corrupt
-  tar, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
+  tar or tfrecord, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
   failed input file (``failed_inputs/`` beside ``rejects/``; the conversion summary lists it); the rows
   read before the damage stay. Why skip rather than stop at start: damage in a tar or a compressed
   file is only found by reading all of it, so a check at start could not find it without reading
@@ -50,6 +53,7 @@ import collections
 import dataclasses
 import fnmatch
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -113,16 +117,19 @@ def list_input_files(inputs, columns: RawColumns = RawColumns()) -> list[str]:
     return files
 
 
-FORMATS = ("parquet", "webdataset", "folder")
+FORMATS = ("parquet", "webdataset", "tfrecord", "folder")
+TFRECORD_SUFFIX = ".tfrecord"
 
 
 def file_format(path: str) -> str | None:
-    """``parquet``, ``webdataset`` or ``folder`` (an image), from one file's suffix; None for others
-    (manifests, stats, sidecars)."""
+    """``parquet``, ``webdataset``, ``tfrecord`` or ``folder`` (an image), from one file's suffix; None
+    for others (manifests, stats, sidecars)."""
     if path.endswith(".parquet"):
         return "parquet"
     if path.endswith(".tar"):
         return "webdataset"
+    if path.endswith(TFRECORD_SUFFIX):
+        return "tfrecord"
     if path.lower().endswith(IMAGE_SUFFIXES):
         return "folder"
     return None
@@ -152,10 +159,9 @@ def _is_metadata(uri: str, columns: RawColumns) -> bool:
         return True
 
 
-TFRECORD_SUFFIX = ".tfrecord"
 LAYOUTS = ("img2dataset's parquet (NNNNN.parquet with a {image!r} column), webdataset (NNNNN.tar of "
-           "KEY.jpg + KEY.txt [+ KEY.json], beside NNNNN.parquet) and files (NNNNN/KEY.jpg + KEY.txt "
-           "[+ KEY.json]) layouts, and images with .txt captions")
+           "KEY.jpg + KEY.txt [+ KEY.json], beside NNNNN.parquet), files (NNNNN/KEY.jpg + KEY.txt "
+           "[+ KEY.json]) and tfrecord (NNNNN.tfrecord of tf.train.Example) layouts, and images with .txt captions")
 
 
 def no_data_error(inputs, files: list[str], columns: RawColumns = RawColumns()) -> InputError:
@@ -165,17 +171,15 @@ def no_data_error(inputs, files: list[str], columns: RawColumns = RawColumns()) 
     where = ", ".join(map(os.fspath, inputs))
     if files:
         suffixes = collections.Counter(posixpath.splitext(f)[1].lower() or "(no suffix)" for f in files)
-        held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
+        held = ", ".join(f"{n} {suffix}" for suffix, n in sorted(suffixes.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
         held = f"it holds {len(files)} file{'s' * (len(files) > 1)} ({held}{', ...' if len(suffixes) > 5 else ''})"
-        if suffixes.get(TFRECORD_SUFFIX):
-            held += "; img2dataset's tfrecord format is not read: write webdataset or parquet instead"
     else:
         held = "it holds no files"
     return InputError(f"no images to convert in {where}: looked for {LAYOUTS.format(image=columns.image)}; {held}")
 
 
 def detect_format(files: list[str], columns: RawColumns = RawColumns()) -> str:
-    """The formats of ``files``: ``parquet``, ``webdataset``, ``folder``, or several joined by ``+``."""
+    """The formats of ``files``: ``parquet``, ``webdataset``, ``tfrecord``, ``folder``, or several joined by ``+``."""
     found = set(data_files(files, columns).values())
     if not found:
         raise no_data_error(files, files, columns)
@@ -534,6 +538,132 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
     yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
 
 
+# ---- tfrecord -------------------------------------------------------------------------------------
+# img2dataset's output_format=tfrecord: records of a tf.train.Example each, with features key, jpg, txt
+# and the metadata (status, width, ...). Read without TensorFlow: a record is its length (uint64), a
+# CRC of the length, the serialized Example and a CRC of it (the CRCs are not checked: a damaged
+# record fails to parse or to decode); the Example is decoded with the protobuf wire format's rules.
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("a varint runs past the end of its message")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of one protobuf message: an int for a varint,
+    bytes for the others."""
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire in (1, 2, 5):
+            if wire == 2:
+                size, pos = _varint(buf, pos)
+            else:
+                size = 8 if wire == 1 else 4
+            value = buf[pos:pos + size]
+            if len(value) != size:
+                raise ValueError("a field runs past the end of its message")
+            pos += size
+        else:
+            raise ValueError(f"wire type {wire} is not used by tf.train.Example")
+        yield number, wire, value
+
+
+def _feature_values(feature: bytes) -> list:
+    """The values of one tf.train.Feature: bytes (BytesList), floats (FloatList) or ints (Int64List)."""
+    import struct
+    values = []
+    for kind, wire, body in _fields(feature):
+        if wire != 2 or kind not in (1, 2, 3):
+            continue
+        for number, wire, value in _fields(body):
+            if number != 1:
+                continue
+            if kind == 1 and wire == 2:
+                values.append(bytes(value))
+            elif kind == 2:
+                values.extend(struct.unpack(f"<{len(value) // 4}f", value) if wire in (2, 5) else ())
+            elif kind == 3 and wire == 0:
+                values.append(value - (1 << 64) if value >= 1 << 63 else value)
+            elif kind == 3 and wire == 2:  # packed
+                pos = 0
+                while pos < len(value):
+                    v, pos = _varint(value, pos)
+                    values.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return values
+
+
+def example_features(record: bytes) -> dict[str, list]:
+    """{feature name: values} of a serialized tf.train.Example; ValueError if it is not one."""
+    features = {}
+    for number, wire, body in _fields(record):
+        if number != 1 or wire != 2:  # Example.features
+            continue
+        for number, wire, entry in _fields(body):
+            if number != 1 or wire != 2:  # Features.feature, a map: entries of (key = 1, value = 2)
+                continue
+            name, feature = b"", b""
+            for field, field_wire, value in _fields(entry):
+                if field_wire == 2 and field == 1:
+                    name = bytes(value)
+                elif field_wire == 2 and field == 2:
+                    feature = bytes(value)
+            features[name.decode("utf-8", "replace")] = _feature_values(feature)
+    return features
+
+
+def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
+    """Samples of an img2dataset tfrecord file; a record cut short, or one that is not a
+    tf.train.Example, raises InputError after the samples before it."""
+    import struct
+
+    def first(features, feature):
+        values = features.get(feature)
+        value = values[0] if values else None
+        return None if value == b"" else value  # img2dataset stores a missing value as b""
+
+    with _open(uri) as f:
+        size = f.size()
+        for index in itertools.count():
+            header = f.read(12)
+            if not header:
+                return
+            (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (None,)
+            if length is None or length + 4 > size - f.tell():
+                raise InputError(f"cannot read {uri} as a tfrecord file: record {index} is cut short")
+            data = f.read(length)
+            f.read(4)
+            try:
+                features = example_features(data)
+            except ValueError as e:
+                raise InputError(f"cannot read {uri} as a tfrecord file: record {index} is not a "
+                                 f"tf.train.Example ({e})") from None
+            status = first(features, schema.RAW_STATUS)
+            if status not in (None, b"success"):
+                yield None
+                continue
+            caption = features["txt"][0] if features.get("txt") else first(features, schema.RAW_CAPTION)
+            yield {schema.RAW_KEY: first(features, schema.RAW_KEY), schema.RAW_CAPTION: caption,
+                   schema.RAW_IMAGE: first(features, schema.RAW_IMAGE),
+                   **{side: _sized(first(features, side)) for side in (schema.WIDTH, schema.HEIGHT)}}
+
+
+def _sized(value):
+    """A width/height feature: an int, or text (bytes) the row check reads as one."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
 def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), name: str | None = None,
                       on_reject=None, taken=None) -> Iterator[dict]:
     """Column batches of the valid raw rows in one input file; ``name`` is the file's name under the
@@ -546,6 +676,8 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
         rows = _parquet_rows(uri, columns, name)
     elif fmt == "webdataset":
         rows = _webdataset_rows(uri, name)
+    elif fmt == "tfrecord":
+        rows = _tfrecord_rows(uri, name)
     elif fmt == "folder":
         rows = _folder_rows(uri, name)
     else:

@@ -16,6 +16,7 @@ from diffusion.convert.pipeline import ConvertConfig, PoolPlan, plan_pools, run_
 from diffusion.convert.sink import TMP_PREFIX
 from diffusion.convert.readers import iter_rows
 from record_layout import records_named_json, to_old_layout
+from tfrecord_writer import example, write_tfrecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REASON = {"truncated": "undecodable", "not_image": "undecodable", "tiny": "too_small",
@@ -285,8 +286,9 @@ def _bad_kinds(rows, manifest):
 
 
 def _img2dataset_output(folder, layout, rows):
-    """``rows`` as img2dataset writes them with ``output_format=layout`` (webdataset or files): two
-    shards, each its samples (KEY.jpg, KEY.txt, KEY.json) in NNNNN.tar or NNNNN/, beside NNNNN.parquet,
+    """``rows`` as img2dataset writes them with ``output_format=layout`` (webdataset, files or
+    tfrecord): two shards, each its samples (KEY.jpg, KEY.txt, KEY.json) in NNNNN.tar or NNNNN/ (or
+    Examples of key, jpg, txt and metadata in NNNNN.tfrecord), beside NNNNN.parquet,
     the shard's metadata (no images; one more row, a failed download), and NNNNN_stats.json."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -302,7 +304,11 @@ def _img2dataset_output(folder, layout, rows):
         samples = [(r[schema.RAW_KEY], {".jpg": r[schema.RAW_IMAGE], ".txt": r[schema.RAW_CAPTION].encode(),
                                         ".json": json.dumps({"key": r[schema.RAW_KEY], "status": "success"}).encode()})
                    for r in shard_rows]
-        if layout == "webdataset":
+        if layout == "tfrecord":
+            write_tfrecord(folder / f"{shard}.tfrecord", [
+                example({"key": key, "jpg": parts[".jpg"], "txt": parts[".txt"], "status": "success",
+                         "error_message": None, "width": 0, "height": 0}) for key, parts in samples])
+        elif layout == "webdataset":
             with tarfile.open(folder / f"{shard}.tar", "w") as tar:
                 for key, parts in samples:
                     for ext, data in parts.items():
@@ -317,12 +323,14 @@ def _img2dataset_output(folder, layout, rows):
 
 
 @pytest.mark.slow
-def test_img2dataset_webdataset_and_files_folders_convert(sample_data, manifest, convert_config, tmp_path, ray_local):
-    """img2dataset's webdataset and files outputs, each given by its folder: the metadata parquets
-    beside the shards are not read as data; every sample is written or rejected by reason."""
+def test_img2dataset_webdataset_files_and_tfrecord_folders_convert(sample_data, manifest, convert_config, tmp_path,
+                                                                  ray_local):
+    """img2dataset's webdataset, files and tfrecord outputs, each given by its folder: the metadata
+    parquets beside the shards are not read as data; every sample is written or rejected by reason."""
     rows = list(iter_rows(sample_data))[:24]
-    # a tar sample takes its key from its .json; an image file is keyed by its path under the folder
-    for layout, part, key in (("webdataset", rows[:12], "{}".format), ("files", rows[12:], None)):
+    # a tar or tfrecord sample takes its key from its metadata; an image file is keyed by its path
+    for layout, part, key in (("webdataset", rows[:8], "{}".format), ("files", rows[8:16], None),
+                              ("tfrecord", rows[16:], "{}".format)):
         _img2dataset_output(tmp_path / layout, layout, part)
         summary = run_conversion(convert_config(tmp_path / f"out-{layout}", input=str(tmp_path / layout),
                                                 resolutions=(32,)))
@@ -331,7 +339,7 @@ def test_img2dataset_webdataset_and_files_folders_convert(sample_data, manifest,
         assert summary.rejects == _expected_rejects(bad), layout
         assert summary.failed_inputs == {}, layout
         keys = {s[schema.KEY] for s in _read_back(tmp_path / f"out-{layout}")}
-        shard_of = {r[schema.RAW_KEY]: "00000" if i < 6 else "00001" for i, r in enumerate(part)}
+        shard_of = {r[schema.RAW_KEY]: "00000" if i < len(part) // 2 else "00001" for i, r in enumerate(part)}
         key = key or (lambda k: f"{shard_of[k]}/{k}.jpg")
         assert keys == {key(r[schema.RAW_KEY]) for r in part if r[schema.RAW_KEY] not in manifest["bad_keys"]}
 

@@ -9,6 +9,7 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert.readers import InputError, RawColumns, check_inputs, iter_rows, read_raw
+from tfrecord_writer import example, write_tfrecord
 
 
 def _jpeg(size=(80, 60), color=(200, 30, 30)) -> bytes:
@@ -289,6 +290,11 @@ def _write_img2dataset(folder, layout, shards=("00000", "00001")):
                    for k in keys[:2]]
         if layout == "webdataset":
             _write_tar(folder / f"{shard}.tar", samples)
+        elif layout == "tfrecord":  # features key, jpg, txt and the metadata, as img2dataset writes them
+            write_tfrecord(folder / f"{shard}.tfrecord", [
+                example({"key": k, "jpg": parts[".jpg"], "txt": parts[".txt"], "url": f"http://x/{k}.jpg",
+                         "status": "success", "error_message": None, "width": 80, "height": 60})
+                for k, parts in samples])
         else:
             (folder / shard).mkdir()
             for key, parts in samples:
@@ -298,7 +304,8 @@ def _write_img2dataset(folder, layout, shards=("00000", "00001")):
 
 @pytest.mark.parametrize("layout, fmt, files, key", [("parquet", "parquet", 2, "{}".format),
                                                      ("webdataset", "webdataset", 2, "{}".format),
-                                                     ("files", "folder", 4, "{}.jpg".format)])
+                                                     ("files", "folder", 4, "{}.jpg".format),
+                                                     ("tfrecord", "tfrecord", 2, "{}".format)])
 def test_each_img2dataset_output_layout_is_read_by_folder(tmp_path, layout, fmt, files, key):
     _write_img2dataset(tmp_path / layout, layout)
     assert check_inputs(tmp_path / layout) == (fmt, files)  # data files: the metadata parquets are not
@@ -307,6 +314,17 @@ def test_each_img2dataset_output_layout_is_read_by_folder(tmp_path, layout, fmt,
     expected = [key(f"{k[:5]}/{k}" if layout == "files" else k) for k in keys]
     assert [r[schema.RAW_KEY] for r in rows] == expected  # successes only
     assert [r[schema.RAW_CAPTION] for r in rows] == [f"caption {k}" for k in keys]
+    assert {(r[schema.WIDTH], r[schema.HEIGHT]) for r in rows} <= {(80, 60), (None, None)}
+
+
+def test_a_tfrecord_cut_short_keeps_its_records_before_the_damage(tmp_path):
+    _write_img2dataset(tmp_path / "tfr", "tfrecord", shards=("00000",))
+    path = tmp_path / "tfr" / "00000.tfrecord"
+    path.write_bytes(path.read_bytes()[:-100])  # the second record cut short
+    failed = []
+    rows = list(iter_rows(tmp_path / "tfr", on_failed_file=lambda name, error: failed.append((name, error))))
+    assert [r[schema.RAW_KEY] for r in rows] == ["000000000"]
+    assert failed == [("00000.tfrecord", f"cannot read {path} as a tfrecord file: record 1 is cut short")]
 
 
 def test_a_shards_parquet_with_images_is_data_and_a_damaged_one_is_metadata(tmp_path):
@@ -321,14 +339,13 @@ def test_a_shards_parquet_with_images_is_data_and_a_damaged_one_is_metadata(tmp_
 
 
 def test_a_folder_without_images_names_the_layouts_looked_for(tmp_path):
-    (tmp_path / "00000.tfrecord").write_bytes(b"\0" * 16)  # img2dataset's tfrecord format: not read
-    pq.write_table(_img2dataset_metadata(["k0"], ["success"]), tmp_path / "00000.parquet")
+    (tmp_path / "urls.csv").write_text("url,caption\n")
     (tmp_path / "00000_stats.json").write_text("{}")
     with pytest.raises(InputError) as e:
         check_inputs(tmp_path)
     message = str(e.value)
-    assert str(tmp_path) in message and "tfrecord format is not read" in message
-    for layout in ("parquet", "webdataset", "files", "images with .txt captions"):
+    assert str(tmp_path) in message and "it holds 2 files (1 .csv, 1 .json)" in message
+    for layout in ("parquet", "webdataset", "files", "tfrecord", "images with .txt captions"):
         assert layout in message
     pq.write_table(_img2dataset_metadata(["k0"], ["success"]), tmp_path / "urls.parquet")  # no tar beside it
     with pytest.raises(InputError, match="urls.parquet has no column 'jpg'.*download_laion"):
