@@ -143,20 +143,31 @@ def data_files(files: list[str], columns: RawColumns = RawColumns()) -> dict[str
     shard's data is beside it). One with the image column is data, read beside the others."""
     shards = {f[: -len(suffix)] for f in files for suffix in (".tar", TFRECORD_SUFFIX) if f.endswith(suffix)}
     shards |= {posixpath.dirname(f) for f in files if file_format(f) == "folder"}
-    found = {}
-    for f in files:
-        fmt = file_format(f)
-        if fmt is None or (fmt == "parquet" and f[: -len(".parquet")] in shards and _is_metadata(f, columns)):
-            continue
-        found[f] = fmt
-    return found
+    metadata = _metadata_files([f for f in files if f.endswith(".parquet") and f[: -len(".parquet")] in shards],
+                               columns.image)
+    return {f: fmt for f in files if (fmt := file_format(f)) is not None and f not in metadata}
 
 
-def _is_metadata(uri: str, columns: RawColumns) -> bool:
-    try:
-        return columns.image not in _parquet_columns(uri)
-    except InputError:
-        return True
+_METADATA: dict[tuple[str, str], bool] = {}  # (parquet file, image column) -> it has no such column
+
+
+def _metadata_files(candidates: list[str], image: str) -> set[str]:
+    """Those of ``candidates`` (parquet files beside a shard of the same name) without an ``image``
+    column. Only their footers are read, many at once (a remote input has one per shard), once per
+    process: the converter asks at start and again when it plans the read."""
+    def check(uri: str) -> bool:
+        if (uri, image) not in _METADATA:
+            try:
+                _METADATA[uri, image] = image not in _parquet_columns(uri)
+            except InputError:
+                _METADATA[uri, image] = True
+        return _METADATA[uri, image]
+
+    if len(candidates) <= 1:
+        return {uri for uri in candidates if check(uri)}
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(32, len(candidates))) as pool:
+        return {uri for uri, is_meta in zip(candidates, pool.map(check, candidates)) if is_meta}
 
 
 LAYOUTS = ("img2dataset's parquet (NNNNN.parquet with a {image!r} column), webdataset (NNNNN.tar of "
