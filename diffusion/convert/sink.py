@@ -12,12 +12,13 @@ Layout of an output directory::
     failed_inputs/<id>.jsonl one per input file that could not be read (see diffusion.convert.readers)
 
 This is the layout streaming's own tools expect of a folder of MDS parts: below the root, the only
-``*.json`` files are the parts' ``index.json``, so ``streaming.base.util.merge_index(out)`` (which takes
-every ``*.json`` below the root for a part's index, and will not replace an ``index.json`` already at
-the root: remove it first) merges the same index the converter writes. The
-converter's records are one line of JSON each, named ``*.jsonl``; an output written before they were
+``*.json`` files are the parts' ``index.json``, so on a finished output ``streaming.base.util.merge_index(out)``
+(which takes every ``*.json`` below the root for a part's index, and will not replace an ``index.json``
+already at the root: remove it first) writes the same index the converter writes. The converter's
+records are one line of JSON each, named ``*.jsonl``; an output written before they were
 (``keys.json``, ``stats.json``, ``rejects/*.json``, ``failed_inputs/*.json``) has them renamed at the
-start of its next run (:func:`migrate_records`), before anything else reads them.
+start of its next run (:func:`migrate_records`), before anything else reads them. (A killed run's
+temporary parts hold an ``index.json`` too, until the next run removes them.)
 
 A part is written under a temporary name and renamed to ``part-<id>`` once complete, so a killed run
 leaves only whole parts (plus temporary ones, removed on the next run); a retried write task whose
