@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import math
 import re
-import sys
 import types
 import typing
 from typing import Any, Literal, Optional, Union

@@ -36,7 +36,6 @@ from diffusion import schema
 from diffusion.convert import readers
 from diffusion.errors import InputError
 from diffusion import cli, grid
-from diffusion.models import sampling
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MIN_FID_IMAGES = 2  # a covariance needs two samples (a meaningful FID needs thousands)

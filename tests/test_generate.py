@@ -1,7 +1,6 @@
 """Sampling, prompt grids and the generate CLI (diffusion.models.sampling, diffusion.generate)."""
 
 import json
-import os
 
 import numpy as np
 import pytest

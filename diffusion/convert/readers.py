@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-import hashlib
 import itertools
 import json
 import math
@@ -63,9 +62,10 @@ import zlib
 from typing import Callable, Iterator
 
 from diffusion import schema
-from diffusion.convert.transforms import (BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, LEGACY_RECORD_SUFFIX,
-                                          RECORD_SUFFIX, UNDECODABLE, Rejected,
-                                          write_rejects)
+from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_input, describe_error, file_errors,
+                                             record_failed_input)
+from diffusion.convert.transforms import BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected, write_rejects
+from diffusion.convert.tfrecord import example_features
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
 
@@ -549,90 +549,7 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
     yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
 
 
-# ---- tfrecord -------------------------------------------------------------------------------------
-# img2dataset's output_format=tfrecord: records of a tf.train.Example each, with features key, jpg, txt
-# and the metadata (status, width, ...). Read without TensorFlow: a record is its length (uint64), a
-# CRC of the length, the serialized Example and a CRC of it (the CRCs are not checked: a damaged
-# record fails to parse or to decode); the Example is decoded with the protobuf wire format's rules.
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("a varint runs past the end of its message")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) of each field of one protobuf message: an int for a varint,
-    bytes for the others."""
-    pos = 0
-    while pos < len(buf):
-        tag, pos = _varint(buf, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire in (1, 2, 5):
-            if wire == 2:
-                size, pos = _varint(buf, pos)
-            else:
-                size = 8 if wire == 1 else 4
-            value = buf[pos:pos + size]
-            if len(value) != size:
-                raise ValueError("a field runs past the end of its message")
-            pos += size
-        else:
-            raise ValueError(f"wire type {wire} is not used by tf.train.Example")
-        yield number, wire, value
-
-
-def _feature_values(feature: bytes) -> list:
-    """The values of one tf.train.Feature: bytes (BytesList), floats (FloatList) or ints (Int64List)."""
-    import struct
-    values = []
-    for kind, wire, body in _fields(feature):
-        if wire != 2 or kind not in (1, 2, 3):
-            continue
-        for number, wire, value in _fields(body):
-            if number != 1:
-                continue
-            if kind == 1 and wire == 2:
-                values.append(bytes(value))
-            elif kind == 2:
-                values.extend(struct.unpack(f"<{len(value) // 4}f", value) if wire in (2, 5) else ())
-            elif kind == 3 and wire == 0:
-                values.append(value - (1 << 64) if value >= 1 << 63 else value)
-            elif kind == 3 and wire == 2:  # packed
-                pos = 0
-                while pos < len(value):
-                    v, pos = _varint(value, pos)
-                    values.append(v - (1 << 64) if v >= 1 << 63 else v)
-    return values
-
-
-def example_features(record: bytes) -> dict[str, list]:
-    """{feature name: values} of a serialized tf.train.Example; ValueError if it is not one."""
-    features = {}
-    for number, wire, body in _fields(record):
-        if number != 1 or wire != 2:  # Example.features
-            continue
-        for number, wire, entry in _fields(body):
-            if number != 1 or wire != 2:  # Features.feature, a map: entries of (key = 1, value = 2)
-                continue
-            name, feature = b"", b""
-            for field, field_wire, value in _fields(entry):
-                if field_wire == 2 and field == 1:
-                    name = bytes(value)
-                elif field_wire == 2 and field == 2:
-                    feature = bytes(value)
-            features[name.decode("utf-8", "replace")] = _feature_values(feature)
-    return features
-
+# ---- tfrecord (the wire format: diffusion.convert.tfrecord) ------------------------------------
 
 def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
     """Samples of an img2dataset tfrecord file; a record cut short, or one that is not a
@@ -694,67 +611,6 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
     else:
         raise ValueError(f"unknown input format {fmt!r}")
     yield from _batches(rows, name, on_reject, taken)
-
-
-# ---- files that cannot be read -------------------------------------------------------------------
-
-FAILED_INPUTS_DIR = "failed_inputs"  # beside rejects/: one {file, uri, error, rows_read} record (.jsonl) per failed file
-
-
-def file_errors() -> tuple[type[BaseException], ...]:
-    """What reading a damaged or foreign file raises (and nothing a bug alone would): I/O and Arrow
-    errors, tar and compression errors, and ValueError, which InputError and parquet's and PIL's
-    complaints about bad data are."""
-    import pyarrow as pa
-    return (OSError, EOFError, ValueError, tarfile.TarError, zlib.error, pa.ArrowException)
-
-
-def describe_error(error: BaseException) -> str:
-    """One line: an InputError's own message (it names the file), else the type and message."""
-    text = str(error) if isinstance(error, InputError) else f"{type(error).__name__}: {error}"
-    text = " ".join(text.split())
-    return text if len(text) <= 500 else text[:497] + "..."
-
-
-def _failed_record_path(directory: str, name: str) -> str:
-    return os.path.join(directory, hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16] + RECORD_SUFFIX)
-
-
-def record_failed_input(directory: str, name: str, uri: str, error: BaseException, rows_read: int) -> None:
-    """Record (atomically) that input file ``name`` failed, replacing any earlier record of it."""
-    os.makedirs(directory, exist_ok=True)
-    path = _failed_record_path(directory, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"file": name, "uri": uri, "error": describe_error(error), "rows_read": rows_read}, f)
-    os.replace(path + ".tmp", path)
-
-
-def clear_failed_input(directory: str, name: str) -> None:
-    """Forget an earlier failure of ``name`` (it has now been read to its end)."""
-    path = _failed_record_path(directory, name)
-    for old in (path, path[: -len(RECORD_SUFFIX)] + LEGACY_RECORD_SUFFIX):  # and its record in the old layout
-        try:
-            os.remove(old)
-        except FileNotFoundError:
-            pass
-
-
-def read_failed_inputs(directory: str) -> dict[str, str]:
-    """{file name: error} of the failed input files recorded under ``directory`` (unreadable records,
-    e.g. cut short by a kill, are left out: the file is tried again on the next run anyway)."""
-    failed = {}
-    if not os.path.isdir(directory):
-        return failed
-    for entry in sorted(os.listdir(directory)):
-        if not entry.endswith((RECORD_SUFFIX, LEGACY_RECORD_SUFFIX)):  # legacy: an output not yet migrated
-            continue
-        try:
-            with open(os.path.join(directory, entry)) as f:
-                record = json.load(f)
-            failed[str(record["file"])] = str(record["error"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return failed
 
 
 def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callable[[str, str], None] | None = None,

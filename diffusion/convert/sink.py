@@ -46,7 +46,7 @@ import numpy as np
 from ray.data import Datasink
 
 from diffusion import schema
-from diffusion.convert.readers import FAILED_INPUTS_DIR
+from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR
 from diffusion.convert.transforms import LEGACY_RECORD_SUFFIX, RECORD_SUFFIX
 
 INDEX_JSON = "index.json"

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 
-from diffusion.convert.readers import FAILED_INPUTS_DIR, read_failed_inputs
+from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR, read_failed_inputs
 from diffusion.convert.sink import KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, read_rejects
 
 

@@ -21,10 +21,14 @@ import dataclasses
 import inspect
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from diffusion.models import loading
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 SCHEDULERS = ("ddim", "euler", "dpm++")
 ZTSNR_GUIDANCE_RESCALE = 0.7  # the paper's φ for zero-terminal-SNR models

@@ -3,7 +3,6 @@ counted by reason and never stop the job (issue 17)."""
 
 import io
 import json
-import os
 import tarfile
 
 import numpy as np

@@ -126,7 +126,7 @@ def test_shards_record_xxh3_64_which_the_loader_checks(tmp_path):
 def _sink_output(out):
     """An output as the converter leaves it, made by the sink alone: two parts, a reject file, a failed
     input record and the root's own files."""
-    from diffusion.convert.readers import FAILED_INPUTS_DIR, record_failed_input
+    from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR, record_failed_input
     from diffusion.convert.transforms import write_rejects
     sink = _sink(out)
     sink.write([_block(["k1", "k2"])], ctx=None)
@@ -152,7 +152,7 @@ def test_streamings_merge_index_on_the_output_root_writes_the_same_index(tmp_pat
 
 
 def test_an_output_of_the_old_layout_is_migrated_and_keeps_its_parts_rejects_and_failures(tmp_path):
-    from diffusion.convert.readers import FAILED_INPUTS_DIR, read_failed_inputs
+    from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR, read_failed_inputs
     from diffusion.convert.summary import done_keys, summarize
     _sink_output(tmp_path)
     parts = committed_parts(str(tmp_path))
