@@ -1,15 +1,17 @@
 """Real FSDP on CPU: `composer -n 2` (gloo) with the product's trainer, tiny UNet, EMA and microbatches.
 
 One launch trains every variant in turn (startup dominates on 2 cores): FULL_SHARD and SHARD_GRAD_OP,
-each without eval and with an EMA eval after every batch, then a run whose rank 1 gets a NaN in the
+each without eval and with an eval of the raw and of the EMA weights after every batch, then a run whose rank 1 gets a NaN in the
 first of its two microbatches; last, the same EMA check on a small model under FSDP2 (torch's
 ``fully_shard``, which Composer does not use here), straight from torch. A recorder hooks the UNet's
 ``conv_in`` and keeps the weight every forward computed with (inside FSDP's forward that is the
 gathered, full parameter), so the test sees exactly what FSDP trained and evaluated on:
 
-- with an EMA eval between steps, every training forward and the final weights equal the run
-  without eval (the EMA is not left in FSDP's gathered parameters), and the eval forwards ran on the
-  EMA of the weights the training forwards saw;
+- with evals between steps, every training forward and the final weights equal the run without
+  eval (the EMA is not left in FSDP's gathered parameters); the ``eval`` evaluator's forwards ran on
+  the training weights, the ``eval_ema`` evaluator's on the EMA of the weights training saw;
+- ``callbacks.optimizer_monitor`` logs, on both ranks, the norm of the whole gradient (as FSDP
+  gathers it), not of the rank's shard;
 - a NaN in a non-last microbatch on one rank stops both ranks at that batch, naming it, before its
   checkpoint: ``latest`` stays on the last finite one.
 
