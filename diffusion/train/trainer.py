@@ -81,11 +81,16 @@ def _fsdp_device(device: str, cfg: Config):
     - Full checkpoints gather with ``offload_to_cpu``: torch's FSDP1 "moves" the full parameters to the
       CPU, which is a no-op there, then frees the storage they live in (a segfault on the first save).
       ``FlatParamHandle.to_cpu`` is made a no-op for parameters already on the CPU.
+    - FSDP2 (torch 2.7) reduce-scatters fp32 gradients with ``ReduceOp.AVG``, which gloo carries out
+      as a sum: gradients come out world-size times too large. On the CPU the average is made a sum
+      and a division instead (the route FSDP2 itself takes for fp16 gradients).
 
     Returns the context to build the Trainer in.
     """
     if device != "cpu" or cfg.trainer.fsdp is None:
         return contextlib.nullcontext()
+    if cfg.trainer.fsdp.version == 2:
+        _average_fsdp2_gradients_on_cpu()
     from torch.distributed.fsdp._flat_param import FlatParamHandle
     if not getattr(FlatParamHandle.to_cpu, "cpu_safe", False):
         original = FlatParamHandle.to_cpu
@@ -100,6 +105,21 @@ def _fsdp_device(device: str, cfg: Config):
         to_cpu.cpu_safe = True
         FlatParamHandle.to_cpu = to_cpu
     return mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
+
+
+def _average_fsdp2_gradients_on_cpu() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    original = collectives._get_gradient_divide_factors
+    if getattr(original, "cpu_safe", False):
+        return
+
+    def divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", *args, **kwargs):
+        if device_type != "cpu":
+            return original(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, *args, **kwargs)
+        size = reduce_scatter_group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
+        return 1.0, float(size)  # no division before the sum, all of it after
+    divide_factors.cpu_safe = True
+    collectives._get_gradient_divide_factors = divide_factors
 
 
 def prepare_model(cfg: Config, model: StableDiffusion) -> StableDiffusion:

@@ -124,21 +124,30 @@ def test_composer_launches_run_py(train_kit, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_trains_with_ema_and_writes_a_full_checkpoint(train_kit, tmp_path):
-    """``trainer.fsdp.version=2`` (torch's fully_shard through Composer), as the SD2 YAMLs allow it:
-    two CPU ranks, EMA, two microbatches per rank; the checkpoint holds whole weights and the EMA."""
+def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(train_kit, tmp_path):
+    """``trainer.fsdp.version=2`` (torch's fully_shard through Composer), as the SD2 YAMLs allow it: two
+    CPU ranks, EMA, two microbatches per rank train the weights one process trains on the same global
+    batches (gradients averaged over the ranks, not summed), and the checkpoint holds them whole with
+    the EMA."""
     from diffusion.models.checkpoint import load_unet
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=32)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
-    args = tiny_overrides(train_kit, mds, batches=3, batch_size=8, save_folder=str(tmp_path / "ckpt"),
-                          extra=("trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
-                                 "trainer.device_train_microbatch_size=2", "trainer.save_interval=3ba"))
-    result = subprocess.run([composer, "-n", "2", "--master_port", "29535", "run.py", "yamls/tiny-cpu.yaml", *args],
+    # Adam with eps = 1: smooth in the gradient (see test_two_ranks_read_disjoint_samples_and_agree), and
+    # no clipping, which would hide gradients of the wrong size
+    common = ["yamls/tiny-cpu.yaml", *tiny_overrides(train_kit, mds, batches=3, batch_size=8,
+                                                     extra=("data.train.shuffle=false", "optimizer.eps=1.0",
+                                                            "optimizer.lr=0.1", "trainer.grad_clip_norm=null"))]
+    fsdp2 = ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
+             "trainer.device_train_microbatch_size=2", f"trainer.save_folder={tmp_path / 'ckpt'}",
+             "trainer.save_interval=3ba"]
+    result = subprocess.run([composer, "-n", "2", "--master_port", "29535", "run.py", *common, *fsdp2],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    unet, info = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"))
-    assert info["ema_used"]
+    ema, info = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"))
     raw, _ = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"), ema=False)
-    assert sum(p.numel() for p in unet.parameters()) == sum(p.numel() for p in raw.parameters())
-    assert not torch.equal(unet.conv_in.weight, raw.conv_in.weight)  # the EMA, not the raw weights again
+    assert info["ema_used"] and not torch.equal(ema.conv_in.weight, raw.conv_in.weight)
+
+    _, one_process = _fit_one_process(common)
+    for name, tensor in raw.state_dict().items():
+        torch.testing.assert_close(tensor, one_process["unet." + name], rtol=1e-5, atol=1e-7, msg=name)
