@@ -81,6 +81,10 @@ def _fsdp_device(device: str, cfg: Config):
     - Full checkpoints gather with ``offload_to_cpu``: torch's FSDP1 "moves" the full parameters to the
       CPU, which is a no-op there, then frees the storage they live in (a segfault on the first save).
       ``FlatParamHandle.to_cpu`` is made a no-op for parameters already on the CPU.
+    - The full optimizer state is gathered into one buffer per parameter group, reused for each state
+      (Adam's ``exp_avg``, then ``exp_avg_sq``), and "offloaded" with ``.cpu()``, a no-op there: every
+      state ends up a view of the last one gathered (a resumed run restarts Adam with
+      ``exp_avg = exp_avg_sq``). On the CPU each state is copied out of the buffer.
     - FSDP2 (torch 2.7) reduce-scatters fp32 gradients with ``ReduceOp.AVG``, which gloo carries out
       as a sum: gradients come out world-size times too large. On the CPU the average is made a sum
       and a division instead (the route FSDP2 itself takes for fp16 gradients).
@@ -91,6 +95,7 @@ def _fsdp_device(device: str, cfg: Config):
         return contextlib.nullcontext()
     if cfg.trainer.fsdp.version == 2:
         _average_fsdp2_gradients_on_cpu()
+    _copy_gathered_optimizer_state_on_cpu()
     from torch.distributed.fsdp._flat_param import FlatParamHandle
     if not getattr(FlatParamHandle.to_cpu, "cpu_safe", False):
         original = FlatParamHandle.to_cpu
@@ -105,6 +110,23 @@ def _fsdp_device(device: str, cfg: Config):
         to_cpu.cpu_safe = True
         FlatParamHandle.to_cpu = to_cpu
     return mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
+
+
+def _copy_gathered_optimizer_state_on_cpu() -> None:
+    from torch.distributed.fsdp import _optim_utils
+    original = _optim_utils._unflatten_orig_param_states
+    if getattr(original, "cpu_safe", False):
+        return
+
+    def unflatten(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload):
+        original(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload)
+        if to_save and cpu_offload:
+            for states in output_states.values():
+                value = states.get(state_name)
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    states[state_name] = value.clone()  # out of the buffer the next state reuses
+    unflatten.cpu_safe = True
+    _optim_utils._unflatten_orig_param_states = unflatten
 
 
 def _average_fsdp2_gradients_on_cpu() -> None:
@@ -178,7 +200,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     shared_memory.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
 
     if info is None:
-        info = mds_source.read_dataset_info(cfg.data.train.path, cfg.data.train.download_timeout)
+        info = mds_source.read_loader_info(cfg.data.train, cfg.model.resolution)  # a mix's streams agree
     model = prepare_model(cfg, build_model(cfg.model, info, seed=t.seed))
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
                        world_size=dist.get_world_size(), seed=t.seed)

@@ -28,7 +28,7 @@ import torch
 from train_fixtures import launch_composer, tiny_overrides, write_latent_mds
 
 HARNESS = '''
-import gc, json, os, sys, torch
+import gc, json, os, shutil, sys, torch
 from composer.core import Callback
 from composer.loggers import InMemoryLogger
 from composer.utils import dist
@@ -92,6 +92,13 @@ def fsdp2(evaluate):
 path, overrides = parse_args(sys.argv[1:])
 out = os.environ["RECORD_DIR"]
 for variant in json.loads(os.environ["VARIANTS"]):
+    if variant.get("resume_from"):  # a "killed" run: its folder holds only an earlier run's checkpoint
+        source, first, folder = variant["resume_from"]
+        if dist.get_global_rank() == 0:
+            os.makedirs(folder)
+            shutil.copy(os.path.join(source, first), os.path.join(folder, first))
+            os.symlink(first, os.path.join(folder, "latest-rank0.pt"))
+        dist.barrier()
     trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
     rank = dist.get_global_rank()
     model = trainer.state.model
@@ -150,6 +157,13 @@ def fsdp_runs(train_kit, tmp_path_factory):
     # Rank 1's first microbatch of batch 3 turns NaN; a checkpoint after every batch.
     variants.append({"name": "nan", "nan_at": [3, 1, 1], "overrides": [
         "trainer.fsdp={sharding_strategy: SHARD_GRAD_OP}", f"trainer.save_folder={ckpt}", "trainer.save_interval=1ba"]})
+    # Kill-and-resume: 4 batches straight (checkpoints at 2 and 4), and a run that autoresumes from the
+    # straight run's batch-2 checkpoint alone (as if killed after it) to batch 4.
+    for name, folder in (("straight", tmp / "straight"), ("resumed", tmp / "resumed")):
+        variants.append({"name": name, "resume_from": [str(tmp / "straight"), "ep0-ba2-rank0.pt", str(folder)]
+                         if name == "resumed" else None, "overrides": [
+            "trainer.fsdp={sharding_strategy: FULL_SHARD}", f"trainer.save_folder={folder}",
+            "trainer.save_interval=2ba", "trainer.max_duration=4ba", "trainer.autoresume=true"]})
     result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], port=29541,
                              env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -254,3 +268,26 @@ def test_a_nan_in_one_ranks_first_microbatch_stops_both_before_its_checkpoint(fs
     for name, tensor in weights.items():
         assert ema[name].shape == tensor.shape, name
         assert torch.isfinite(tensor).all() and torch.isfinite(ema[name]).all(), name
+
+
+@pytest.mark.slow
+def test_kill_and_resume_under_fsdp_equals_a_straight_run(fsdp_runs):
+    """4 batches straight == 2, killed, autoresumed from the batch-2 checkpoint, 2 more: the same
+    training forwards, final weights, EMA and optimizer state (FULL_SHARD, full checkpoints)."""
+    tmp, _ = fsdp_runs
+    for rank in (0, 1):
+        straight, resumed = _load(tmp, "straight", rank), _load(tmp, "resumed", rank)
+        assert sorted(_forwards(resumed, "train")) == [2, 3]  # it did not redo batches 1-2
+        for batch, weights in _forwards(resumed, "train").items():
+            torch.testing.assert_close(weights[0], _forwards(straight, "train")[batch][0], rtol=1e-5, atol=1e-6)
+        for key in ("final", "ema"):
+            for name, tensor in straight[key].items():
+                torch.testing.assert_close(resumed[key][name], tensor, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+    states = [torch.load(tmp / run / "ep0-ba4-rank0.pt", weights_only=False)["state"] for run in ("straight", "resumed")]
+    optimizers = [next(iter(state["optimizers"].values()))["state"] for state in states]
+    assert optimizers[0].keys() == optimizers[1].keys() and optimizers[0]
+    # Adam's two moments are saved as themselves, not one aliased to the other
+    assert not any(torch.equal(m["exp_avg"], m["exp_avg_sq"]) for m in optimizers[0].values())
+    for name, moments in optimizers[0].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(optimizers[1][name][key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")
