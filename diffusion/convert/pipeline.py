@@ -30,6 +30,8 @@ from diffusion.convert.settings import PipelineSettings
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
 from diffusion.convert.readers import KEY_SCHEME, RawColumns, check_inputs, read_raw
+from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates
+from diffusion.convert.filters import check_where, parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
 
@@ -66,6 +68,13 @@ class ConvertConfig(PipelineSettings):
     progress: bool = flag(True, "hide Ray's progress bars")
     deterministic: bool = flag(False, "same input, same parts in the same order (so the same training order); "
                                       "keeps Ray's row order, which can idle workers on a large cluster")
+    where: str | None = flag(None, "keep only parquet rows whose metadata passes this filter, decided before any "
+                                   "image is decoded, e.g. \"aesthetic >= 5.0 and punsafe < 0.1\" (comparisons, and, "
+                                   "or, not, parentheses, in [...], is null); each and-term's removals are counted "
+                                   "as 'filtered: TERM'", metavar="EXPR")
+    dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
+                               "as duplicate_image rejects: a pass over the input before converting",
+                       choices=DEDUPE_MODES)
 
     def __post_init__(self):
         if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
@@ -79,6 +88,14 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--limit must be positive, got {self.limit}")
         if self.max_aspect < 1:
             raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+        if self.where is not None:
+            parse_where(self.where)  # a malformed filter fails here, showing it
+        if self.dedupe not in DEDUPE_MODES:
+            raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
+
+    def raw_columns(self) -> RawColumns:
+        return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
+                          where=self.where)
 
     def output_settings(self) -> dict:
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
@@ -87,7 +104,8 @@ class ConvertConfig(PipelineSettings):
         return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
                 "caption_column": self.caption_column, "key_column": self.key_column,
                 "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
-                "key_scheme": KEY_SCHEME}
+                "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
+                "dedupe": self.dedupe}
 
     @property
     def is_remote(self) -> bool:
@@ -147,20 +165,21 @@ class _DatasetInfoWriter:
         np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
         summary = summarize(out)
         info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
+        info.extra = {"compression": self.cfg.compression, "min_size": self.cfg.min_size,
+                      "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels,
+                      "where": parse_where(self.cfg.where).text if self.cfg.where else None,
+                      "dedupe": self.cfg.dedupe}
         if summary.failed_inputs:  # skipped input files: the dataset lacks their unread rows
             info.extra["failed_inputs"] = dict(summary.failed_inputs)
-        info.extra = {"compression": self.cfg.compression, "min_size": self.cfg.min_size,
-                      "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels}
         info.save(out)
 
 
-def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan):
+def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, duplicates_dir: str | None = None):
     """The Ray Dataset from raw rows to encoded rows (not yet executed)."""
     from ray.data import ActorPoolStrategy
-    columns = RawColumns(image=cfg.image_column, caption=cfg.caption_column, key=cfg.key_column)
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
-    ds = read_raw(cfg.input, columns, skip_keys=skip_keys, limit=cfg.limit,
-                  rejects_dir=os.path.join(out, REJECTS_DIR))
+    ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,
+                  rejects_dir=os.path.join(out, REJECTS_DIR), duplicates_dir=duplicates_dir)
     ds = ds.map_batches(
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
@@ -211,6 +230,8 @@ def recorded_settings(out: str) -> dict:
 def check_output_settings(out: str, settings: dict) -> None:
     """Refuse to add to an output made with other settings, before anything in it is touched."""
     recorded = recorded_settings(out)
+    if recorded:  # recorded before these settings existed: made without them
+        recorded = {"where": None, "dedupe": "none", **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
@@ -222,7 +243,9 @@ def check_output_settings(out: str, settings: dict) -> None:
 def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
     start = time.perf_counter()
-    check_inputs(cfg.input, RawColumns(cfg.image_column, cfg.caption_column, cfg.key_column))
+    check_inputs(cfg.input, cfg.raw_columns())
+    if cfg.where:
+        check_where(cfg.input, cfg.raw_columns())
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
@@ -267,7 +290,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     if cfg.limit is not None or cfg.deterministic:
         ctx.execution_options.preserve_order = True
     plan = plan_pools(ray.cluster_resources(), cfg)
-    build_pipeline(cfg, out, written | set(rejected), plan).write_datasink(sink)
+    duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out) if cfg.dedupe == "bytes" else None
+    build_pipeline(cfg, out, written | set(rejected), plan, duplicates).write_datasink(sink)
     if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
         sink.finalize()
 
@@ -300,8 +324,11 @@ CONVERT_EXAMPLES = """examples:
   python convert/laion_to_mds.py --input s3://bucket/raw/ --output s3://bucket/mds --model DIR --address auto
 
 Re-running the same command after a crash or Ctrl-C resumes: the output ends up with exactly the
-samples of a clean run. A re-run with other settings (model, resolutions, columns, image checks) is
-refused before anything is touched."""
+samples of a clean run. A re-run with other settings (model, resolutions, columns, image checks,
+--where, --dedupe) is refused before anything is touched.
+
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR \
+      --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8" --dedupe bytes"""
 
 
 def main(argv=None) -> ConversionSummary:

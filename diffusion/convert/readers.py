@@ -66,6 +66,7 @@ from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_inp
                                              record_failed_input)
 from diffusion.convert.transforms import BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected, write_rejects
 from diffusion.convert.tfrecord import example_features
+from diffusion.convert.dedupe import DUPLICATE_IMAGE, later_copies
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
 
@@ -82,6 +83,7 @@ class RawColumns:
     caption: str = schema.RAW_CAPTION
     key: str = schema.RAW_KEY
     caption_required: bool = True  # False: a file without the caption column gives rows captioned None
+    where: str | None = None  # --where: rows failing it are rejects, before anything is decoded (convert.filters)
 
 
 # ---- locating files ------------------------------------------------------------------------------
@@ -377,10 +379,14 @@ def _batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None)
 # ---- parquet -------------------------------------------------------------------------------------
 
 def _parquet_columns(uri: str) -> list[str]:
+    return _parquet_schema(uri).names
+
+
+def _parquet_schema(uri: str):
     import pyarrow.parquet as pq
     try:
         with _open(uri) as f:
-            return pq.read_schema(f).names
+            return pq.read_schema(f)
     except InputError:
         raise
     except Exception as e:
@@ -388,8 +394,15 @@ def _parquet_columns(uri: str) -> list[str]:
 
 
 def check_parquet_columns(uri: str, columns: RawColumns) -> None:
-    """Raise a clear error naming the file and its columns if an asked-for column is missing."""
-    names = _parquet_columns(uri)
+    """Raise a clear error naming the file and its columns if an asked-for column is missing (or one
+    ``columns.where`` names, or compares with a value of another type)."""
+    arrow_schema = _parquet_schema(uri)
+    names = arrow_schema.names
+    if columns.where:
+        from diffusion.convert.filters import parse_where
+        row_filter = parse_where(columns.where)
+        row_filter.check_columns(names, uri)
+        row_filter.check_types(arrow_schema, uri)
     required = (columns.image, columns.caption) if columns.caption_required else (columns.image,)
     missing = [c for c in required if c not in names]
     if missing:
@@ -407,13 +420,21 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
     with _open(uri) as f:
         pf = pq.ParquetFile(f)
         names = set(pf.schema_arrow.names)
+        row_filter = None
+        if columns.where:
+            from diffusion.convert.filters import parse_where
+            row_filter = parse_where(columns.where)
         wanted = [c for c in {columns.image, columns.caption, columns.key, schema.WIDTH, schema.HEIGHT,
-                              schema.RAW_STATUS} if c in names]
+                              schema.RAW_STATUS, *(row_filter.columns if row_filter else ())} if c in names]
         for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
-            for row in record_batch.to_pylist():
+            blame = row_filter.blame(record_batch) if row_filter else itertools.repeat(None)
+            for row, failed in zip(record_batch.to_pylist(), blame):
                 # img2dataset/download output: failed rows have no image, so only successes are rows.
                 if schema.RAW_STATUS in row and row[schema.RAW_STATUS] != "success":
                     yield None  # keeps the row numbers of derived keys those of the file
+                    continue
+                if failed is not None:  # --where: a reject by its rule, before the image is looked at
+                    yield {REJECT: row_filter.reason(failed), schema.RAW_KEY: row.get(columns.key)}
                     continue
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
                        schema.RAW_IMAGE: row[columns.image], schema.WIDTH: row.get(schema.WIDTH),
@@ -647,9 +668,10 @@ class _ReadFiles:
 
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
                  rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
-                 taken: dict | None = None):
+                 taken: dict | None = None, duplicates_dir: str | None = None):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
         self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
+        self.duplicates_dir = duplicates_dir
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -662,12 +684,14 @@ class _ReadFiles:
         for uri in files["path"]:
             uri = str(uri)
             name, pending, rows_read = self.names[uri], {}, 0
+            copies = later_copies(self.duplicates_dir, name)  # --dedupe: this file's later copies of an image
             try:
                 for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
                                                self.taken):
+                    pending.update({k: DUPLICATE_IMAGE for k in batch[schema.RAW_KEY] if k in copies})
                     self._flush(pending)
                     rows_read += len(batch[schema.RAW_KEY])
-                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys]
+                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys and k not in copies]
                     if keep:
                         yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
             except errors as e:
@@ -716,13 +740,14 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
-             rejects_dir: str | None = None, failed_inputs_dir: str | None = None):
+             rejects_dir: str | None = None, failed_inputs_dir: str | None = None, duplicates_dir: str | None = None):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
     decoded; ``limit`` caps the rows read (counted before skipping, so a re-run with the same limit
     resumes the same rows). Rows rejected while reading go to ``rejects_dir``; files that cannot be
     read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
+    ``duplicates_dir``: the later copies of images to drop as ``duplicate_image`` (convert.dedupe).
     """
     import ray
     formats = input_files(inputs, columns)
@@ -734,8 +759,8 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     files = list(formats)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
-        return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken),
-                              batch_size=1, batch_format="numpy", zero_copy_batch=True)
-    ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken),
-                        batch_size=1, batch_format="numpy")
+        return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken,
+                                         duplicates_dir), batch_size=1, batch_format="numpy", zero_copy_batch=True)
+    ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
+                                   duplicates_dir), batch_size=1, batch_format="numpy")
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

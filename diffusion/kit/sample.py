@@ -1,7 +1,9 @@
 """Procedural LAION-style sample data: the embedded default dataset for the demo and the tests.
 
 ``python -m diffusion.kit.sample --out DIR --n N --seed S`` writes parquet shards with the raw columns
-of the data contract (``key, caption, jpg, width, height, url``). Each good row is a drawn scene with a
+of the data contract (``key, caption, jpg, width, height, url``) and LAION's per-row metadata
+(``aesthetic, punsafe, pwatermark, similarity, LANGUAGE``, see :func:`laion_metadata`; what the
+converter's ``--where`` filters on). Each good row is a drawn scene with a
 compositional caption ("a red circle above a blue square"), a random size and aspect ratio, stored as
 JPEG or PNG, sometimes grayscale, RGBA or CMYK. A small known set of rows is bad on purpose (truncated
 bytes, not an image, empty caption, a 1x1 image); ``manifest.json`` says how many of each, so tests can
@@ -134,6 +136,24 @@ def _bad_row(kind: str, rng: np.random.Generator) -> tuple[bytes, str, int, int]
     return data, "", w, h  # empty_caption
 
 
+METADATA = ("aesthetic", "punsafe", "pwatermark", "similarity", "LANGUAGE")
+LANGUAGES = (("en", 0.85), ("de", 0.05), ("fr", 0.04), ("es", 0.03), ("nolang", 0.03))
+
+
+def laion_metadata(seed: int, index: int) -> dict:
+    """Row ``index``'s LAION-style metadata, drawn from its own stream (so the scenes are those drawn
+    without it): ``aesthetic`` ~ N(5, 1) clipped to [1, 10] (LAION's aesthetic predictor), ``punsafe``
+    ~ Beta(0.4, 8), mostly near 0 (NSFW probability), ``pwatermark`` ~ Beta(0.8, 3) (watermark
+    probability), ``similarity`` ~ U(0.25, 0.4) (CLIP image-text cosine, above LAION's 0.28 cut mostly),
+    ``LANGUAGE`` mostly ``en``."""
+    rng = np.random.default_rng([seed, index, 1])
+    languages, weights = zip(*LANGUAGES)
+    return {"aesthetic": round(float(np.clip(rng.normal(5.0, 1.0), 1.0, 10.0)), 4),
+            "punsafe": round(float(rng.beta(0.4, 8.0)), 5), "pwatermark": round(float(rng.beta(0.8, 3.0)), 5),
+            "similarity": round(float(rng.uniform(0.25, 0.4)), 5),
+            "LANGUAGE": str(rng.choice(languages, p=np.array(weights) / sum(weights)))}
+
+
 def _bad_rows_plan(n: int, rng: np.random.Generator) -> dict[int, str]:
     per_kind = max(1, round(n * BAD_FRACTION))
     if n < per_kind * len(BAD_KINDS):
@@ -152,7 +172,7 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
     rng = np.random.default_rng(seed)
     plan = _bad_rows_plan(n, rng)
     rows = {name: [] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE,
-                                  schema.WIDTH, schema.HEIGHT, schema.RAW_URL)}
+                                  schema.WIDTH, schema.HEIGHT, schema.RAW_URL, *METADATA)}
     shards = []
 
     def flush():
@@ -161,7 +181,8 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
         path = os.path.join(out, f"part-{len(shards):05d}.parquet")
         arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                                   (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int32()),
-                                        (schema.HEIGHT, pa.int32()), (schema.RAW_URL, pa.string())])
+                                  (schema.HEIGHT, pa.int32()), (schema.RAW_URL, pa.string()),
+                                  *((m, pa.float64()) for m in METADATA[:-1]), ("LANGUAGE", pa.string())])
         pq.write_table(pa.table(rows, schema=arrow_schema), path + ".tmp")
         os.replace(path + ".tmp", path)
         shards.append(os.path.basename(path))
@@ -182,6 +203,8 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
         rows[schema.WIDTH].append(w)
         rows[schema.HEIGHT].append(h)
         rows[schema.RAW_URL].append(f"https://example.invalid/sample/{seed}/{i:09d}.jpg")
+        for name, value in laion_metadata(seed, i).items():
+            rows[name].append(value)
         if len(rows[schema.RAW_KEY]) == rows_per_shard:
             flush()
     flush()
@@ -201,7 +224,8 @@ square"), at a random size and aspect ratio, stored as JPEG or PNG, sometimes gr
 A few rows are bad on purpose (truncated bytes, not an image, empty caption, a 1x1 image).
 Input: the row count and a seed; the output is a pure function of the two. Output: --out with
 part-NNNNN.parquet shards (columns key, caption, jpg, width, height, url: what convert/laion_to_mds.py,
-diffusion.online and diffusion.evaluate read) and manifest.json (rows, good rows, bad rows by kind)."""
+diffusion.online and diffusion.evaluate read; and LAION's metadata aesthetic, punsafe, pwatermark,
+similarity, LANGUAGE, which the converter's --where filters on) and manifest.json (rows, good rows, bad rows by kind)."""
 EXAMPLES = """examples:
   python -m diffusion.kit.sample --out out/demo/raw --n 1024 --seed 0
   python convert/laion_to_mds.py --input out/demo/raw --output out/demo/mds --model .cache/kit/tiny \\

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from diffusion import schema
-from diffusion.kit.sample import MAX_ASPECT, MAX_SIDE, MIN_SIDE, main, write_sample_data
+from diffusion.kit.sample import MAX_ASPECT, MAX_SIDE, METADATA, MIN_SIDE, main, write_sample_data
 
 
 def _digest(directory: pathlib.Path) -> str:
@@ -35,7 +35,7 @@ def test_rows_follow_the_manifest(tmp_path):
     manifest = write_sample_data(tmp_path, n=100, seed=0, rows_per_shard=50)
     rows = _rows(tmp_path)
     assert set(rows[0]) == {schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH,
-                            schema.HEIGHT, schema.RAW_URL}
+                            schema.HEIGHT, schema.RAW_URL, *METADATA}
     assert len(rows) == manifest["rows"] == 100
     assert manifest["bad"] == {"truncated": 2, "not_image": 2, "empty_caption": 2, "tiny": 2}
     assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
@@ -87,3 +87,25 @@ def test_cli(tmp_path, capsys):
     main(["--out", str(tmp_path), "--n", "8", "--seed", "1"])
     assert "wrote 8 rows" in capsys.readouterr().out
     assert len(_rows(tmp_path)) == 8
+
+
+def test_laion_metadata_columns_are_realistic_and_fixed_by_the_seed(tmp_path):
+    """aesthetic ~ N(5, 1) in [1, 10], punsafe mostly near 0, pwatermark in [0, 1], similarity 0.25-0.4,
+    LANGUAGE mostly en; the rows written hold them, the same seed draws the same values."""
+    import numpy as np
+    from diffusion.kit.sample import laion_metadata
+    write_sample_data(tmp_path, n=12, seed=5, rows_per_shard=12)
+    assert [{m: r[m] for m in METADATA} for r in _rows(tmp_path)] == [laion_metadata(5, i) for i in range(12)]
+    rows = [laion_metadata(5, i) for i in range(2000)]
+    assert rows[:12] == [laion_metadata(5, i) for i in range(12)] and rows[0] != laion_metadata(6, 0)
+    aesthetic = np.array([r["aesthetic"] for r in rows])
+    assert 1.0 <= aesthetic.min() and aesthetic.max() <= 10.0
+    assert abs(aesthetic.mean() - 5.0) < 0.1 and 0.9 < aesthetic.std() < 1.1
+    punsafe = np.array([r["punsafe"] for r in rows])
+    assert 0 <= punsafe.min() and punsafe.max() <= 1 and np.median(punsafe) < 0.05 and (punsafe > 0.1).any()
+    pwatermark = np.array([r["pwatermark"] for r in rows])
+    assert 0 <= pwatermark.min() and pwatermark.max() <= 1 and 0.15 < pwatermark.mean() < 0.3
+    similarity = np.array([r["similarity"] for r in rows])
+    assert 0.25 <= similarity.min() and similarity.max() <= 0.4
+    languages = [r["LANGUAGE"] for r in rows]
+    assert 0.8 < languages.count("en") / len(languages) < 0.9 and len(set(languages)) > 2

@@ -1,0 +1,147 @@
+"""``--dedupe bytes``: exact duplicates of an image are converted once; the other copies are rejects
+(``duplicate_image``).
+
+What is compared: a 128-bit BLAKE2b hash of the image bytes *as stored*, not of the decoded crop. It
+needs no decode (the pass costs a read and a hash per row, not a JPEG decode), and it catches LAION's
+common case, the same file served under several URLs. It does not catch a re-encode or a resize of
+the same picture; a decoded-crop hash would, at the price of decoding every image twice.
+
+Which copy wins: the first in input order (files in their sorted order, rows in file order), whatever
+the number of workers or which task finishes first. The choice is made by a pass before the
+conversion, with no process holding every hash:
+
+1. one Ray task per input file reads its valid rows (after ``--where``, bad rows and repeated keys,
+   as the conversion reads them) and emits (hash, file order, row position, key) per row;
+2. Ray Data groups the rows by hash (a hash-partitioned shuffle); in each group every row but the
+   one with the smallest (file order, position) is a later copy;
+3. the later copies' keys are written per input file (``dedupe/<fingerprint>/file=<id>/``), so a read
+   task loads only its own file's list and drops those rows, recording each as ``duplicate_image``.
+
+The choice depends only on the input and the read settings, so a run resumed after a kill makes the
+same one: the lists are kept under a fingerprint of the input files (names, sizes, modification times)
+and reused by a re-run that finds them complete; one whose input changed computes them again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+import numpy as np
+
+DUPLICATE_IMAGE = "duplicate_image"  # reject reason: the same image bytes as an earlier row
+DEDUPE_DIR = "dedupe"  # in the output: the later copies' keys, per input file
+MODES = ("none", "bytes")
+_DONE = "_done"
+
+
+def image_hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def file_id(name: str) -> str:
+    """A file's partition name in the duplicates folder (its name under the input root, hashed)."""
+    return hashlib.sha1(name.encode()).hexdigest()[:16]
+
+
+class _HashRows:
+    """Ray ``map_batches`` callable: a batch of (path, order) in; (hash, order, pos, file, key) per valid row."""
+
+    def __init__(self, formats: dict, names: dict, columns, taken: dict):
+        self.formats, self.names, self.columns, self.taken = formats, names, columns, taken
+
+    def __call__(self, batch: dict):
+        import pyarrow as pa
+        from diffusion import schema
+        from diffusion.convert.failed_inputs import file_errors
+        from diffusion.convert.readers import iter_file_batches
+        errors = file_errors()
+        for uri, order in zip(batch["path"], batch["order"]):
+            uri, name, position = str(uri), self.names[str(uri)], 0
+            out = {"hash": [], "order": [], "pos": [], "file": [], "key": []}
+            try:  # a file that fails part-way: its rows before the damage, as the conversion reads them
+                for rows in iter_file_batches(uri, self.formats[uri], self.columns, name, None, self.taken):
+                    for key, image in zip(rows[schema.RAW_KEY], rows[schema.RAW_IMAGE]):
+                        position += 1
+                        if image:
+                            out["hash"].append(image_hash(image))
+                            out["order"].append(int(order))
+                            out["pos"].append(position)
+                            out["file"].append(file_id(name))
+                            out["key"].append(key)
+            except errors:
+                pass
+            yield pa.table({"hash": pa.array(out["hash"], pa.string()), "order": pa.array(out["order"], pa.int64()),
+                            "pos": pa.array(out["pos"], pa.int64()), "file": pa.array(out["file"], pa.string()),
+                            "key": pa.array(out["key"], pa.string())})
+
+
+def _later_copies(group):
+    """One hash's rows (a pyarrow table) -> all but the first in input order."""
+    import pyarrow as pa
+    if group.num_rows <= 1:
+        return group.slice(0, 0).select(["file", "key"])
+    first = np.lexsort((group.column("pos").to_numpy(), group.column("order").to_numpy()))[0]
+    keep = np.ones(group.num_rows, bool)
+    keep[first] = False
+    return group.filter(pa.array(keep)).select(["file", "key"])
+
+
+def _fingerprint(formats: dict, columns) -> str:
+    """Of the input files (name, size, modification time) and the settings that decide which rows are
+    read: what the duplicate lists are a function of."""
+    from diffusion.storage import filesystem_for
+    h = hashlib.sha1(json.dumps([columns.image, columns.caption, columns.key, columns.where]).encode())
+    for uri in formats:
+        fs, path = filesystem_for(uri)
+        info = fs.get_file_info(path)
+        h.update(json.dumps([uri, info.size, info.mtime_ns]).encode())
+    return h.hexdigest()[:16]
+
+
+def find_duplicates(inputs, columns, out: str) -> str:
+    """Run the pass (module docstring) unless an earlier run finished it for this input; returns the
+    folder of per-file lists that :func:`later_copies` reads."""
+    import ray
+    from diffusion.convert.readers import file_names, input_files, keys_taken_by_earlier_files
+    formats = input_files(inputs, columns)
+    root = os.path.join(out, DEDUPE_DIR)
+    final = os.path.join(root, _fingerprint(formats, columns))
+    if os.path.exists(os.path.join(final, _DONE)):
+        return final
+    names = file_names(formats)
+    taken = keys_taken_by_earlier_files(formats, names, columns)
+    files = list(formats)
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
+                             override_num_blocks=min(len(files), 1024))
+    hashes = ds.map_batches(_HashRows(formats, names, columns, taken), batch_size=1, batch_format="numpy")
+    partitions = max(1, min(len(files), 256))  # hash partitions of the shuffle: a few per input file at most
+    later = hashes.groupby("hash", num_partitions=partitions).map_groups(_later_copies, batch_format="pyarrow")
+    later.write_parquet(tmp, partition_cols=["file"], min_rows_per_file=1 << 20)
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, _DONE), "w") as f:
+        f.write("")
+    for stale in os.listdir(root):  # lists of another input, or a killed pass's
+        if os.path.join(root, stale) != tmp:
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def later_copies(folder: str | None, name: str) -> frozenset[str]:
+    """The keys of the input file ``name`` that are later copies of an earlier row's image."""
+    if not folder:
+        return frozenset()
+    part = os.path.join(folder, f"file={file_id(name)}")
+    if not os.path.isdir(part):
+        return frozenset()
+    import pyarrow.parquet as pq
+    keys = set()
+    for entry in sorted(os.listdir(part)):
+        if entry.endswith(".parquet"):
+            keys.update(pq.read_table(os.path.join(part, entry), columns=["key"]).column("key").to_pylist())
+    return frozenset(keys)
