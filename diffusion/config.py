@@ -39,10 +39,27 @@ class ModelConfig:
     eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
 
 
+DEFAULT_MDS_PATH = "out/demo/mds"  # data.train.path (and data.eval.path) when neither path nor streams is set
+
+
+@dataclasses.dataclass
+class StreamConfig:
+    """One dataset of a weighted mix (``data.train.streams``): streaming's ``Stream`` weights, at most
+    one of ``proportion`` (a share of the epoch: every stream gives one, or none does), ``repeat``
+    (a multiple of its samples) or ``choose`` (a number of samples per epoch); none: all its samples."""
+
+    path: str = ""  # local directory or remote URI of MDS shards written by convert/laion_to_mds.py
+    local: Optional[str] = None  # cache directory for a remote path (default: a temp dir per remote)
+    proportion: Optional[float] = None
+    repeat: Optional[float] = None
+    choose: Optional[int] = None
+
+
 @dataclasses.dataclass
 class TrainLoaderConfig:
     source: Literal["mds", "stream"] = "mds"  # stored MDS shards, or the converter's operators streamed live
-    path: str = "out/demo/mds"  # local directory or remote URI (s3://, gs://, ...) of MDS shards
+    path: Optional[str] = None  # local directory or remote URI (s3://, gs://, ...) of MDS shards (default out/demo/mds)
+    streams: Optional[list[StreamConfig]] = None  # a weighted mix of datasets, in place of path
     local: Optional[str] = None  # cache directory for remote shards (default: a temp dir per remote)
     batch_size: int = 2048  # global: divided evenly across ranks
     caption_dropout: float = 0.1  # fraction of samples given the empty-caption embedding
@@ -320,6 +337,44 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_streams(name: str, loader: TrainLoaderConfig) -> None:
+    """``path`` or ``streams``, never both (neither: the demo's path); stream weights as streaming takes them."""
+    if loader.streams is None:
+        if loader.path is None:
+            loader.path = DEFAULT_MDS_PATH
+        return
+    _require(name == "train", f"data.{name}.streams: the held-out set is one dataset; give data.{name}.path")
+    _require(loader.path is None, f"data.{name}.path={loader.path} and data.{name}.streams are both set: give "
+                                  f"one dataset as path, or a mix as streams (set data.{name}.path=null)")
+    _require(len(loader.streams) > 0, f"data.{name}.streams is empty: list at least one {{path: ...}}")
+    _require(loader.source == "mds", f"data.{name}.streams needs data.{name}.source=mds (stored shards)")
+    _require(loader.local is None, f"data.{name}.local={loader.local} is for data.{name}.path: give each stream "
+                                   f"its own local (data.{name}.streams[i].local)")
+    key = f"data.{name}.streams"
+    weights = []
+    for i, stream in enumerate(loader.streams):
+        _require(bool(stream.path), f"{key}[{i}].path is not set: each stream is {{path: ..., proportion: ...}}")
+        given = [w for w in ("proportion", "repeat", "choose") if getattr(stream, w) is not None]
+        _require(len(given) <= 1, f"{key}[{i}] ({stream.path}) sets {' and '.join(given)}: give at most one of "
+                                  f"proportion, repeat, choose")
+        for w in given:
+            _require(getattr(stream, w) >= 0, f"{key}[{i}].{w}={getattr(stream, w)} must not be negative")
+        weights.append(given[0] if given else None)
+    if "proportion" in weights:
+        bad = next((i for i, w in enumerate(weights) if w != "proportion"), None)
+        _require(bad is None, f"{key}[{bad}] ({loader.streams[bad].path if bad is not None else ''}) has no "
+                              f"proportion while another stream has one: give every stream a proportion, or "
+                              f"none a proportion (repeat, choose)")
+        _require(sum(s.proportion for s in loader.streams) > 0, f"{key}: the proportions add up to 0")
+    elif any(weights):
+        _require(loader.num_samples is None, f"data.{name}.num_samples sets the epoch size of a mix weighted by "
+                                             f"proportion; with repeat or choose the streams decide it: set "
+                                             f"data.{name}.num_samples=null")
+    paths = [s.path.rstrip("/") for s in loader.streams]
+    dup = next((p for i, p in enumerate(paths) if p in paths[:i]), None)
+    _require(dup is None, f"{key} lists {dup} twice: give it once, with a larger proportion or repeat")
+
+
 def _check_consistency(cfg: Config) -> None:
     m, t, o = cfg.model, cfg.trainer, cfg.optimizer
     if m.resolution % 8:
@@ -332,6 +387,7 @@ def _check_consistency(cfg: Config) -> None:
     for name, loader in (("train", cfg.data.train), ("eval", cfg.data.eval)):
         if loader is None:
             continue
+        _check_streams(name, loader)
         if not 0.0 <= loader.caption_dropout < 1.0:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
         _require(loader.batch_size > 0, f"data.{name}.batch_size={loader.batch_size} must be a positive number "

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -138,3 +139,43 @@ def test_fsdp_version_is_the_configs_choice_not_the_environments(monkeypatch):
         load_config(TINY, ["trainer.fsdp.version=2", "trainer.device_train_microbatch_size=auto"])
     with pytest.raises(ConfigError, match="trainer.fsdp.version"):
         load_config(TINY, ["trainer.fsdp.version=3"])
+
+
+def test_streams_mix_datasets_with_streamings_weights():
+    cfg = load_config(TINY, ["data.train.path=null",
+                             "data.train.streams=[{path: s3://a, proportion: 0.7}, {path: s3://b, proportion: 0.3}]"])
+    assert [(s.path, s.proportion) for s in cfg.data.train.streams] == [("s3://a", 0.7), ("s3://b", 0.3)]
+    assert cfg.data.train.path is None
+    from diffusion.config import from_dict
+    assert from_dict({}).data.train.path == "out/demo/mds"  # neither path nor streams: the demo's dataset, as before
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train.streams=[{path: s3://a}]"],  # tiny-cpu.yaml sets data.train.path
+     "data.train.path=out/demo/mds and data.train.streams are both set"),
+    (["data.train.path=null", "data.train.streams=[]"], "data.train.streams is empty"),
+    (["data.train.path=null", "data.train.streams=[{local: /tmp/x}]"], "data.train.streams[0].path is not set"),
+    (["data.train.path=null", "data.train.streams=[{path: s3://a, proportion: 0.5, repeat: 2}]"],
+     "data.train.streams[0] (s3://a) sets proportion and repeat"),
+    (["data.train.path=null", "data.train.streams=[{path: s3://a, proportion: 0.5}, {path: s3://b}]"],
+     "data.train.streams[1] (s3://b) has no proportion"),
+    (["data.train.path=null", "data.train.streams=[{path: s3://a, repeat: -1}]"], "repeat=-1.0 must not be negative"),
+    (["data.train.path=null", "data.train.num_samples=64", "data.train.streams=[{path: s3://a, choose: 64}]"],
+     "data.train.num_samples=null"),
+    (["data.train.path=null", "data.train.streams=[{path: s3://a}, {path: s3://a/}]"], "lists s3://a twice"),
+    (["data.train.path=null", "data.train.streams=[{path: s3://a, weight: 2}]"], "unknown config key 'data.train.streams[0].weight'"),
+    (["data.eval.path=null", "data.eval.streams=[{path: s3://a}]"], "data.eval.streams: the held-out set"),
+    (["data.train.path=null", "data.train.local=/tmp/c", "data.train.streams=[{path: s3://a}]"],
+     "data.train.local=/tmp/c is for data.train.path: give each stream its own local"),
+])
+def test_streams_that_cannot_train_are_refused_at_start(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(TINY, overrides)
+
+
+def test_run_py_refuses_path_and_streams_in_one_line():
+    result = subprocess.run([sys.executable, "run.py", TINY, "data.train.streams=[{path: s3://a}]"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("run.py: error: data.train.path=out/demo/mds and "
+                                                             "data.train.streams are both set")

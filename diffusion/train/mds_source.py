@@ -2,9 +2,11 @@
 
 Each rank reads a disjoint part of every epoch; the sample order is a function of the shuffle seed and
 the number of canonical nodes only, so a resumed run (Composer restores the dataset's state) continues
-mid-epoch in the same order. Samples become batches through :mod:`diffusion.train.batches`, as the
-online stream's do: caption dropout substitutes the stored empty-caption embedding, for a different,
-reproducible subset of sample keys every epoch.
+mid-epoch in the same order. ``data.train.streams`` reads a weighted mix of datasets (streaming's
+``Stream`` weights), each as one ``path`` is read; their ``dataset.json`` must agree on what training
+depends on, and a later stream's sample keys carry its index. Samples become batches through
+:mod:`diffusion.train.batches`, as the online stream's do: caption dropout substitutes the stored
+empty-caption embedding, for a different, reproducible subset of sample keys every epoch.
 
 Reading is zero-copy where it can be: a sample's arrays are views into the memory-mapped shard, and
 the only copy is the one collation makes into the batch (streaming's own path copies a sample three
@@ -35,6 +37,7 @@ import os
 import struct
 import tempfile
 import threading
+import types
 import urllib.parse
 from typing import Any, Sequence
 
@@ -261,9 +264,14 @@ class LatentDataset(StreamingDataset):
 
     max_open_shards = 256  # memory maps kept open per process
 
-    def __init__(self, *, remote: str | None, local: str | None, resolution: int, verify_hashes: bool = True,
+    def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
+                 streams: Sequence[_CheckedStream] | None = None, verify_hashes: bool = True,
                  **streaming_kwargs: Any):
-        super().__init__(streams=[_CheckedStream(remote=remote, local=local)], **streaming_kwargs)
+        if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
+            streams = [_CheckedStream(remote=remote, local=local)]
+        elif remote is not None or local is not None:
+            raise ValueError("give remote/local (one dataset) or streams (a mix), not both")
+        super().__init__(streams=list(streams), **streaming_kwargs)
         self.moments_column = schema.vae_moments_column(resolution)
         self.verify_hashes = verify_hashes
         self._epoch = 0
@@ -517,6 +525,10 @@ class LatentDataset(StreamingDataset):
 
     def __getitem__(self, index: int) -> dict:
         row = self._read(index)
+        if self.num_streams > 1:  # keys are unique within a dataset only: a later stream's are told apart
+            stream_id = int(self.stream_per_shard[self.spanner[index][0]])
+            if stream_id:
+                row[schema.KEY] = f"{stream_id}/{row[schema.KEY]}"
         row[schema.BATCH_SAMPLE_INDEX] = int(index)
         row[SAMPLE_EPOCH] = self._epoch
         return row
@@ -543,6 +555,65 @@ def decompression_cache(path: str) -> str:
     return os.path.join(tempfile.gettempdir(), "diffusion-mds-cache", digest)
 
 
+def _section(loader_cfg) -> str:
+    return "data.eval" if type(loader_cfg).__name__ == "EvalLoaderConfig" else "data.train"
+
+
+def loader_streams(loader_cfg) -> list[tuple[str, Any]]:
+    """The datasets a loader section reads, each as (its name in errors, its entry): ``data.train.streams``
+    (entries with path, local, proportion, repeat, choose), or the section's one ``path``."""
+    streams = getattr(loader_cfg, "streams", None)
+    if not streams:
+        one = types.SimpleNamespace(path=loader_cfg.path, local=loader_cfg.local, proportion=None, repeat=None,
+                                    choose=None)
+        return [(loader_cfg.path, one)]
+    return [(f"{_section(loader_cfg)}.streams[{i}] ({s.path})", s) for i, s in enumerate(streams)]
+
+
+# What training depends on in dataset.json: every stream of a mix must record the same.
+AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim")
+
+
+def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | None = None) -> schema.DatasetInfo:
+    """``dataset.json`` of the section's dataset (of a mix: its first stream's, once every stream's agrees
+    with it on :data:`AGREED_FIELDS` and on holding the ``resolution`` column), checked against the
+    model's ``resolution`` and ``text_dim`` where given."""
+    streams = loader_streams(loader_cfg)
+    infos = [read_dataset_info(entry.path, loader_cfg.download_timeout) for _, entry in streams]
+    (first_name, _), first = streams[0], infos[0]
+    for (name, _), info in zip(streams[1:], infos[1:]):
+        for field in AGREED_FIELDS:
+            if getattr(info, field) != getattr(first, field):
+                raise DatasetMismatchError(
+                    f"{name}: dataset.json records {field}={getattr(info, field)!r} where {first_name} records "
+                    f"{field}={getattr(first, field)!r}: every stream of a mix must be converted with the same "
+                    f"model (VAE scaling factor, text encoder)")
+        if resolution is not None and (resolution in info.resolutions) != (resolution in first.resolutions):
+            has, lacks = (first_name, name) if resolution in first.resolutions else (name, first_name)
+            raise DatasetMismatchError(
+                f"{lacks} has no {schema.vae_moments_column(resolution)} column where {has} has (the model "
+                f"trains at {resolution}): convert it with --resolutions {resolution}, or leave it out of the mix")
+    if resolution is not None and text_dim is not None:
+        for (name, _), info in zip(streams, infos):
+            check_compatible(info, name, resolution, text_dim)
+    return first
+
+
+def _checked_stream(entry) -> _CheckedStream:
+    """A local dataset is read in place, except compressed shards whose directory cannot be written (see
+    :func:`build_dataset`); a remote one is downloaded into ``entry.local``."""
+    path = entry.path
+    if is_remote(path):
+        share_endpoint_with_streaming()
+        remote, local = path, entry.local
+    elif needs_decompression_cache(path):  # read-only: the dataset is the "remote", copied to a cache
+        remote, local = path, entry.local or decompression_cache(path)
+    else:
+        remote, local = None, path
+    return _CheckedStream(remote=remote, local=local, proportion=entry.proportion, repeat=entry.repeat,
+                          choose=entry.choose)
+
+
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int) -> LatentDataset:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
 
@@ -550,23 +621,42 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     read-only mount, another user's files): those are decompressed into ``local`` (default: a
     directory under the temp dir named by the dataset's path, reused by later runs), the dataset
     read as streaming reads a remote one. Two jobs on one node reading the same read-only dataset
-    need a ``local`` each."""
-    path = loader_cfg.path
-    info = read_dataset_info(path, loader_cfg.download_timeout)
-    check_compatible(info, path, resolution, text_dim)
-    if is_remote(path):
-        share_endpoint_with_streaming()
-        remote, local = path, loader_cfg.local
-    elif needs_decompression_cache(path):  # read-only: the dataset is the "remote", copied to a cache
-        remote, local = path, loader_cfg.local or decompression_cache(path)
-    else:
-        remote, local = None, path
+    need a ``local`` each. ``data.train.streams`` mixes datasets with streaming's stream weights, each
+    stream read (and its shards checked) as a single ``path`` would be."""
+    read_loader_info(loader_cfg, resolution, text_dim)
+    streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
     return LatentDataset(
-        remote=remote, local=local, resolution=resolution, batch_size=device_batch_size,
+        streams=streams, resolution=resolution, batch_size=device_batch_size,
         verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples)
+
+
+def load_empty_embedding(loader_cfg) -> np.ndarray:
+    """``empty_text_embeds.npy`` of the section's dataset; of a mix, the first stream's, checked equal in
+    every other stream (caption dropout substitutes one embedding whatever stream a sample is from)."""
+    loaded = []
+    for name, entry in loader_streams(loader_cfg):
+        path = fetch_side_file(entry.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
+        try:
+            empty = np.load(path)
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, EOFError) as e:
+            raise DataIntegrityError(f"{path} is not an array written by convert/laion_to_mds.py "
+                                     f"({type(e).__name__}: {_one_line(e)}): restore it from a copy, or re-convert "
+                                     f"the dataset") from e
+        if loaded:
+            first_name, first = loaded[0]
+            if first.shape != empty.shape or not np.array_equal(first, empty):
+                how = (f"shape {empty.shape} vs {first.shape}" if first.shape != empty.shape
+                       else "other values")
+                raise DatasetMismatchError(
+                    f"{name}: its {schema.EMPTY_TEXT_EMBEDS} differs from that of {first_name} ({how}): every "
+                    f"stream of a mix must be converted with the same text encoder")
+        loaded.append((name, empty))
+    return loaded[0][1]
 
 
 def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) -> None:
@@ -575,13 +665,15 @@ def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) ->
     per_rank = math.ceil(dataset.epoch_size / world_size)  # streaming pads each rank's share to this
     if per_rank >= loader_cfg.batch_size // world_size:
         return
-    section = "data.eval" if type(loader_cfg).__name__ == "EvalLoaderConfig" else "data.train"
+    section = _section(loader_cfg)
     if dataset.epoch_size != dataset.num_samples:
         epoch = (f"{dataset.num_samples:,} samples, {dataset.epoch_size:,} per epoch as "
                  f"{section}.num_samples asks")
     else:
         epoch = f"{dataset.num_samples:,} samples"
-    raise ConfigError(f"{section}.batch_size {loader_cfg.batch_size:,} is larger than dataset {loader_cfg.path}, which "
+    names = [entry.path for _, entry in loader_streams(loader_cfg)]
+    what = f"dataset {names[0]}" if len(names) == 1 else f"the mix of {section}.streams ({', '.join(names)})"
+    raise ConfigError(f"{section}.batch_size {loader_cfg.batch_size:,} is larger than {what}, which "
                       f"holds {epoch}: no full batch can be made; set {section}.batch_size to at most "
                       f"{per_rank * world_size:,}")
 
@@ -596,15 +688,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
                             device_batch_size=device_batch_size)
     check_batch_fits(loader_cfg, dataset, world_size)
-    empty_path = fetch_side_file(loader_cfg.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
-    try:
-        empty = np.load(empty_path)
-    except FileNotFoundError:
-        raise
-    except (ValueError, OSError, EOFError) as e:
-        raise DataIntegrityError(f"{empty_path} is not an array written by convert/laion_to_mds.py "
-                                 f"({type(e).__name__}: {_one_line(e)}): restore it from a copy, or re-convert "
-                                 f"the dataset") from e
+    empty = load_empty_embedding(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes

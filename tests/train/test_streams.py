@@ -1,0 +1,281 @@
+"""``data.train.streams``: a weighted mix of separately converted datasets, with streaming's ``Stream``
+weights. What streaming guarantees, and these tests assert exactly: every epoch draws exactly
+``floor(epoch size * proportion)`` samples from a stream (here the products are whole numbers, so no
+remainder is spread at random), ``choose`` samples for ``choose``, ``repeat`` x its samples for ``repeat``;
+a stream drawn below its size gives distinct samples, a different subset each epoch."""
+
+import collections
+import functools
+import gc
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import streaming
+import torch
+from composer.core import Callback
+
+from diffusion import schema
+from diffusion.config import StreamConfig, TrainLoaderConfig, load_config
+from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
+from diffusion.train import mds_source
+from diffusion.train.trainer import build_trainer
+from train_fixtures import kit_text_dim, tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+N_A, N_B = 32, 24  # samples in the two datasets; in a mix, indices below N_A are A's
+
+
+@pytest.fixture(scope="module")
+def a(train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("a")), kit=train_kit, n=N_A, seed=0)
+
+
+@pytest.fixture(scope="module")
+def b(train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("b")), kit=train_kit, n=N_B, seed=1)
+
+
+@pytest.fixture(scope="module")
+def dim(train_kit):
+    return kit_text_dim(train_kit)
+
+
+def _cfg(*streams, **kw):
+    kw = {"batch_size": 8, "num_workers": 0, "persistent_workers": False, **kw}
+    return TrainLoaderConfig(path=None, streams=[StreamConfig(**s) for s in streams], **kw)
+
+
+def _epochs(cfg, dim, epochs=2):
+    """The sample indices of each of ``epochs`` epochs through the training loader."""
+    loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=dim, seed=3)
+    out = []
+    for _ in range(epochs):
+        indices = []
+        for batch in loader:
+            indices.extend(batch[schema.BATCH_SAMPLE_INDEX].tolist())
+        out.append(indices)
+    del loader
+    gc.collect()
+    return out
+
+
+def test_proportions_draw_exactly_their_share_of_every_epoch(a, b, dim):
+    # 40 samples per epoch, 70/30: exactly 28 of A's 32 (distinct) and 12 of B's 24, every epoch.
+    epochs = _epochs(_cfg({"path": a, "proportion": 0.7}, {"path": b, "proportion": 0.3}, num_samples=40), dim)
+    for indices in epochs:
+        from_a = [i for i in indices if i < N_A]
+        from_b = [i for i in indices if i >= N_A]
+        assert (len(from_a), len(from_b)) == (28, 12)
+        assert len(set(from_a)) == 28 and len(set(from_b)) == 12  # drawn below their size: no repeats
+        assert max(from_b) < N_A + N_B
+    assert sorted(epochs[0]) != sorted(epochs[1])  # another subset the next epoch
+
+
+def test_repeat_and_choose_draw_exact_counts(a, b, dim):
+    (repeat, _) = _epochs(_cfg({"path": a}, {"path": b, "repeat": 2}), dim)
+    counts = collections.Counter(repeat)
+    assert sorted(counts) == list(range(N_A + N_B))
+    assert {counts[i] for i in range(N_A)} == {1} and {counts[i] for i in range(N_A, N_A + N_B)} == {2}
+    (choose, _) = _epochs(_cfg({"path": a, "choose": 16}, {"path": b}), dim)
+    assert len({i for i in choose if i < N_A}) == len([i for i in choose if i < N_A]) == 16
+    assert sorted(i for i in choose if i >= N_A) == list(range(N_A, N_A + N_B))
+
+
+def test_samples_of_the_second_stream_are_its_own_and_keyed_apart(a, b, dim):
+    # Both datasets were written with keys 000000, 000001, ...: the draws (noise, caption dropout) keyed
+    # by sample key must not repeat across streams, so the second stream's keys carry its index.
+    dataset = mds_source.build_dataset(_cfg({"path": a}, {"path": b}), resolution=64, text_dim=dim,
+                                       device_batch_size=8)
+    stored_b = streaming.LocalDataset(b)
+    item = dataset[N_A + 5]
+    np.testing.assert_array_equal(item[schema.vae_moments_column(64)], stored_b[5][schema.vae_moments_column(64)])
+    assert item[schema.KEY] == "1/000005" and dataset[5][schema.KEY] == "000005"
+    del dataset
+
+
+def _edit_info(path, **fields):
+    with open(os.path.join(path, schema.DATASET_JSON)) as f:
+        info = json.load(f)
+    info.update(fields)
+    with open(os.path.join(path, schema.DATASET_JSON), "w") as f:
+        json.dump(info, f)
+
+
+@pytest.mark.parametrize("field", ["text_dim", "scaling_factor", "model", "resolution"])
+def test_a_second_stream_converted_otherwise_is_refused_naming_both_and_the_field(a, b, dim, train_kit, tmp_path,
+                                                                                   field):
+    other = str(tmp_path / "other")
+    if field == "text_dim":  # really written with another width
+        write_latent_mds(other, kit=train_kit, n=N_B, text_dim=dim * 2)
+        wanted = f"text_dim={dim * 2}.*text_dim={dim}"
+    elif field == "resolution":  # no vae_moments_64 column
+        write_latent_mds(other, kit=train_kit, n=N_B, resolution=128)
+        wanted = "has no vae_moments_64 column where"
+    else:
+        shutil.copytree(b, other)
+        _edit_info(other, **{field: {"scaling_factor": 0.13025, "model": "another/model"}[field]})
+        wanted = field
+    cfg = _cfg({"path": a, "proportion": 0.5}, {"path": other, "proportion": 0.5})
+    with pytest.raises(DatasetMismatchError) as e:
+        mds_source.build_dataset(cfg, resolution=64, text_dim=dim, device_batch_size=8)
+    message = str(e.value)
+    assert f"data.train.streams[1] ({other})" in message and f"data.train.streams[0] ({a})" in message
+    assert "\n" not in message
+    assert re.search(wanted, message), message
+    # the trainer reads dataset.json before it builds the model: the same error, before any model is built
+    with pytest.raises(DatasetMismatchError, match=re.escape(f"data.train.streams[1] ({other})")):
+        mds_source.read_loader_info(cfg, 64)
+
+
+def test_a_different_empty_caption_embedding_is_refused_naming_both(a, b, dim, tmp_path):
+    other = shutil.copytree(b, str(tmp_path / "other"))
+    np.save(os.path.join(other, schema.EMPTY_TEXT_EMBEDS), np.zeros((schema.MAX_TOKENS, dim), np.float16))
+    with pytest.raises(DatasetMismatchError) as e:
+        mds_source.build_dataloader(_cfg({"path": a}, {"path": other}), resolution=64, text_dim=dim)
+    message = str(e.value)
+    assert f"data.train.streams[1] ({other})" in message and f"data.train.streams[0] ({a})" in message
+    assert f"{schema.EMPTY_TEXT_EMBEDS} differs" in message and "other values" in message and "\n" not in message
+    gc.collect()
+
+
+def test_the_empty_caption_embedding_comes_from_the_first_stream(a, b, dim):
+    loader = mds_source.build_dataloader(_cfg({"path": a}, {"path": b}, caption_dropout=0.5, shuffle=False),
+                                         resolution=64, text_dim=dim)
+    empty = np.load(os.path.join(a, schema.EMPTY_TEXT_EMBEDS))
+    texts = [t for batch in loader for t in batch[schema.BATCH_TEXT_EMBEDS].numpy()]
+    assert 0 < sum(np.array_equal(t, empty) for t in texts) < len(texts) == N_A + N_B
+    del loader
+    gc.collect()
+
+
+def test_a_corrupt_shard_of_the_second_stream_is_named(a, train_kit, dim, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:  # the converter records hashes; write_latent_mds does not
+        mp.setattr(streaming, "MDSWriter", functools.partial(streaming.MDSWriter, hashes=["xxh64"]))
+        other = write_latent_mds(str(tmp_path / "other"), kit=train_kit, n=N_B, seed=1, samples_per_shard=8)
+    with open(os.path.join(other, "index.json")) as f:
+        shard = os.path.join(other, json.load(f)["shards"][1]["raw_data"]["basename"])
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2:len(data) // 2 + 16] = bytes(x ^ 0xFF for x in data[len(data) // 2:len(data) // 2 + 16])
+    with open(shard, "wb") as f:
+        f.write(data)
+    loader = mds_source.build_dataloader(_cfg({"path": a}, {"path": other}, batch_size=4), resolution=64,
+                                         text_dim=dim)
+    read = []
+    with pytest.raises(DataIntegrityError) as e:
+        for batch in loader:
+            read.extend(batch[schema.BATCH_SAMPLE_INDEX].tolist())
+    message = str(e.value)
+    assert f"shard {shard} of dataset {other}" in message and "xxh64" in message and "\n" not in message
+    assert isinstance(e.value, UserError)
+    assert not set(read) & set(range(N_A + 8, N_A + 16))  # no sample of the bad shard was returned
+    del loader
+    gc.collect()
+
+
+def test_a_batch_larger_than_the_mix_names_its_streams(a, b, dim):
+    with pytest.raises(ConfigError, match=rf"larger than the mix of data.train.streams \({a}, {b}\)"):
+        mds_source.build_dataloader(_cfg({"path": a, "choose": 4}, {"path": b, "choose": 4}, batch_size=16),
+                                    resolution=64, text_dim=dim)
+
+
+# ---- through the trainer and run.py -----------------------------------------------------------------------
+
+class RecordOrder(Callback):
+    def __init__(self):
+        self.batches = []
+
+    def before_forward(self, state, logger):
+        self.batches.append(state.batch[schema.BATCH_SAMPLE_INDEX].tolist())
+
+
+def _mix(a, b):
+    return ("data.train.path=null", "data.train.num_samples=48",
+            f"data.train.streams=[{{path: {a}, proportion: 0.75}}, {{path: {b}, proportion: 0.25}}]")
+
+
+def _fit(kit, a, b, *overrides, batches, save_folder):
+    cfg = load_config(TINY, tiny_overrides(kit, a, batches=batches, save_folder=save_folder,
+                                           extra=(*_mix(a, b), "algorithms={}", *overrides)))
+    trainer = build_trainer(cfg)
+    order = RecordOrder()
+    trainer.state.callbacks.append(order)
+    trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
+    trainer.close()
+    del trainer
+    gc.collect()  # releases the StreamingDataset's shared memory before the next run
+    return weights, order.batches
+
+
+def test_resume_with_streams_continues_the_same_sample_order(train_kit, a, b, tmp_path):
+    """8 batches straight == 4, kill, autoresume, 4 (an epoch is 48 samples, 6 batches: the resumed run
+    starts mid-epoch and crosses into the next): the same samples in the same order, the same weights."""
+    n = 4
+    straight = tmp_path / "straight"
+    weights, order = _fit(train_kit, a, b, "trainer.save_interval=4ba", batches=2 * n, save_folder=str(straight))
+    epoch = [i for batch in order[:6] for i in batch]
+    assert (sum(i < N_A for i in epoch), sum(i >= N_A for i in epoch)) == (36, 12)  # 75/25 of 48
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    first = next(p for p in os.listdir(straight) if p.endswith(f"ba{n}-rank0.pt"))
+    shutil.copy(straight / first, resumed / first)
+    os.symlink(first, resumed / "latest-rank0.pt")
+    weights2, order2 = _fit(train_kit, a, b, "trainer.save_interval=4ba", "trainer.autoresume=true",
+                            batches=2 * n, save_folder=str(resumed))
+    assert order2 == order[n:] and len(order2) == n
+    for name in weights:
+        torch.testing.assert_close(weights2[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_run_py_refuses_a_mismatched_stream_in_one_line(train_kit, a, b, dim, tmp_path):
+    other = str(tmp_path / "other")
+    write_latent_mds(other, kit=train_kit, n=N_B, text_dim=dim * 2)
+    result = subprocess.run([sys.executable, "run.py", TINY, *tiny_overrides(train_kit, a, extra=_mix(a, other))],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("run.py: error:"))
+    assert f"data.train.streams[1] ({other})" in line and f"data.train.streams[0] ({a})" in line
+    assert f"text_dim={dim * 2}" in line
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A bucket on moto's S3 server (127.0.0.1), where streaming and boto3 look."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                        "AWS_ENDPOINT_URL": endpoint, "S3_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="mix")
+    yield client
+    server.stop()
+
+
+def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path):
+    for name in os.listdir(b):
+        s3.upload_file(os.path.join(b, name), "mix", f"b/{name}")
+    cfg = _cfg({"path": a, "proportion": 0.5}, {"path": "s3://mix/b", "local": str(tmp_path / "cache"),
+                                                "proportion": 0.5}, num_samples=48, shuffle=False)
+    (indices, _) = _epochs(cfg, dim)
+    assert (sum(i < N_A for i in indices), sum(i >= N_A for i in indices)) == (24, 24)  # all of B's 24
+    shards = sorted(n for n in os.listdir(b) if n.endswith(".mds"))
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(shards + ["index.json"])  # B's, from the bucket
+    s3.put_object(Bucket="mix", Key="b/empty_text_embeds.npy", Body=b"not an array")
+    with pytest.raises(DataIntegrityError, match="empty_text_embeds.npy is not an array"):
+        mds_source.build_dataloader(_cfg({"path": a}, {"path": "s3://mix/b", "local": str(tmp_path / "cache2")}),
+                                    resolution=64, text_dim=dim)
+    gc.collect()
