@@ -436,7 +436,8 @@ def test_s3_input_and_output(server, tmp_path, monkeypatch, endpoint_from):
         moto.stop()
 
 
-def test_cli_downloads_csv_with_renamed_columns_and_resize(server, tmp_path, ray_local, capsys):
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_cli_downloads_csv_with_renamed_columns_and_resize(server, tmp_path, ray_local, capsys, fmt):
     import runpy
     cli = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "convert", "download_laion.py"))
     src = tmp_path / "in.csv"
@@ -444,13 +445,22 @@ def test_cli_downloads_csv_with_renamed_columns_and_resize(server, tmp_path, ray
     out = tmp_path / "out"
     cli["main"](["--input", str(src), "--output", str(out), "--url-col", "link", "--caption-col", "alt",
                  "--keep-columns", "lang", "--resize-mode", "center_crop", "--image-size", "32",
-                 "--min-size", "16", "--timeout", "2"])
+                 "--min-size", "16", "--timeout", "2", "--output-format", fmt])
     printed = capsys.readouterr().out
     assert "1/2 images downloaded" in printed and "http_404 1" in printed
     rows = _read_output(out).to_pylist()
     assert [(r[schema.RAW_CAPTION], r["lang"], _reason(r)) for r in rows] == [
         ("a noisy photo", "en", "success"), ("gone", "de", "http_404")]
-    assert Image.open(io.BytesIO(rows[0][schema.RAW_IMAGE])).size == (32, 32)
+    if fmt == "webdataset":  # the image is in the tar, the metadata parquet has none
+        assert schema.RAW_IMAGE not in rows[0] and sorted(os.listdir(out)) == [
+            "00000.parquet", "00000.tar", "00000_stats.json", "download_plan.json", "summary.json"]
+        with tarfile.open(out / "00000.tar") as tar:
+            assert tar.getnames() == ["000000000.jpg", "000000000.txt", "000000000.json"]
+            image = tar.extractfile("000000000.jpg").read()
+            assert tar.extractfile("000000000.txt").read() == b"a noisy photo"
+    else:
+        image = rows[0][schema.RAW_IMAGE]
+    assert Image.open(io.BytesIO(image)).size == (32, 32)
     assert (rows[0][schema.RAW_ORIGINAL_WIDTH], rows[0][schema.RAW_ORIGINAL_HEIGHT]) == (64, 48)
 
 
