@@ -22,7 +22,10 @@ The server runs in its own process and serves a 512x384 sample-scene JPEG (36 Ki
    the server shares. Client CPU seconds are each downloader's processes' user + system time, start-up
    included (for ours: the driver, Ray's own processes and its workers; for img2dataset: rusage of
    its process tree); on a machine other jobs share, they are the steadier measure of cost.
-   ``--repeats`` runs everything again; ratios use each configuration's fastest run.
+   ``--repeats`` runs everything again; ratios use each configuration's fastest run. Short lists are
+   dominated by start-up (the default job starts 8 Ray workers, ~2 CPU-s each, while the first shards
+   run): the default 6,000 rows fits ``make bench``'s time; BENCHMARKS.md records
+   ``--rows 12000 --repeats 2 --num-cpus 0.25,1``.
 
 img2dataset runs from its own virtualenv, ``.cache/img2dataset-venv`` (created here with ``pip install
 img2dataset`` when missing: its pins clash with ours). If it cannot be installed the run says why and
