@@ -17,6 +17,15 @@ conversion, with no process holding every hash:
 3. the later copies' keys are written per input file (``dedupe/<fingerprint>/file=<id>/``), so a read
    task loads only its own file's list and drops those rows, recording each as ``duplicate_image``.
 
+Off by default (``--dedupe none``): the pass reads every input byte a second time before the
+conversion starts, which an input deduplicated upstream pays for nothing, and an output converted
+before the flag existed records no dedupe, so its re-runs keep resuming. Turn it on for LAION-style
+web data, where the same file under several URLs is common and each copy would otherwise cost a
+decode and a VAE encode and be trained on twice (duplicated images are what diffusion models
+memorise). A row's copies are compared among the rows the conversion would read (after ``--where``,
+bad rows and repeated keys); a first copy the transform later rejects (an empty caption) still
+takes its copies with it, as they are the same image.
+
 The choice depends only on the input and the read settings, so a run resumed after a kill makes the
 same one: the lists are kept under a fingerprint of the input files (names, sizes, modification times)
 and reused by a re-run that finds them complete; one whose input changed computes them again.
@@ -102,6 +111,11 @@ def _fingerprint(formats: dict, columns) -> str:
     return h.hexdigest()[:16]
 
 
+def _partitions(files: list[str]) -> int:
+    """Hash partitions of the shuffle: one per input file, up to 256 (the choice does not depend on it)."""
+    return max(1, min(len(files), 256))
+
+
 def find_duplicates(inputs, columns, out: str) -> str:
     """Run the pass (module docstring) unless an earlier run finished it for this input; returns the
     folder of per-file lists that :func:`later_copies` reads."""
@@ -119,8 +133,7 @@ def find_duplicates(inputs, columns, out: str) -> str:
     ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
                              override_num_blocks=min(len(files), 1024))
     hashes = ds.map_batches(_HashRows(formats, names, columns, taken), batch_size=1, batch_format="numpy")
-    partitions = max(1, min(len(files), 256))  # hash partitions of the shuffle: a few per input file at most
-    later = hashes.groupby("hash", num_partitions=partitions).map_groups(_later_copies, batch_format="pyarrow")
+    later = hashes.groupby("hash", num_partitions=_partitions(files)).map_groups(_later_copies, batch_format="pyarrow")
     later.write_parquet(tmp, partition_cols=["file"], min_rows_per_file=1 << 20)
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, _DONE), "w") as f:
