@@ -396,6 +396,12 @@ def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_loca
 
     with pytest.raises(ValueError, match="different plan.*rows_per_shard"):
         download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=5, fetch=FETCH))
+    with pytest.raises(ValueError, match=r"different plan \(output_format changed\)"):  # no mixed formats
+        download(_config(tmp_path / "in", out, output_format="webdataset"))
+    plan = json.loads((out / "download_plan.json").read_text())
+    del plan["output_format"]  # as a download started before the flag wrote it: parquet
+    (out / "download_plan.json").write_text(json.dumps(plan))
+    assert download(_config(tmp_path / "in", out)).skipped_shards == 4
 
 
 @pytest.mark.parametrize("endpoint_from", ["uri", "environment"])
