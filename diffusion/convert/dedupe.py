@@ -125,6 +125,7 @@ def find_duplicates(inputs, columns, out: str) -> str:
     root = os.path.join(out, DEDUPE_DIR)
     final = os.path.join(root, _fingerprint(formats, columns))
     if os.path.exists(os.path.join(final, _DONE)):
+        _remove_others(root, keep=final)
         return final
     names = file_names(formats)
     taken = keys_taken_by_earlier_files(formats, names, columns)
@@ -138,11 +139,16 @@ def find_duplicates(inputs, columns, out: str) -> str:
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, _DONE), "w") as f:
         f.write("")
-    for stale in os.listdir(root):  # lists of another input, or a killed pass's
-        if os.path.join(root, stale) != tmp:
-            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+    _remove_others(root, keep=tmp)
     os.rename(tmp, final)
     return final
+
+
+def _remove_others(root: str, keep: str) -> None:
+    """Remove what ``root`` holds besides ``keep``: lists of another input, or a killed pass's."""
+    for stale in os.listdir(root):
+        if os.path.join(root, stale) != keep:
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
 
 
 def later_copies(folder: str | None, name: str) -> frozenset[str]:

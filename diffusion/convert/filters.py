@@ -253,8 +253,7 @@ def parse_where(text: str) -> RowFilter:
     parser = _Parser(text)
     rules = parser.terms()
     columns = sorted(set().union(*(cols for _, _, cols in rules)))
-    canonical = " and ".join(f"({t})" if " or " in t and not (t.startswith("(") and t.endswith(")")) else t
-                             for _, t, _ in rules)
+    canonical = " and ".join(t for _, t, _ in rules)  # an "or" inside an "and" keeps its parentheses
     return RowFilter(canonical, tuple((t, e) for e, t, _ in rules), tuple(columns))
 
 

@@ -1,5 +1,7 @@
 """--where and --dedupe in a real (small) conversion, killed and resumed (issue 15 items 1, 2)."""
 
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -45,6 +47,8 @@ def test_filter_and_duplicates_across_shards_survive_kill_and_resume(sample_data
 
     first = run_conversion(convert_config(out, limit=5, **options))  # the "crash": stopped after 5 rows
     assert 0 < first.written < 8
+    lists = out / "dedupe"
+    (lists / "0123456789abcdef.tmp-deadbeef").mkdir()  # a duplicate pass killed half-way, of another input
     summary = run_conversion(convert_config(out, **options))
 
     from streaming import StreamingDataset
@@ -66,6 +70,7 @@ def test_filter_and_duplicates_across_shards_survive_kill_and_resume(sample_data
             run_conversion(convert_config(out, **{**options, **other}))
         assert next(iter(other)) in str(e.value) and "new --output" in str(e.value)
     assert schema.DatasetInfo.load(str(out)).count == 8
+    assert len(os.listdir(lists)) == 1  # the killed pass's leftovers are gone, this input's lists kept
 
 
 @pytest.mark.slow
