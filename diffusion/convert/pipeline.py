@@ -322,13 +322,12 @@ CONVERT_EXAMPLES = """examples:
   python convert/laion_to_mds.py --input raw/ --output mds/ --model stabilityai/stable-diffusion-2-base \\
       --resolutions 256 512
   python convert/laion_to_mds.py --input s3://bucket/raw/ --output s3://bucket/mds --model DIR --address auto
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --dedupe bytes \\
+      --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8"   # LAION metadata filter
 
 Re-running the same command after a crash or Ctrl-C resumes: the output ends up with exactly the
 samples of a clean run. A re-run with other settings (model, resolutions, columns, image checks,
---where, --dedupe) is refused before anything is touched.
-
-  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR \
-      --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8" --dedupe bytes"""
+--where, --dedupe) is refused before anything is touched."""
 
 
 def main(argv=None) -> ConversionSummary:

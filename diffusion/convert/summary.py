@@ -36,19 +36,20 @@ class ConversionSummary:
 
     def table(self) -> str:
         """The summary a user reads at the end of a run."""
-        lines = [f"{'rows in':<28}{self.rows_in:>10}", f"{'written':<28}{self.written:>10}"]
+        label = max([28, *(len("rejected: " + reason) + 2 for reason in self.rejects)])  # --where rules are long
+        lines = [f"{'rows in':<{label}}{self.rows_in:>10}", f"{'written':<{label}}{self.written:>10}"]
         for reason, n in sorted(self.rejects.items()):
-            lines.append(f"{'rejected: ' + reason:<28}{n:>10}")
+            lines.append(f"{'rejected: ' + reason:<{label}}{n:>10}")
         if self.failed_inputs:
-            lines.append(f"{'input files failed, skipped':<28}{len(self.failed_inputs):>10}")
-        lines.append(f"{'parts':<28}{self.parts:>10}")
+            lines.append(f"{'input files failed, skipped':<{label}}{len(self.failed_inputs):>10}")
+        lines.append(f"{'parts':<{label}}{self.parts:>10}")
         if self.wall_seconds > 0:
             rate = self.written_this_run / self.wall_seconds
-            lines.append(f"{'images/s overall (this run)':<28}{rate:>10.1f}")
+            lines.append(f"{'images/s overall (this run)':<{label}}{rate:>10.1f}")
         for stage, seconds in sorted(self.stage_seconds.items()):
             if seconds > 0:
                 name = stage.removesuffix("_seconds")
-                lines.append(f"{'images/s per ' + name + ' worker':<28}{self.written / seconds:>10.1f}")
+                lines.append(f"{'images/s per ' + name + ' worker':<{label}}{self.written / seconds:>10.1f}")
         width = max(len(line) for line in lines)
         failed = [f"  {name}: {error}" for name, error in sorted(self.failed_inputs.items())[:FAILED_SHOWN]]
         if len(self.failed_inputs) > FAILED_SHOWN:
