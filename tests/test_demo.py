@@ -41,8 +41,11 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_pa
     out = tmp_path / "demo"
     summary = run_demo(str(out), n=1024, kit=tiny_kit)
     manifest = json.loads((out / "raw" / "manifest.json").read_text())
-    assert summary["samples"] == manifest["good"]
-    assert sum(summary["rejects"].values()) == manifest["rows"] - manifest["good"]
+    # every row is written or rejected once, by reason: the metadata filter's rules, duplicates, bad rows
+    assert summary["samples"] + sum(summary["rejects"].values()) == manifest["rows"]
+    assert summary["rejects"]["filtered: aesthetic >= 3.5"] > 0
+    assert summary["rejects"]["duplicate_image"] > 0  # the sample's bad rows share bytes (1x1 images, HTML)
+    assert 0.8 * manifest["good"] < summary["samples"] < manifest["good"]
     for picture in (summary["grid"], summary["before_after"]):
         assert os.path.getsize(picture) > 1000
     assert json.loads((out / "summary.json").read_text())["prompt_adherence"] == summary["prompt_adherence"]
