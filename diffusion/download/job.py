@@ -15,7 +15,10 @@ beside each other in ``output``, named and laid out as img2dataset's:
   ``KEY.json`` (the row's metadata) per downloaded image, and ``NNNNN.parquet`` with every row's
   metadata (the columns above less ``jpg``).
 - ``NNNNN_stats.json``: img2dataset's fields (count, successes, failed_to_download, failed_to_resize,
-  duration, start_time, end_time, status_dict: rows by error message) plus ``failures`` by reason.
+  duration, start_time, end_time, status_dict: rows by error message) plus ``failures`` by reason and
+  ``dropped``: rows not fetched by reason (``filtered: <rule>`` for ``--where``, ``duplicate_url`` for
+  ``--dedupe-urls``; see :mod:`diffusion.download.select`). Dropped rows are not written (img2dataset's
+  statuses have no name for them) and not in ``count``; the others keep their key (input position).
 - ``download_plan.json`` (what a re-run must match) and ``summary.json`` (the totals).
 
 The converter reads either format directly and keeps ``status == "success"``.
@@ -37,6 +40,8 @@ from diffusion.download.http import FetchConfig
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.download.image import RESIZE_MODES, ImageRules
 from diffusion.download.plan import InputColumns, ShardSpec, open_filesystem, plan_shards
+from diffusion.convert.filters import parse_where
+from diffusion.download.select import plan_drops
 from diffusion.download.shard import (OUTPUT_FIELDS, OUTPUT_FORMATS, ShardJob, ShardNaming, download_shard,
                                       read_stats)
 
@@ -57,6 +62,8 @@ class DownloadConfig:
     fetch: FetchConfig = FetchConfig()
     image: ImageRules = ImageRules()
     output_format: str = "parquet"  # parquet | webdataset (tar + metadata parquet), as img2dataset writes them
+    where: str | None = None  # --where: rows failing it are not fetched (diffusion.convert.filters' grammar)
+    dedupe_urls: bool = False  # a URL seen earlier in input order is not fetched again
 
 
 @dataclasses.dataclass
@@ -66,9 +73,10 @@ class DownloadSummary:
     count: int  # rows in all shards
     successes: int
     failures: dict  # reason -> rows, over all shards
-    downloaded: int  # rows processed by this run
+    downloaded: int  # rows fetched by this run
     duration: float  # seconds, this run
     output: str
+    dropped: dict = dataclasses.field(default_factory=dict)  # reason -> rows not fetched (--where, --dedupe-urls)
 
     @property
     def images_per_s(self) -> float:
@@ -76,8 +84,9 @@ class DownloadSummary:
 
     def __str__(self) -> str:
         failures = ", ".join(f"{r} {n}" for r, n in sorted(self.failures.items(), key=lambda kv: -kv[1]))
+        dropped = "".join(f"; not fetched: {r} {n}" for r, n in self.dropped.items())
         return (f"{self.successes}/{self.count} images downloaded into {self.shards} shards at {self.output} "
-                f"({self.skipped_shards} shards already done); failures: {failures or 'none'}; "
+                f"({self.skipped_shards} shards already done); failures: {failures or 'none'}{dropped}; "
                 f"this run: {self.downloaded} rows in {self.duration:.1f} s = {self.images_per_s:.1f} rows/s")
 
 
@@ -90,6 +99,8 @@ def _check_config(config: DownloadConfig) -> None:
         raise ConfigError(f"output_format must be one of {OUTPUT_FORMATS}, got {config.output_format!r}")
     if config.threads < 1 or config.num_cpus <= 0:
         raise ConfigError(f"threads must be >= 1 and num_cpus > 0, got {config.threads}, {config.num_cpus}")
+    if config.where is not None:
+        parse_where(config.where)  # a malformed filter: one line showing it, before anything is read
 
 
 def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
@@ -98,10 +109,12 @@ def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
     ranges = [(os.path.relpath(s.path, input_root), s.start, s.stop) for s in shards]
     return {"rows_per_shard": config.rows_per_shard, "columns": config.columns.names(),
             "shards": len(shards), "shard_ranges_sha256": hashlib.sha256(json.dumps(ranges).encode()).hexdigest(),
-            "image": dataclasses.asdict(config.image), "output_format": config.output_format}
+            "image": dataclasses.asdict(config.image), "output_format": config.output_format,
+            "where": parse_where(config.where).text if config.where else None, "dedupe_urls": config.dedupe_urls}
 
 
-_FINGERPRINT_DEFAULTS = {"output_format": "parquet"}  # what a plan written before the key existed meant
+# What a plan written before the key existed meant.
+_FINGERPRINT_DEFAULTS = {"output_format": "parquet", "where": None, "dedupe_urls": False}
 
 
 def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: str) -> None:
@@ -110,6 +123,7 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
         with fs.open_input_stream(path) as f:
             previous = json.loads(f.read())
         changed = sorted(k for k in fingerprint if previous.get(k, _FINGERPRINT_DEFAULTS.get(k)) != fingerprint[k])
+        changed = [_FLAGS.get(k, k) for k in changed]
         if changed:
             raise OutputMismatchError(f"{output} holds a download with a different plan ({', '.join(changed)} changed); "
                              f"resume with the same input and options, or choose a new --output")
@@ -118,22 +132,29 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
         f.write(json.dumps(fingerprint, indent=2).encode())
 
 
+_FLAGS = {"where": "--where", "dedupe_urls": "--dedupe-urls"}  # fingerprint keys shown as their flag
+
+
 def _download_batch(batch: dict, job: ShardJob) -> dict:
     """Ray Data UDF: one shard spec in, one row of its stats out."""
     results = collections.defaultdict(list)
     for i in range(len(batch["shard_id"])):
         spec = ShardSpec(int(batch["shard_id"][i]), str(batch["path"][i]), int(batch["start"][i]),
                          int(batch["stop"][i]))
-        stats = download_shard(job, spec)
+        drops = {int(k): v for k, v in json.loads(str(batch["drops"][i])).items()}
+        stats = download_shard(job, spec, drops)
         for name in ("shard_id", "count", "successes", "skipped"):
             results[name].append(stats[name])
     return dict(results)
 
 
-def download(config: DownloadConfig) -> DownloadSummary:
-    """Run (or resume) the download; returns the totals, also written to ``summary.json``."""
+def download(config: DownloadConfig, start_ray=None) -> DownloadSummary:
+    """Run (or resume) the download; returns the totals, also written to ``summary.json``. ``start_ray``
+    (the CLI's cluster start) is called only once the plan and the filters are checked and there is work."""
     _check_config(config)
     shards, formats = plan_shards(config.input, config.columns, config.rows_per_shard, config.input_format)
+    in_fs, _ = open_filesystem(config.input)
+    drops = plan_drops(in_fs, formats, shards, config.columns, config.where, config.dedupe_urls)
     fs, root = open_filesystem(config.output)
     fs.create_dir(root, recursive=True)
     _claim_output(fs, root, _plan_fingerprint(config, shards), config.output)
@@ -145,8 +166,10 @@ def download(config: DownloadConfig) -> DownloadSummary:
 
     start = time.time()
     if todo:
+        if start_ray is not None:
+            start_ray()
         import ray
-        items = [dataclasses.asdict(s) for s in todo]
+        items = [{**dataclasses.asdict(s), "drops": json.dumps(drops.get(s.shard_id, {}))} for s in todo]
         ds = ray.data.from_items(items, override_num_blocks=len(items))  # one shard per task
         ds = ds.map_batches(_download_batch, batch_size=1, batch_format="numpy", fn_kwargs={"job": job},
                             num_cpus=config.num_cpus, concurrency=config.concurrency)
@@ -154,13 +177,15 @@ def download(config: DownloadConfig) -> DownloadSummary:
     duration = time.time() - start
 
     stats = [read_stats(fs, root, naming, s.shard_id) for s in shards]
-    failures = collections.Counter()
+    failures, dropped = collections.Counter(), collections.Counter()
     for s in stats:
         failures.update(s["failures"])
+        dropped.update(s.get("dropped", {}))
     summary = DownloadSummary(
         shards=len(shards), skipped_shards=len(shards) - len(todo), count=sum(s["count"] for s in stats),
         successes=sum(s["successes"] for s in stats), failures=dict(sorted(failures.items())),
-        downloaded=sum(s.stop - s.start for s in todo), duration=duration, output=config.output)
+        downloaded=sum(s.stop - s.start - len(drops.get(s.shard_id, {})) for s in todo), duration=duration, output=config.output,
+        dropped=dict(sorted(dropped.items())))
     with fs.open_output_stream(f"{root}/{SUMMARY_JSON}") as f:
         f.write(json.dumps({**dataclasses.asdict(summary), "images_per_s": summary.images_per_s},
                            indent=2).encode())
@@ -172,6 +197,8 @@ DOWNLOAD_EXAMPLES = """examples:
   python convert/download_laion.py --input s3://bucket/urls/ --output out/raw --resize-mode center_crop \\
       --image-size 512 --address auto
   python convert/download_laion.py --input urls.parquet --output out/wds --output-format webdataset
+  python convert/download_laion.py --input laion/part-00000.parquet --output out/raw \\
+      --where "aesthetic >= 5 and punsafe < 0.1 and LANGUAGE == 'en'" --dedupe-urls
 
 Re-running the same command resumes: finished shards are skipped, a shard a kill interrupted is
 downloaded again from its first row."""
@@ -206,6 +233,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-pixels", type=int, default=2**25, help="decompression-bomb guard (default: 2**25)")
     p.add_argument("--resize-mode", choices=RESIZE_MODES, default="no", help="resize on download (default: no)")
     p.add_argument("--image-size", type=int, default=512, help="target size with --resize-mode (default: 512)")
+    p.add_argument("--where", help="download only the rows whose url-list metadata passes this filter, "
+                        "e.g. \"aesthetic >= 5 and punsafe < 0.1\" (the converter's --where grammar: comparisons, "
+                        "and, or, not, parentheses, in [...], is null); decided before any URL is fetched, rows "
+                        "dropped are counted per rule as 'filtered: <rule>' in the stats")
+    p.add_argument("--dedupe-urls", action="store_true",
+                   help="fetch each URL once: a row whose URL an earlier row (in input order, over all files) "
+                        "already has is not fetched and is counted as duplicate_url in the stats")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local instance)")
     return p.parse_args(argv)
 
@@ -217,13 +251,14 @@ def main(argv=None) -> DownloadSummary:
         input=args.input, output=args.output, input_format=args.input_format,
         columns=InputColumns(args.url_col, args.caption_col, keep), rows_per_shard=args.rows_per_shard,
         threads=args.threads, concurrency=args.concurrency, num_cpus=args.num_cpus, output_format=args.output_format,
+        where=args.where, dedupe_urls=args.dedupe_urls,
         fetch=FetchConfig(timeout=args.timeout, retries=args.retries, max_bytes=args.max_bytes,
                           max_redirects=args.max_redirects),
         image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, resize_mode=args.resize_mode,
                          image_size=args.image_size))
     from diffusion.cluster import init_ray
-    init_ray(args.address)  # quietly; RAY_ADDRESS or a new local cluster without --address
-    summary = download(config)
+    # quietly; RAY_ADDRESS or a new local cluster without --address; after the checks at start
+    summary = download(config, start_ray=lambda: init_ray(args.address))
     print(summary)
     return summary
 

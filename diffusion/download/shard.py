@@ -224,8 +224,9 @@ class _StatusDict:
             self.counts[reason] += 1
 
 
-def download_shard(job: ShardJob, spec: ShardSpec) -> dict:
-    """Download one shard unless it is finished; returns its stats (``skipped`` says which)."""
+def download_shard(job: ShardJob, spec: ShardSpec, drops: dict[int, str] | None = None) -> dict:
+    """Download one shard unless it is finished; returns its stats (``skipped`` says which). ``drops``:
+    rows (index within the shard) not to fetch or write, with the reason counted in ``dropped``."""
     fs, root = open_filesystem(job.output)
     if is_finished(fs, root, job.naming, spec.shard_id):
         return {**read_stats(fs, root, job.naming, spec.shard_id), "skipped": True}
@@ -238,6 +239,8 @@ def download_shard(job: ShardJob, spec: ShardSpec) -> dict:
     urls = rows[job.columns.url].to_pylist()
     captions = rows[job.columns.caption].to_pylist()
     kept = {name: keep[name].to_pylist() for name in keep.column_names}
+    drops = drops or {}
+    fetched = [i for i in range(len(urls)) if i not in drops]
     reasons = collections.Counter()
     status_dict = _StatusDict()
     parquet_path = f"{root}/{job.naming.parquet(spec.shard_id)}"
@@ -248,7 +251,9 @@ def download_shard(job: ShardJob, spec: ShardSpec) -> dict:
     if webdataset:
         writers.append(_TarSamples(fs, tar_path, start))
     try:
-        for index, result in completion_order(lambda url: _fetch_one(fetcher, job.image, url), urls, job.threads):
+        for position, result in completion_order(lambda url: _fetch_one(fetcher, job.image, url),
+                                                 [urls[i] for i in fetched], job.threads):
+            index = fetched[position]
             row = {schema.RAW_URL: urls[index], schema.RAW_CAPTION: captions[index],
                    **{name: values[index] for name, values in kept.items()},
                    schema.RAW_KEY: job.naming.key(spec.shard_id, index)}
@@ -289,11 +294,12 @@ def download_shard(job: ShardJob, spec: ShardSpec) -> dict:
     end = time.time()
     failures = {reason: n for reason, n in sorted(reasons.items()) if reason != schema.RAW_STATUS_SUCCESS}
     stats = {
-        "shard_id": spec.shard_id, "count": len(urls), "successes": reasons[schema.RAW_STATUS_SUCCESS],
+        "shard_id": spec.shard_id, "count": len(fetched), "successes": reasons[schema.RAW_STATUS_SUCCESS],
         "failed_to_download": sum(n for r, n in failures.items() if r not in IMAGE_REASONS),
         "failed_to_resize": sum(n for r, n in failures.items() if r in IMAGE_REASONS),
         "duration": end - start, "start_time": start, "end_time": end,
         "status_dict": dict(status_dict.counts.most_common()), "failures": failures,
+        "dropped": dict(sorted(collections.Counter(drops.values()).items())),
         "output_format": job.output_format, "input": spec.path, "input_rows": [spec.start, spec.stop],
     }
     stats_path = f"{root}/{job.naming.stats(spec.shard_id)}"

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+import sys
 import threading
 import time
 
@@ -635,3 +636,94 @@ def test_the_converter_reads_the_download_output(server, tmp_path, fmt):
     read = sorted(iter_rows(str(tmp_path / "out")), key=lambda r: r[schema.RAW_KEY])
     ok = [(f"00000{i:02d}", f"caption {i}", SERVED[p]) for i, p in enumerate(paths) if p in SERVED]
     assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION], r[schema.RAW_IMAGE]) for r in read] == ok
+
+
+# ---- --where and --dedupe-urls: rows decided in the driver, before any fetch ------------------------
+
+def _stats(out) -> list[dict]:
+    return [json.loads(open(f).read()) for f in sorted(glob.glob(os.path.join(out, "*_stats.json")))]
+
+
+def test_where_drops_rows_before_fetching_counts_each_rule_and_is_part_of_the_plan(server, tmp_path, ray_local):
+    server.reset()
+    aesthetic = [6.0, 4.0, 5.5, 7.0, 3.0, 5.0, 6.5, 2.0, 8.0, 5.2]
+    punsafe = [0.0, 0.0, 0.9, 0.1, 0.9, None, 0.2, 0.0, 0.0, 0.05]
+    src = _write_input(tmp_path / "in.parquet", [server.url(f"/row-{i}") for i in range(10)],
+                       extra={"aesthetic": aesthetic, "punsafe": punsafe})
+    out = tmp_path / "out"
+    where = "aesthetic >= 5 and punsafe < 0.5"
+    summary = download(_config(src, out, where=where))
+
+    kept = [0, 3, 6, 8, 9]  # 1, 4, 7 fail the first rule; 2 (0.9) and 5 (null) the second
+    assert sorted(server.hits) == [f"/row-{i}" for i in kept]  # nothing else was requested
+    assert summary.dropped == {"filtered: aesthetic >= 5": 3, "filtered: punsafe < 0.5": 2}
+    assert "not fetched: filtered: aesthetic >= 5 3" in str(summary)
+    assert (summary.count, summary.downloaded) == (5, 5)
+    stats = _stats(out)  # shards of 4 rows: 0-3, 4-7, 8-9
+    assert [s["dropped"] for s in stats] == [{"filtered: aesthetic >= 5": 1, "filtered: punsafe < 0.5": 1},
+                                             {"filtered: aesthetic >= 5": 2, "filtered: punsafe < 0.5": 1}, {}]
+    assert [s["count"] for s in stats] == [2, 1, 2]
+    table = _read_output(out)
+    assert table[schema.RAW_URL].to_pylist() == [server.url(f"/row-{i}") for i in kept]
+    assert table[schema.RAW_KEY].to_pylist() == ["000000", "000003", "000012", "000020", "000021"]  # input positions
+
+    server.reset()
+    again = download(_config(src, out, where="aesthetic>=5   AND punsafe<0.5"))  # the same filter, other spacing
+    assert again.skipped_shards == 3 and not server.hits and again.dropped == summary.dropped
+    with pytest.raises(ValueError, match=r"different plan \(--where changed\)"):
+        download(_config(src, out, where="aesthetic >= 6"))
+    with pytest.raises(ValueError, match=r"different plan \(--where changed\)"):
+        download(_config(src, out))  # no filter now: the shards would mean other rows
+    assert sorted(server.hits) == [] and _read_output(out).num_rows == 5  # refused runs fetch and lose nothing
+
+
+def test_dedupe_urls_fetches_each_url_once_in_input_order(server, tmp_path, ray_local):
+    server.reset()
+    os.makedirs(tmp_path / "in")
+    # a.parquet: shards 0 (rows 0-3) and 1 (4-6); b.parquet: shard 2. Duplicates within a shard, across
+    # shards and across files; row 6 of a (score 1) is dropped by --where, so its URL counts as unseen.
+    a = ["/u0", "/u1", "/u0", "/u2", "/u1", "/u3", "/u5"]
+    b = ["/u3", "/u4", "/u0", "/u5"]
+    _write_input(tmp_path / "in" / "a.parquet", [server.url(p) for p in a], extra={"score": [9] * 6 + [1]})
+    _write_input(tmp_path / "in" / "b.parquet", [server.url(p) for p in b], extra={"score": [9] * 4})
+    out = tmp_path / "out"
+    summary = download(_config(tmp_path / "in", out, dedupe_urls=True, where="score > 5"))
+    assert server.hits == collections.Counter({f"/u{i}": 1 for i in range(6)})  # each URL fetched once
+    assert summary.dropped == {"duplicate_url": 4, "filtered: score > 5": 1}
+    assert [s["dropped"] for s in _stats(out)] == [{"duplicate_url": 1},
+                                                   {"duplicate_url": 1, "filtered: score > 5": 1},
+                                                   {"duplicate_url": 2}]
+    table = _read_output(out)
+    assert table[schema.RAW_KEY].to_pylist() == ["000000", "000001", "000003", "000011", "000021", "000023"]
+
+    (out / "00001_stats.json").unlink()  # a resume recomputes the same duplicates
+    server.reset()
+    again = download(_config(tmp_path / "in", out, dedupe_urls=True, where="score > 5"))
+    assert again.skipped_shards == 2 and server.hits == collections.Counter({"/u3": 1})
+    assert again.dropped == summary.dropped and _read_output(out).num_rows == 6
+    with pytest.raises(ValueError, match=r"different plan \(--dedupe-urls changed\)"):
+        download(_config(tmp_path / "in", out, where="score > 5"))
+
+
+def _cli(*args) -> "subprocess.CompletedProcess":
+    import subprocess
+    return subprocess.run([sys.executable, "convert/download_laion.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("punsafe < 0.1", "--where 'punsafe < 0.1' names column 'punsafe' that {src} does not have; its columns are "
+                      "URL, TEXT, aesthetic"),
+    ("aesthetic >> 5", "--where 'aesthetic >> 5' is not a filter expression"),
+    ("aesthetic > 100 and aesthetic < 200", "--where 'aesthetic > 100 and aesthetic < 200' keeps no row of the "
+                                            "input: 'aesthetic > 100' removed 3 (of 3 rows); nothing was downloaded"),
+])
+def test_a_filter_naming_a_missing_column_malformed_or_keeping_nothing_is_one_line_at_start(tmp_path, where,
+                                                                                             expected):
+    src = _write_input(tmp_path / "in.csv", ["http://127.0.0.1:1/a", "http://127.0.0.1:1/b", "http://127.0.0.1:1/c"],
+                       "csv", extra={"aesthetic": [4.0, 5.0, 6.0]})
+    done = _cli("--input", src, "--output", tmp_path / "out", "--where", where, "--dedupe-urls")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("download_laion: error: " + expected.format(src=src)), lines
+    assert not (tmp_path / "out").exists()  # nothing written
