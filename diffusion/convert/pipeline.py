@@ -29,7 +29,8 @@ from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.settings import PipelineSettings
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
-from diffusion.convert.readers import KEY_SCHEME, RawColumns, check_inputs, read_raw
+from diffusion.convert.readers import RawColumns, check_inputs, read_raw
+from diffusion.convert.rows import KEY_SCHEME
 from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates
 from diffusion.convert.filters import check_where, parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks

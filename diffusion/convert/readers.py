@@ -28,7 +28,7 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
 - A row whose values are of the wrong kind (an int or list caption, bytes that are not UTF-8, a key that
   is not text or a whole number, a width that is not a whole number >= 0, a tar sample whose .json
   sidecar is not a JSON object) is a rejected row, recorded by key with its reason (``bad_caption``,
-  ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`valid_row`) like the transform's rejects.
+  ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`diffusion.convert.rows.valid_row`) like the transform's rejects.
   Only well-typed rows reach Ray's fixed schema.
 - A file that cannot be read (zero bytes, not parquet under a ``.parquet`` name, a truncated or corrupt
   tar or tfrecord, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
@@ -54,7 +54,6 @@ import dataclasses
 import fnmatch
 import itertools
 import json
-import math
 import os
 import posixpath
 import tarfile
@@ -64,15 +63,14 @@ from typing import Callable, Iterator
 from diffusion import schema
 from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_input, describe_error, file_errors,
                                              record_failed_input)
-from diffusion.convert.transforms import BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, UNDECODABLE, Rejected, write_rejects
+from diffusion.convert.transforms import BAD_METADATA, Rejected, write_rejects
+from diffusion.convert.rows import REJECT, ROWS_PER_BATCH, derived_key, row_batches, row_key
 from diffusion.convert.tfrecord import example_features
 from diffusion.convert.dedupe import DUPLICATE_IMAGE, later_copies
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-RAW_COLUMNS = (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH, schema.HEIGHT)
-ROWS_PER_BATCH = 64  # rows per yielded batch: small, so one huge file never becomes one huge block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,10 +214,6 @@ def _open(uri: str):
         raise InputError(f"cannot open input {uri}: {e}") from e
 
 
-KEY_SCHEME = 2  # how rows without a key get one; an output made with another scheme is not resumed
-DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row (this file or an earlier one)
-
-
 def input_names(files: list[str]) -> dict[str, str]:
     """Each input file's name relative to the inputs' common folder (``en/part-00000.parquet``): unique
     per file, and the same on every run with the same inputs, so keys derived from it never collide."""
@@ -240,140 +234,6 @@ def file_names(formats: dict[str, str]) -> dict[str, str]:
         if group:
             names.update(input_names(group))
     return names
-
-
-def derived_key(name: str, index: int) -> str:
-    """A stable key for a row without one: its file's name under the input root and its row index."""
-    return f"{name}:{index:09d}"
-
-
-def _reject_id(name: str, index: int, reason: str) -> str:
-    """The id a row is recorded under when its key cannot be used (repeated, or not a key at all)."""
-    return f"{derived_key(name, index)}#{reason}"
-
-
-def _is_missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def _text(value, reason: str, what: str) -> str:
-    """``value`` as a str that UTF-8 can encode (what Arrow stores), or Rejected(reason)."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise Rejected(reason, f"{what} is bytes that are not UTF-8") from None
-    if not isinstance(value, str):
-        raise Rejected(reason, f"{what} must be text, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (from a JSON escape or an undecodable file name)
-        raise Rejected(reason, f"{what} is not valid Unicode") from None
-    return value
-
-
-def _row_key(value, name: str, index: int) -> str:
-    """A row's key: text (or bytes in UTF-8) as it is, a whole number (LAION's int64 ids; 7.0 from a
-    column pandas made float) as its digits; missing (None, NaN, "") -> derived from file and row."""
-    if _is_missing(value) or value == "" or value == b"":
-        return derived_key(name, index)
-    if isinstance(value, bool):
-        raise Rejected(BAD_KEY, "a key must be text or a whole number, got bool")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value.is_integer():
-            return str(int(value))
-        raise Rejected(BAD_KEY, f"a key must be text or a whole number, got {value!r}")
-    return _text(value, BAD_KEY, "key")
-
-
-def _size(value, what: str) -> int | None:
-    """A width/height: a whole number >= 0 (7.0 and "7" too; 0 is "unknown", as in failed or
-    placeholder rows); missing (None, NaN) or 0 -> None."""
-    if _is_missing(value):
-        return None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 31:
-        raise Rejected(BAD_SIZE, f"{what} {value!r} is not a whole number of pixels")
-    return value or None
-
-
-def valid_row(row: dict, name: str, index: int) -> dict:
-    """``row`` with every value of the type Ray's raw schema holds, or :class:`Rejected` with a reason.
-
-    The key must be text or a whole number (else ``bad_key``); the caption text, bytes in UTF-8 or
-    missing (else ``bad_caption``; whether it says anything is the transform's ``empty_caption``);
-    width and height whole numbers >= 0 or missing (else ``bad_size``; they are the input's word
-    only, the transform measures the image); the image bytes or missing (else ``undecodable``).
-    """
-    key = _row_key(row.get(schema.RAW_KEY), name, index)
-    caption = row.get(schema.RAW_CAPTION)
-    caption = None if _is_missing(caption) else _text(caption, BAD_CAPTION, "caption")
-    image = row.get(schema.RAW_IMAGE)
-    if isinstance(image, (bytearray, memoryview)):
-        image = bytes(image)
-    if image is not None and not isinstance(image, bytes):
-        raise Rejected(UNDECODABLE, f"image must be bytes, got {type(image).__name__}")
-    return {schema.RAW_KEY: key, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image,
-            schema.WIDTH: _size(row.get(schema.WIDTH), "width"), schema.HEIGHT: _size(row.get(schema.HEIGHT), "height")}
-
-
-REJECT = "_reject"  # a row generator yields {REJECT: reason, RAW_KEY: key or None} for a sample it cannot make
-
-
-def _batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None) -> Iterator[dict]:
-    """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
-    was seen before in this file or is ``taken`` ({key: file}) by another file (``duplicate_key``),
-    is not a row but a reject, reported to
-    ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
-    file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
-    (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
-    part-way, the rows before the failure are still yielded, then the error is raised."""
-    batch = {c: [] for c in RAW_COLUMNS}
-    seen: set[str] = set()
-    position = -1  # among the rows that are not None: what duplicate ids have always been numbered by
-    rows = enumerate(rows)
-    while True:
-        try:
-            index, row = next(rows)
-        except StopIteration:
-            break
-        except Exception:
-            if batch[schema.RAW_KEY]:
-                yield batch
-            raise
-        if row is None:
-            continue
-        position += 1
-        key = None
-        try:
-            key = _row_key(row.get(schema.RAW_KEY), name, index)
-            if REJECT in row:
-                raise Rejected(row[REJECT])
-            row = valid_row(row, name, index)
-        except Rejected as e:
-            if on_reject is not None:
-                usable = key is not None and key not in seen
-                on_reject({key if usable else _reject_id(name, index, e.reason): e.reason})
-            if key is not None:
-                seen.add(key)
-            continue
-        if key in seen or (taken and taken.get(key, name) != name):
-            if on_reject is not None:
-                on_reject({f"{key}#{name}:{position}": DUPLICATE_KEY})
-            continue
-        seen.add(key)
-        for c in RAW_COLUMNS:
-            batch[c].append(row[c])
-        if len(batch[schema.RAW_KEY]) == ROWS_PER_BATCH:
-            yield batch
-            batch = {c: [] for c in RAW_COLUMNS}
-    if batch[schema.RAW_KEY]:
-        yield batch
 
 
 # ---- parquet -------------------------------------------------------------------------------------
@@ -460,7 +320,7 @@ def _parquet_keys(uri: str, columns: RawColumns, name: str) -> Iterator[str]:
                 if state is not None and state != "success":
                     continue
                 try:
-                    key = _row_key(value, name, index - 1)
+                    key = row_key(value, name, index - 1)
                 except Rejected:
                     continue
                 if key != derived_key(name, index - 1):  # derived keys name their file: never shared
@@ -617,8 +477,8 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
                       on_reject=None, taken=None) -> Iterator[dict]:
     """Column batches of the valid raw rows in one input file; ``name`` is the file's name under the
     input root (:func:`input_names`), which keys rows that have none. Rejected rows go to
-    ``on_reject({id: reason})`` (:func:`_batches`); a file that cannot be read raises (see
-    :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
+    ``on_reject({id: reason})`` (:func:`~diffusion.convert.rows.row_batches`); a file that cannot be
+    read raises (see :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
     for keys several files give (:func:`keys_taken_by_earlier_files`)."""
     name = name or posixpath.basename(uri)
     if fmt == "parquet":
@@ -631,7 +491,7 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
         rows = _folder_rows(uri, name)
     else:
         raise ValueError(f"unknown input format {fmt!r}")
-    yield from _batches(rows, name, on_reject, taken)
+    yield from row_batches(rows, name, on_reject, taken)
 
 
 def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callable[[str, str], None] | None = None,

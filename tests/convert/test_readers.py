@@ -132,7 +132,8 @@ def test_repeated_keys_in_one_file_are_counted_duplicates_not_rows(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    from diffusion.convert.readers import DUPLICATE_KEY, iter_file_batches
+    from diffusion.convert.readers import iter_file_batches
+    from diffusion.convert.rows import DUPLICATE_KEY
     for uri, fmt, expected in ((str(tmp_path / "dup.parquet"), "parquet", ["k1", "k2"]),
                                (str(tar_path / "00000.tar"), "webdataset", ["00000.tar/s0", "00000.tar/s1"])):
         recorded = {}
@@ -150,7 +151,7 @@ def test_a_key_repeated_across_files_is_kept_in_the_first_file_and_a_counted_dup
                        tmp_path / f"{name}.parquet")
     pq.write_table(pa.table({"jpg": [_jpeg()], "caption": ["d1"], "key": pa.array([7], pa.int64())}),
                    tmp_path / "d.parquet")
-    from diffusion.convert.readers import DUPLICATE_KEY
+    from diffusion.convert.rows import DUPLICATE_KEY
     for _ in range(2):  # the same choice every time
         recorded = {}
         rows = list(iter_rows(tmp_path, on_reject=recorded.update))
