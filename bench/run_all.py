@@ -29,6 +29,7 @@ def plan(tmp: str) -> list[tuple[str, list[str]]]:
     py = sys.executable
     return [
         ("transform", [py, str(BENCH / "bench_transform.py"), "--n", "300"]),
+        ("filter", [py, str(BENCH / "bench_filter.py"), "--n", "256"]),
         ("storage", [py, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import bench_loader; "
                                f"bench_loader.write_synthetic({synthetic!r}, 256)",
                      "&&", py, str(BENCH / "bench_storage.py"), "--dataset", synthetic]),

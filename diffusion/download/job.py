@@ -70,7 +70,7 @@ class DownloadConfig:
 class DownloadSummary:
     shards: int
     skipped_shards: int  # finished by an earlier run
-    count: int  # rows in all shards
+    count: int  # rows written in all shards (rows --where or --dedupe-urls dropped are in dropped, not here)
     successes: int
     failures: dict  # reason -> rows, over all shards
     downloaded: int  # rows fetched by this run
