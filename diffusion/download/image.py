@@ -63,7 +63,7 @@ def check_image(data: bytes, rules: ImageRules) -> CheckedImage:
             image.load()
     except FetchError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise FetchError("too_many_pixels", f"more than {rules.max_pixels} pixels") from None
     except Image.UnidentifiedImageError:
         raise FetchError("not_image", "cannot identify image file") from None

@@ -7,8 +7,9 @@ import http.server
 import io
 import json
 import os
-import tarfile
+import subprocess
 import sys
+import tarfile
 import threading
 import time
 
@@ -705,8 +706,7 @@ def test_dedupe_urls_fetches_each_url_once_in_input_order(server, tmp_path, ray_
         download(_config(tmp_path / "in", out, where="score > 5"))
 
 
-def _cli(*args) -> "subprocess.CompletedProcess":
-    import subprocess
+def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "convert/download_laion.py", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
