@@ -41,7 +41,6 @@ import uuid
 
 import numpy as np
 
-DUPLICATE_IMAGE = "duplicate_image"  # reject reason: the same image bytes as an earlier row
 DEDUPE_DIR = "dedupe"  # in the output: the later copies' keys, per input file
 MODES = ("none", "bytes")
 _DONE = "_done"

@@ -257,16 +257,15 @@ def parse_where(text: str) -> RowFilter:
     return RowFilter(canonical, tuple((t, e) for e, t, _ in rules), tuple(columns))
 
 
-def check_where(inputs, columns) -> None:
-    """Before any cluster work: ``columns.where`` can be evaluated on every input file (parquet only:
-    tars, tfrecords and image folders carry no columns to filter on; refused by name), and keeps at
+def check_where(formats: dict[str, str], columns) -> None:
+    """Before any cluster work: ``columns.where`` can be evaluated on every input file of ``formats``
+    ({file: format}, :func:`diffusion.convert.readers.input_files`; parquet only: tars, tfrecords and
+    image folders carry no columns to filter on, refused by name), and keeps at
     least one row (the input is read file by file, only the filter's and the status columns, until a
     row passes; a filter that keeps nothing is an error listing what each rule removed, rather than
     an empty dataset)."""
     from diffusion.convert.failed_inputs import file_errors
-    from diffusion.convert.readers import input_files
     row_filter = parse_where(columns.where)
-    formats = input_files(inputs, columns)
     other = [(f, fmt) for f, fmt in formats.items() if fmt != "parquet"]
     if other:
         more = f" (and {len(other) - 1} more files that are not parquet)" if len(other) > 1 else ""

@@ -10,6 +10,7 @@ holds exactly what a clean run would.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -29,9 +30,9 @@ from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.settings import PipelineSettings
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
-from diffusion.convert.readers import RawColumns, check_inputs, read_raw
+from diffusion.convert.readers import RawColumns, check_inputs, input_files, read_raw
 from diffusion.convert.rows import KEY_SCHEME
-from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates
+from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates, later_copies
 from diffusion.convert.filters import check_where, parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
@@ -180,7 +181,8 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     from ray.data import ActorPoolStrategy
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
     ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,
-                  rejects_dir=os.path.join(out, REJECTS_DIR), duplicates_dir=duplicates_dir)
+                  rejects_dir=os.path.join(out, REJECTS_DIR),
+                  duplicates=functools.partial(later_copies, duplicates_dir) if duplicates_dir else None)
     ds = ds.map_batches(
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
@@ -246,7 +248,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     start = time.perf_counter()
     check_inputs(cfg.input, cfg.raw_columns())
     if cfg.where:
-        check_where(cfg.input, cfg.raw_columns())
+        check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))

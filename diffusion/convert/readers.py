@@ -64,9 +64,8 @@ from diffusion import schema
 from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_input, describe_error, file_errors,
                                              record_failed_input)
 from diffusion.convert.transforms import BAD_METADATA, Rejected, write_rejects
-from diffusion.convert.rows import REJECT, ROWS_PER_BATCH, derived_key, row_batches, row_key
+from diffusion.convert.rows import DUPLICATE_IMAGE, REJECT, ROWS_PER_BATCH, derived_key, row_batches, row_key
 from diffusion.convert.tfrecord import example_features
-from diffusion.convert.dedupe import DUPLICATE_IMAGE, later_copies
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
 
@@ -528,10 +527,10 @@ class _ReadFiles:
 
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
                  rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
-                 taken: dict | None = None, duplicates_dir: str | None = None):
+                 taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
         self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
-        self.duplicates_dir = duplicates_dir
+        self.duplicates = duplicates
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -544,7 +543,7 @@ class _ReadFiles:
         for uri in files["path"]:
             uri = str(uri)
             name, pending, rows_read = self.names[uri], {}, 0
-            copies = later_copies(self.duplicates_dir, name)  # --dedupe: this file's later copies of an image
+            copies = self.duplicates(name) if self.duplicates else frozenset()  # --dedupe: later copies of an image
             try:
                 for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
                                                self.taken):
@@ -600,14 +599,16 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
-             rejects_dir: str | None = None, failed_inputs_dir: str | None = None, duplicates_dir: str | None = None):
+             rejects_dir: str | None = None, failed_inputs_dir: str | None = None,
+             duplicates: Callable[[str], frozenset] | None = None):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
     decoded; ``limit`` caps the rows read (counted before skipping, so a re-run with the same limit
     resumes the same rows). Rows rejected while reading go to ``rejects_dir``; files that cannot be
     read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
-    ``duplicates_dir``: the later copies of images to drop as ``duplicate_image`` (convert.dedupe).
+    ``duplicates(file name)``: that file's keys to drop as ``duplicate_image`` (--dedupe: the later
+    copies of an image, found by :func:`diffusion.convert.dedupe.find_duplicates`).
     """
     import ray
     formats = input_files(inputs, columns)
@@ -620,7 +621,7 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
         return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken,
-                                         duplicates_dir), batch_size=1, batch_format="numpy", zero_copy_batch=True)
+                                         duplicates), batch_size=1, batch_format="numpy", zero_copy_batch=True)
     ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
-                                   duplicates_dir), batch_size=1, batch_format="numpy")
+                                   duplicates), batch_size=1, batch_format="numpy")
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

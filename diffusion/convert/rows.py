@@ -17,6 +17,7 @@ from diffusion.convert.transforms import BAD_CAPTION, BAD_KEY, BAD_SIZE, UNDECOD
 RAW_COLUMNS = (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH, schema.HEIGHT)
 ROWS_PER_BATCH = 64  # rows per yielded batch: small, so one huge file never becomes one huge block
 KEY_SCHEME = 2  # how rows without a key get one; an output made with another scheme is not resumed
+DUPLICATE_IMAGE = "duplicate_image"  # reject reason: the same image bytes as an earlier row (--dedupe)
 DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row (this file or an earlier one)
 
 
