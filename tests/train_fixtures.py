@@ -102,3 +102,31 @@ def launch_composer(script_path, script: str, args: list[str], *, port: int, env
     full_env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
                           cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def fit_in_process(cfg):
+    """Train ``cfg`` (a loaded Config) in this process: ({name: final weight}, the sample indices of
+    each batch in training order). The trainer is closed and collected, releasing the streaming
+    dataset's shared memory before the next run reuses the folder."""
+    import gc
+
+    from composer.core import Callback
+
+    from diffusion.train.trainer import build_trainer
+
+    class RecordBatches(Callback):
+        def __init__(self):
+            self.batches = []
+
+        def batch_start(self, state, logger):
+            self.batches.append(state.batch[schema.BATCH_SAMPLE_INDEX].tolist())
+
+    trainer = build_trainer(cfg)
+    record = RecordBatches()
+    trainer.state.callbacks.append(record)
+    trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
+    trainer.close()
+    del trainer
+    gc.collect()
+    return weights, record.batches

@@ -5,16 +5,12 @@ import os
 import subprocess
 import sys
 
-import gc
 
 import pytest
 import torch
-from composer.core import Callback
 
-from diffusion import schema
 from diffusion.config import load_config
-from diffusion.train.trainer import build_trainer
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,25 +41,10 @@ trainer.close()
 '''
 
 
-class RecordBatches(Callback):
-    def __init__(self):
-        self.batches = []
-
-    def batch_start(self, state, logger):
-        self.batches.append(sorted(state.batch[schema.BATCH_SAMPLE_INDEX].tolist()))
-
-
 def _fit_one_process(args: list[str]):
-    """Train in this process; the sample indices of each batch and the final weights (DDP-free names)."""
-    trainer = build_trainer(load_config(args[0], args[1:]))
-    record = RecordBatches()
-    trainer.state.callbacks.append(record)
-    trainer.fit()
-    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
-    trainer.close()
-    del trainer
-    gc.collect()
-    return record.batches, weights
+    """Train in this process: the sample indices of each batch (sorted) and the final weights."""
+    weights, batches = fit_in_process(load_config(args[0], args[1:]))
+    return [sorted(b) for b in batches], weights
 
 
 @pytest.mark.slow

@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 import streaming
 import torch
-from composer.core import Callback
 
 from diffusion import schema
 from diffusion.config import StreamConfig, TrainLoaderConfig, load_config
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.train import mds_source
-from diffusion.train.trainer import build_trainer
-from train_fixtures import kit_text_dim, tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -187,14 +185,6 @@ def test_a_batch_larger_than_the_mix_names_its_streams(a, b, dim):
 
 # ---- through the trainer and run.py -----------------------------------------------------------------------
 
-class RecordOrder(Callback):
-    def __init__(self):
-        self.batches = []
-
-    def before_forward(self, state, logger):
-        self.batches.append(state.batch[schema.BATCH_SAMPLE_INDEX].tolist())
-
-
 def _mix(a, b):
     return ("data.train.path=null", "data.train.num_samples=48",
             f"data.train.streams=[{{path: {a}, proportion: 0.75}}, {{path: {b}, proportion: 0.25}}]")
@@ -203,15 +193,7 @@ def _mix(a, b):
 def _fit(kit, a, b, *overrides, batches, save_folder):
     cfg = load_config(TINY, tiny_overrides(kit, a, batches=batches, save_folder=save_folder,
                                            extra=(*_mix(a, b), "algorithms={}", *overrides)))
-    trainer = build_trainer(cfg)
-    order = RecordOrder()
-    trainer.state.callbacks.append(order)
-    trainer.fit()
-    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
-    trainer.close()
-    del trainer
-    gc.collect()  # releases the StreamingDataset's shared memory before the next run
-    return weights, order.batches
+    return fit_in_process(cfg)
 
 
 def test_resume_with_streams_continues_the_same_sample_order(train_kit, a, b, tmp_path):
