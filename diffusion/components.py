@@ -28,6 +28,7 @@ CALLBACKS = {
     "cost_projection": "diffusion.callbacks.cost:CostProjection",
     "image_logger": "diffusion.callbacks.image_logger:ImageLogger",
     "progress": "diffusion.callbacks.progress:ProgressLine",
+    "text_encoder_share": "diffusion.callbacks.text_encoder_share:TextEncoderShare",
 }
 LOGGERS = {
     "console": "composer.loggers:ConsoleLogger",

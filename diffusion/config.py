@@ -37,6 +37,11 @@ class ModelConfig:
     zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
     input_perturbation: float = 0.0  # extra noise on the UNet input only (0.1 in the paper)
     eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
+    # What the UNet is conditioned on: "embeds" the stored text embeddings; "ids" the stored token ids,
+    # run through the frozen text encoder on the training device each step (datasets converted with
+    # --text ids); "auto" embeddings where every dataset holds them, else ids.
+    text: Literal["auto", "embeds", "ids"] = "auto"
+    text_encoder: Optional[str] = None  # text=ids: model reference of the text encoder (None: the dataset's)
 
 
 DEFAULT_MDS_PATH = "out/demo/mds"  # data.train.path (and data.eval.path) when neither path nor streams is set

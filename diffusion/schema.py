@@ -7,13 +7,17 @@ MDS columns (one row per image-caption pair):
 | column              | encoding                    | meaning                                            |
 |---------------------|-----------------------------|----------------------------------------------------|
 | ``vae_moments_{R}`` | ``ndarray:float16:8,R/f,R/f`` | VAE posterior mean (4 ch) and log-variance (4 ch) |
-| ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state                     |
-| ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids                                     |
+| ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state (``--text embeds``) |
+| ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
 
-``f`` is the VAE's downsampling factor (8 for SD2). Beside ``index.json`` the converter writes
-``dataset.json`` (:class:`DatasetInfo`) and ``empty_text_embeds.npy``.
+``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
+*text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
+≈158 KB a sample at SD2 size), ``ids`` (the 77 token ids, 308 bytes: training runs the frozen text
+encoder on them) or ``both``; a ``dataset.json`` without the field is ``both`` (what every dataset
+held before the choice existed). Beside ``index.json`` the converter writes ``dataset.json``
+(:class:`DatasetInfo`) and ``empty_text_embeds.npy``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,17 @@ HEIGHT = "height"
 _VAE_MOMENTS_PREFIX = "vae_moments_"
 
 MAX_TOKENS = 77  # CLIP context length
+
+# ---- text storage: which text columns a dataset holds ----------------------------------------------
+TEXT_EMBEDS_ONLY, TEXT_IDS_ONLY, TEXT_BOTH = "embeds", "ids", "both"
+TEXT_STORAGE = (TEXT_EMBEDS_ONLY, TEXT_IDS_ONLY, TEXT_BOTH)
+
+
+def text_columns(text: str) -> tuple[str, ...]:
+    """The text columns a dataset of text storage ``text`` holds."""
+    if text not in TEXT_STORAGE:
+        raise ValueError(f"text storage {text!r}: one of {', '.join(TEXT_STORAGE)}")
+    return {TEXT_EMBEDS_ONLY: (TEXT_EMBEDS,), TEXT_IDS_ONLY: (INPUT_IDS,), TEXT_BOTH: (TEXT_EMBEDS, INPUT_IDS)}[text]
 LATENT_CHANNELS = 4  # the moments hold 2 * LATENT_CHANNELS channels: mean, then log-variance
 
 # ---- files beside index.json ----------------------------------------------------------------------
@@ -84,16 +99,19 @@ def resolutions_in(columns) -> list[int]:
     return sorted(int(c[len(_VAE_MOMENTS_PREFIX):]) for c in columns if c.startswith(_VAE_MOMENTS_PREFIX))
 
 
-def mds_columns(resolutions, text_dim: int, downsample: int = 8) -> dict[str, str]:
-    """The MDS ``columns`` mapping for ``streaming.MDSWriter``."""
+def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY) -> dict[str, str]:
+    """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage)."""
     columns = {}
     for r in resolutions:
         if r % downsample:
             raise ValueError(f"resolution {r} is not a multiple of the VAE downsampling factor {downsample}")
         h = r // downsample
         columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h},{h}"
-    columns[TEXT_EMBEDS] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
-    columns[INPUT_IDS] = f"ndarray:int32:{MAX_TOKENS}"
+    stored = text_columns(text)
+    if TEXT_EMBEDS in stored:
+        columns[TEXT_EMBEDS] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
+    if INPUT_IDS in stored:
+        columns[INPUT_IDS] = f"ndarray:int32:{MAX_TOKENS}"
     columns[CAPTION] = "str"
     columns[KEY] = "str"
     columns[WIDTH] = "int"
@@ -108,12 +126,20 @@ class DatasetInfo:
     model: str  # model reference the VAE and text encoder came from (hub id or local dir)
     scaling_factor: float  # VAE latent scaling factor, applied once, by the model, at training time
     resolutions: list[int]
-    text_dim: int  # D of text_embeds
+    text_dim: int  # D of text_embeds (the text encoder's hidden size)
     downsample: int = 8  # VAE spatial downsampling factor
+    text: str = TEXT_BOTH  # text storage (TEXT_STORAGE); "both" for datasets written before it was recorded
+    text_encoder: str | None = None  # reference of the tokenizer and text encoder (None: ``model``)
+    empty_input_ids: list[int] | None = None  # token ids of "" (what caption dropout substitutes for ids)
     count: int = 0  # samples written
     rows_in: int = 0  # rows read from the input
     rejects: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def text_encoder_ref(self) -> str:
+        """Where the token ids' tokenizer and the embeddings' text encoder come from."""
+        return self.text_encoder or self.model
 
     def save(self, directory: str) -> str:
         path = os.path.join(directory, DATASET_JSON)

@@ -45,17 +45,37 @@ def kit_text_dim(kit: str) -> int:
 
 def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
                      text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16,
-                     compression: str | None = None) -> str:
-    """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy."""
+                     compression: str | None = None, text_encoder: str | None = None,
+                     text: str = schema.TEXT_BOTH) -> str:
+    """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy.
+
+    The text columns (``text``: which of them) are stand-ins (random embeddings per class, token ids
+    all the class number; the empty caption's embedding all -1, its ids all ``CLASSES``), or with
+    ``text_encoder`` (a kit with text encoder weights) what the converter stores: the ids of
+    "class C" and their embeddings from that encoder."""
     from streaming import MDSWriter
     text_dim = text_dim or kit_text_dim(kit)
     rng = np.random.default_rng(seed)
+    class_ids = np.repeat(np.arange(CLASSES, dtype=np.int32)[:, None], schema.MAX_TOKENS, axis=1)
+    empty_ids = np.full(schema.MAX_TOKENS, CLASSES, dtype=np.int32)
     h = resolution // 8
     yy, xx = np.meshgrid(np.linspace(-1, 1, h), np.linspace(-1, 1, h), indexing="ij")
     patterns = np.stack([np.stack([np.sin((c + 1) * xx + k) * np.cos((k + 1) * yy) for k in range(4)])
                          for c in range(CLASSES)]) * 4.0  # unscaled latents are ~5x the scaled ones
     class_embeds = rng.normal(size=(CLASSES, schema.MAX_TOKENS, text_dim))
-    columns = schema.mds_columns([resolution], text_dim)
+    # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
+    empty_embeds = np.full((schema.MAX_TOKENS, text_dim), -1.0, dtype=np.float16)
+    if text_encoder:
+        from diffusion.convert.encoders import TextEncoder
+        from diffusion.models.text_encoder import empty_caption_ids
+        encoder = TextEncoder(text_encoder, device="cpu")
+        class_ids = encoder.tokenizer([f"class {c}" for c in range(CLASSES)], padding="max_length",
+                                      max_length=schema.MAX_TOKENS, truncation=True, return_tensors="np")["input_ids"]
+        class_ids = class_ids.astype(np.int32)
+        class_embeds = encoder.encode_ids(class_ids)
+        empty_ids = empty_caption_ids(encoder.tokenizer)
+        empty_embeds = encoder.encode_ids(empty_ids[None])[0]
+    columns = schema.mds_columns([resolution], text_dim, text=text)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     size_limit = samples_per_shard * (2 * 4 * h * h * 2 + schema.MAX_TOKENS * (text_dim * 2 + 4) + 200)
     with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
@@ -63,18 +83,18 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
             c = i % CLASSES
             mean = patterns[c] + 0.1 * rng.normal(size=patterns[c].shape)
             moments = np.concatenate([mean, np.full_like(mean, logvar)]).astype(np.float16)
-            writer.write({
+            sample = {
                 schema.vae_moments_column(resolution): moments,
                 schema.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
-                schema.INPUT_IDS: np.full(schema.MAX_TOKENS, c, dtype=np.int32),
+                schema.INPUT_IDS: class_ids[c],
                 schema.CAPTION: f"class {c}", schema.KEY: f"{i:06d}",
                 schema.WIDTH: resolution, schema.HEIGHT: resolution,
-            })
-    schema.DatasetInfo(model=kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution], text_dim=text_dim,
-                         count=n, rows_in=n).save(out)
-    # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
-    np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), np.full((schema.MAX_TOKENS, text_dim), -1.0,
-                                                                   dtype=np.float16))
+            }
+            writer.write({name: value for name, value in sample.items() if name in columns})
+    schema.DatasetInfo(model=text_encoder or kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution],
+                       text_dim=text_dim, count=n, rows_in=n, text=text, text_encoder=text_encoder,
+                       empty_input_ids=[int(i) for i in empty_ids]).save(out)
+    np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty_embeds.astype(np.float16))
     return out
 
 

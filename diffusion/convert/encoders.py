@@ -1,4 +1,5 @@
-"""The encode stage: uint8 crops and token ids in; VAE posterior moments and text embeddings out.
+"""The encode stage: uint8 crops and token ids in; VAE posterior moments and text embeddings out (or,
+with text storage ``ids``, the token ids passed through and no text encoder run here: training runs it).
 
 :class:`LatentTextEncoder` is a Ray Data ``map_batches`` callable (a class, so the models load once per
 actor). It runs on CUDA in bf16 (fp16 where bf16 is unsupported) when a GPU is visible, else on CPU in
@@ -15,6 +16,7 @@ import torch
 
 from diffusion import schema
 from diffusion.models import loading
+from diffusion.models.text_encoder import empty_caption_ids
 
 STAGE_SECONDS = "_encode_seconds"  # per-row share of the batch's wall time, when timing is on
 
@@ -86,23 +88,26 @@ class LatentTextEncoder:
     """Ray ``map_batches`` callable: the transform's output in, the MDS columns out."""
 
     def __init__(self, model: str, resolutions, device=None, cpu_threads: int | None = None,
-                 record_timing: bool = False):
+                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY):
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.vae = VaeEncoder(model, device)
-        self.text = TextEncoder(model, device)
+        self.text_columns = schema.text_columns(text)
+        self.text = TextEncoder(model, device) if schema.TEXT_EMBEDS in self.text_columns else None
         self.resolutions = sorted({int(r) for r in resolutions})
         self.record_timing = record_timing
 
     def __call__(self, batch: dict) -> dict:
         start = time.perf_counter()
-        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT,
-                                     schema.INPUT_IDS)}
-        out[schema.INPUT_IDS] = np.asarray(out[schema.INPUT_IDS], dtype=np.int32)
+        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
+        ids = np.asarray(batch[schema.INPUT_IDS], dtype=np.int32)
         n = len(out[schema.KEY])
         for r in self.resolutions:
             out[schema.vae_moments_column(r)] = self.vae.moments(batch[schema.image_column(r)])
-        out[schema.TEXT_EMBEDS] = self.text.encode_ids(out[schema.INPUT_IDS])
+        if schema.INPUT_IDS in self.text_columns:
+            out[schema.INPUT_IDS] = ids
+        if self.text is not None:
+            out[schema.TEXT_EMBEDS] = self.text.encode_ids(ids)
         for name, value in batch.items():  # carry the earlier stages' timings through to the sink
             if name.startswith("_") and name.endswith("_seconds"):
                 out[name] = value
@@ -111,13 +116,17 @@ class LatentTextEncoder:
         return out
 
 
-def describe_dataset(model_ref: str, resolutions) -> tuple[schema.DatasetInfo, np.ndarray]:
+def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS_ONLY
+                     ) -> tuple[schema.DatasetInfo, np.ndarray]:
     """What training needs to know of samples encoded with ``model_ref`` (``dataset.json`` without the
-    counts) and the text embedding of "" (``empty_text_embeds.npy``), from the same text encoder the
-    encoder actors run: one description for the converter's output and the online stream."""
+    counts) and the text embedding of "" (``empty_text_embeds.npy``, written whatever the text storage:
+    training from ids checks its text encoder reproduces it), from the same tokenizer and text encoder
+    the encoder actors run: one description for the converter's output and the online stream."""
     vae_config = loading.load_vae_config(model_ref)
-    text = TextEncoder(model_ref, device="cpu")
+    encoder = TextEncoder(model_ref, device="cpu")
+    empty_ids = empty_caption_ids(encoder.tokenizer)
     info = schema.DatasetInfo(model=model_ref, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
-                              resolutions=list(resolutions), text_dim=text.dim,
-                              downsample=loading.vae_downsample(vae_config))
-    return info, text.encode_captions([""])[0]
+                              resolutions=list(resolutions), text_dim=encoder.dim,
+                              downsample=loading.vae_downsample(vae_config), text=text, text_encoder=model_ref,
+                              empty_input_ids=[int(i) for i in empty_ids])
+    return info, encoder.encode_ids(empty_ids[None])[0]

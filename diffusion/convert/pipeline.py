@@ -74,6 +74,10 @@ class ConvertConfig(PipelineSettings):
                                    "image is decoded, e.g. \"aesthetic >= 5.0 and punsafe < 0.1\" (comparisons, and, "
                                    "or, not, parentheses, in [...], is null); each and-term's removals are counted "
                                    "as 'filtered: TERM'", metavar="EXPR")
+    text: str = flag(schema.TEXT_EMBEDS_ONLY, "what the shards hold of the caption: 'embeds' the text encoder's "
+                                              "output (training reads it), 'ids' the 77 token ids only (~500x "
+                                              "smaller; training runs the text encoder), 'both'",
+                     choices=schema.TEXT_STORAGE)
     dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
                                "as duplicate_image rejects: a pass over the input before converting",
                        choices=DEDUPE_MODES)
@@ -92,6 +96,8 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
         if self.where is not None:
             parse_where(self.where)  # a malformed filter fails here, showing it
+        if self.text not in schema.TEXT_STORAGE:
+            raise ConfigError(f"--text must be one of {', '.join(schema.TEXT_STORAGE)}, got {self.text!r}")
         if self.dedupe not in DEDUPE_MODES:
             raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
 
@@ -107,7 +113,7 @@ class ConvertConfig(PipelineSettings):
                 "caption_column": self.caption_column, "key_column": self.key_column,
                 "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
-                "dedupe": self.dedupe}
+                "dedupe": self.dedupe, "text": self.text}
 
     @property
     def is_remote(self) -> bool:
@@ -163,7 +169,7 @@ class _DatasetInfoWriter:
         self.cfg = cfg
 
     def __call__(self, out: str) -> None:
-        info, empty = describe_dataset(self.cfg.model, self.cfg.resolutions)
+        info, empty = describe_dataset(self.cfg.model, self.cfg.resolutions, self.cfg.text)
         np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
         summary = summarize(out)
         info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
@@ -197,7 +203,7 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     return ds.map_batches(
         LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, cpu_threads=threads,
-                                   record_timing=True),
+                                   record_timing=True, text=cfg.text),
         **encoder_options)
 
 
@@ -234,7 +240,7 @@ def check_output_settings(out: str, settings: dict) -> None:
     """Refuse to add to an output made with other settings, before anything in it is touched."""
     recorded = recorded_settings(out)
     if recorded:  # recorded before these settings existed: made without them
-        recorded = {"where": None, "dedupe": "none", **recorded}
+        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
@@ -252,7 +258,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample)
+    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text)
     out = cfg.staging_dir()
     settings = cfg.output_settings()
     check_output_settings(out, settings)

@@ -7,6 +7,8 @@ The random numbers come with the batch, drawn per sample from (seed, epoch, key)
 (:class:`diffusion.train.batches.NoiseDraws`): the step is the same whatever the microbatch size or
 the number of ranks, and the forward has no generator or host sync for ``torch.compile`` to break on.
 Eval uses the same path with noise and timesteps pinned per held-out sample, so evals are comparable.
+The conditioning is the batch's text embeddings, or, from a dataset of token ids, the frozen text
+encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), computed in the step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torchmetrics import MeanMetric
 
 from diffusion import schema
 from diffusion.models import loading
+from diffusion.models.text_encoder import FrozenTextEncoder
 
 # Modules FSDP wraps (and activation checkpointing recomputes) one by one: by name, so the wrapping
 # survives diffusers moving classes between modules.
@@ -36,9 +39,11 @@ class StableDiffusion(ComposerModel):
 
     def __init__(self, unet, noise_scheduler, *, scaling_factor: float, model_ref: str, resolution: int,
                  downsample: int = 8, prediction_type: str | None = None, offset_noise: float = 0.0,
-                 min_snr_gamma: float | None = None, input_perturbation: float = 0.0, eval_seed: int = 0):
+                 min_snr_gamma: float | None = None, input_perturbation: float = 0.0, eval_seed: int = 0,
+                 text_encoder: FrozenTextEncoder | None = None):
         super().__init__()
         self.unet = unet
+        self.text_encoder = text_encoder  # not a submodule: see diffusion.models.text_encoder
         self.model_ref = model_ref
         self.scaling_factor = float(scaling_factor)
         self.resolution = int(resolution)
@@ -91,7 +96,16 @@ class StableDiffusion(ComposerModel):
         perturbed = noise
         if self.input_perturbation and self.training:
             perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
-        return self._denoise(latents, noise, perturbed, timesteps, batch[schema.BATCH_TEXT_EMBEDS])
+        return self._denoise(latents, noise, perturbed, timesteps, self.conditioning(batch))
+
+    def conditioning(self, batch: dict) -> torch.Tensor:
+        """The batch's text embeddings: stored ones, or the frozen text encoder's output on its token ids."""
+        if schema.BATCH_TEXT_EMBEDS in batch:
+            return batch[schema.BATCH_TEXT_EMBEDS]
+        if self.text_encoder is None:
+            raise ValueError("the batch holds token ids but no text embeddings, and this model has no text encoder "
+                             "to encode them (model.text=ids builds one)")
+        return self.text_encoder(batch[schema.BATCH_INPUT_IDS])
 
     @staticmethod
     def _draw(batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
@@ -140,7 +154,7 @@ class StableDiffusion(ComposerModel):
         latents, noise = torch.cat(latents), torch.cat(noise)
         timesteps = torch.cat(timesteps).to(moments.device)
         with torch.no_grad():
-            return self._denoise(latents, noise, noise, timesteps, batch[schema.BATCH_TEXT_EMBEDS])
+            return self._denoise(latents, noise, noise, timesteps, self.conditioning(batch))
 
     def get_metrics(self, is_train: bool = False) -> dict:
         return {} if is_train else {"loss": MeanMetric()}
@@ -236,8 +250,10 @@ def build_noise_scheduler(model_ref: str, zero_terminal_snr: bool = False):
     return scheduler
 
 
-def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0) -> StableDiffusion:
-    """The ComposerModel for ``model_cfg`` (a :class:`diffusion.config.ModelConfig`) on data ``info``."""
+def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
+                text_encoder: FrozenTextEncoder | None = None) -> StableDiffusion:
+    """The ComposerModel for ``model_cfg`` (a :class:`diffusion.config.ModelConfig`) on data ``info``;
+    ``text_encoder`` when it trains from token ids."""
     ref = model_cfg.ref
     if os.path.isdir(os.path.expanduser(ref)):  # checkpoints record a path that works from any directory
         ref = os.path.abspath(os.path.expanduser(ref))
@@ -247,4 +263,4 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0) -> StableDif
         scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,
         downsample=info.downsample, prediction_type=model_cfg.prediction_type,
         offset_noise=model_cfg.offset_noise, min_snr_gamma=model_cfg.min_snr_gamma,
-        input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed)
+        input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed, text_encoder=text_encoder)

@@ -1,8 +1,8 @@
 """Columns of the data contract → the batch the model consumes, one way for every batch source.
 
 The MDS source (stored shards) and the stream source (online mode) both hand over the same columns:
-VAE moments at the model's resolution, text embeddings, token ids and each sample's key. Caption
-dropout and every random number a training step draws for a sample (its posterior draw, noise,
+VAE moments at the model's resolution, the text column the model is conditioned on (text embeddings,
+or token ids for the model's frozen text encoder) and each sample's key. Caption dropout and every random number a training step draws for a sample (its posterior draw, noise,
 offset and timestep: :class:`NoiseDraws`) are pure functions of (seed, epoch, key), so a sample is
 treated the same way whichever source, rank, worker or restart reads it, and the same global batch
 gives the same gradient whatever the microbatch size or the number of ranks.
@@ -99,25 +99,35 @@ class ToModelBatch:
     ``columns`` maps contract column names to arrays with the batch first (``key`` to a sequence of
     strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise). With
     ``noise`` (training batches), each sample's :class:`NoiseDraws` are added.
+
+    The text column is ``text_embeds`` (a dropped caption gets ``empty_text``, the embedding of ""), or
+    with ``text_column=input_ids`` the token ids (a dropped caption gets ``empty_text``, the ids of "",
+    which the model's text encoder turns into the same embedding the sampler's unconditional input is).
     """
 
-    def __init__(self, resolution: int, empty_text_embeds: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
-                 noise: NoiseDraws | None = None):
+    def __init__(self, resolution: int, empty_text: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
+                 noise: NoiseDraws | None = None, text_column: str = schema.TEXT_EMBEDS):
+        if text_column not in (schema.TEXT_EMBEDS, schema.INPUT_IDS):
+            raise ValueError(f"text_column {text_column!r}: {schema.TEXT_EMBEDS} or {schema.INPUT_IDS}")
         self.moments_column = schema.vae_moments_column(resolution)
-        self.empty_text_embeds = np.asarray(empty_text_embeds, dtype=np.float16)
+        self.text_column = text_column
+        dtype = np.float16 if text_column == schema.TEXT_EMBEDS else np.int64
+        self.empty_text = np.asarray(empty_text, dtype=dtype)
         self.dropout = dropout
         self.noise = noise
 
     def __call__(self, columns: dict, epoch: int) -> dict[str, torch.Tensor]:
-        text = columns[schema.TEXT_EMBEDS]
+        text = columns[self.text_column]
+        if self.text_column == schema.INPUT_IDS:
+            text = np.array(text, dtype=np.int64)  # a copy: torch wants int64 ids
         drop = self.dropout.mask(columns[schema.KEY], epoch) if self.dropout.rate > 0 else None
         if drop is not None and drop.any():
             if not text.flags.writeable:  # a stream's arrays may be read-only views
                 text = text.copy()
-            text[drop] = self.empty_text_embeds
+            text[drop] = self.empty_text
+        batch_key = schema.BATCH_TEXT_EMBEDS if self.text_column == schema.TEXT_EMBEDS else schema.BATCH_INPUT_IDS
         batch = {schema.BATCH_MOMENTS: torch.from_numpy(np.ascontiguousarray(columns[self.moments_column])),
-                 schema.BATCH_TEXT_EMBEDS: torch.from_numpy(np.ascontiguousarray(text)),
-                 schema.BATCH_INPUT_IDS: torch.from_numpy(np.asarray(columns[schema.INPUT_IDS], dtype=np.int64))}
+                 batch_key: torch.from_numpy(np.ascontiguousarray(text))}
         if schema.BATCH_SAMPLE_INDEX in columns:
             batch[schema.BATCH_SAMPLE_INDEX] = torch.as_tensor(np.asarray(columns[schema.BATCH_SAMPLE_INDEX]))
         if self.noise is not None:
@@ -135,7 +145,7 @@ class StackSamples:
         self.to_batch = to_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        arrays = (self.to_batch.moments_column, schema.TEXT_EMBEDS, schema.INPUT_IDS)
+        arrays = (self.to_batch.moments_column, self.to_batch.text_column)
         columns = {name: np.stack([s[name] for s in samples]) for name in arrays}
         columns[schema.KEY] = [s[schema.KEY] for s in samples]
         columns[schema.BATCH_SAMPLE_INDEX] = np.array([s[schema.BATCH_SAMPLE_INDEX] for s in samples])

@@ -254,8 +254,8 @@ def _shared_flags(dataset: StreamingDataset) -> Any:
 
 
 class LatentDataset(StreamingDataset):
-    """MDS rows → samples: unscaled moments at one resolution, text embeddings, token ids, the sample's
-    key and index, and the epoch it is read in.
+    """MDS rows → samples: unscaled moments at one resolution, the text column (``text_embeds``, or
+    ``input_ids`` when the model encodes them), the sample's key and index, and the epoch it is read in.
 
     Samples hold numpy arrays (read-only views where possible); :class:`~diffusion.train.batches.StackSamples`
     turns a list of them into the model's batch. Shards are checked against index.json as the module
@@ -266,7 +266,7 @@ class LatentDataset(StreamingDataset):
 
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
                  streams: Sequence[_CheckedStream] | None = None, verify_hashes: bool = True,
-                 **streaming_kwargs: Any):
+                 text_column: str = schema.TEXT_EMBEDS, **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
             streams = [_CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
@@ -275,7 +275,8 @@ class LatentDataset(StreamingDataset):
         self.moments_column = schema.vae_moments_column(resolution)
         self.verify_hashes = verify_hashes
         self._epoch = 0
-        self._wanted = (self.moments_column, schema.TEXT_EMBEDS, schema.INPUT_IDS, schema.KEY)
+        self.text_column = text_column  # text_embeds, or input_ids for a model that encodes them
+        self._wanted = (self.moments_column, text_column, schema.KEY)
         self._layouts: dict[int, _ShardLayout | None] = {}
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._failure: BaseException | None = None  # the first error of a prefetch thread or a read
@@ -519,8 +520,9 @@ class LatentDataset(StreamingDataset):
         if not self._verified[shard_id]:
             self.prepare_shard(shard_id)  # there, and checked once there
         row = super().__getitem__(index)
-        if self.moments_column not in row:
-            raise DatasetMismatchError(f"sample {index} has no column {self.moments_column} (has {sorted(row)})")
+        for name in self._wanted:
+            if name not in row:
+                raise DatasetMismatchError(f"sample {index} has no column {name} (has {sorted(row)})")
         return {name: row[name] if name == schema.KEY else np.asarray(row[name]) for name in self._wanted}
 
     def __getitem__(self, index: int) -> dict:
@@ -599,6 +601,59 @@ def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | 
     return first
 
 
+def text_column(model_text: str, sections) -> str:
+    """The text column training reads from the datasets of ``sections`` (``data.train``, ``data.eval``):
+    ``text_embeds`` or ``input_ids`` (which the model's text encoder encodes), for ``model.text``
+    (``embeds``, ``ids`` or ``auto``: embeddings where every dataset holds them, else ids). A dataset
+    that lacks the column, or a mix of datasets of embeddings only and of ids only, is refused."""
+    holds = []  # (name, its text storage)
+    for section in sections:
+        for name, entry in loader_streams(section):
+            holds.append((name, read_dataset_info(entry.path, section.download_timeout).text))
+    wanted = model_text
+    if wanted == "auto":
+        wanted = "embeds" if all(t != schema.TEXT_IDS_ONLY for _, t in holds) else "ids"
+    column = schema.TEXT_EMBEDS if wanted == "embeds" else schema.INPUT_IDS
+    lacking = [(name, text) for name, text in holds if column not in schema.text_columns(text)]
+    if lacking:
+        name, text = lacking[0]
+        if model_text == "auto":  # ids chosen because some dataset holds only ids: this one holds only embeds
+            ids_only = next(n for n, t in holds if t == schema.TEXT_IDS_ONLY)
+            raise DatasetMismatchError(
+                f"{name} holds text embeddings only where {ids_only} holds token ids only (converted with --text "
+                f"embeds and --text ids): a run conditions every sample one way; convert one of them again with "
+                f"--text both, or with the other's --text")
+        if column == schema.INPUT_IDS:
+            raise DatasetMismatchError(
+                f"{name} holds no token ids (converted with --text embeds) but model.text=ids: set model.text to "
+                f"embeds or auto, or convert with --text ids or both")
+        raise DatasetMismatchError(
+            f"{name} holds token ids but no text embeddings (converted with --text ids) and model.text=embeds: "
+            f"set model.text to ids or auto (the text encoder then runs on the training device), or convert with "
+            f"--text embeds or both")
+    return column
+
+
+def load_empty_input_ids(loader_cfg) -> np.ndarray:
+    """The token ids of "" that caption dropout substitutes in a batch of ids: ``dataset.json``'s
+    ``empty_input_ids`` (a dataset written before it was recorded: its tokenizer's), equal for every
+    stream of a mix."""
+    loaded = []
+    for name, entry in loader_streams(loader_cfg):
+        info = read_dataset_info(entry.path, loader_cfg.download_timeout)
+        if info.empty_input_ids is not None:
+            ids = np.asarray(info.empty_input_ids, dtype=np.int64)
+        else:
+            from diffusion.models.loading import load_tokenizer
+            from diffusion.models.text_encoder import empty_caption_ids
+            ids = empty_caption_ids(load_tokenizer(info.text_encoder_ref)).astype(np.int64)
+        if loaded and not np.array_equal(loaded[0][1], ids):
+            raise DatasetMismatchError(f"{name}: the token ids of the empty caption differ from those of "
+                                       f"{loaded[0][0]}: every stream of a mix must be tokenized by the same tokenizer")
+        loaded.append((name, ids))
+    return loaded[0][1]
+
+
 def _checked_stream(entry) -> _CheckedStream:
     """A local dataset is read in place, except compressed shards whose directory cannot be written (see
     :func:`build_dataset`); a remote one is downloaded into ``entry.local``."""
@@ -614,7 +669,8 @@ def _checked_stream(entry) -> _CheckedStream:
                           choose=entry.choose)
 
 
-def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int) -> LatentDataset:
+def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int,
+                  text_column: str = schema.TEXT_EMBEDS) -> LatentDataset:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
 
     A local dataset is read in place, except compressed shards whose directory cannot be written (a
@@ -626,7 +682,7 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     read_loader_info(loader_cfg, resolution, text_dim)
     streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
     return LatentDataset(
-        streams=streams, resolution=resolution, batch_size=device_batch_size,
+        streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
         verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
@@ -679,17 +735,20 @@ def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) ->
 
 
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
-                     seed: int = 0, noise: NoiseDraws | None = None) -> StreamingDataLoader:
+                     seed: int = 0, noise: NoiseDraws | None = None,
+                     text_column: str = schema.TEXT_EMBEDS) -> StreamingDataLoader:
     """A StreamingDataLoader yielding device batches (the global ``batch_size`` split across ranks),
-    with each sample's training draws when ``noise`` is given."""
+    with each sample's training draws when ``noise`` is given, conditioned on ``text_column``
+    (``text_embeds``, or ``input_ids`` for a model with a text encoder: :func:`text_column`)."""
     if loader_cfg.batch_size % world_size:
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
-                            device_batch_size=device_batch_size)
+                            device_batch_size=device_batch_size, text_column=text_column)
     check_batch_fits(loader_cfg, dataset, world_size)
-    empty = load_empty_embedding(loader_cfg)
-    to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise)
+    empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
+    to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
+                            text_column=text_column)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.

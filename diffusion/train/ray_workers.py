@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from diffusion import schema
 from diffusion.cluster import init_ray
 from diffusion.config import Config
 from diffusion.errors import ConfigError
@@ -214,12 +215,14 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
 class OnlineTrainer:
     """Builds the offline trainer in a Ray Train worker, with the stream as its train dataloader."""
 
-    def __init__(self, cfg: Config, info):
-        self.cfg, self.info = cfg, info
+    def __init__(self, cfg: Config, info, empty_text_embeds=None):
+        self.cfg, self.info, self.empty_text_embeds = cfg, info, empty_text_embeds
 
     def __call__(self, train_dataloader, callbacks):
         from diffusion.train.trainer import build_trainer
-        return build_trainer(self.cfg, train_dataloader=train_dataloader, info=self.info, extra_callbacks=callbacks)
+        text_column = schema.INPUT_IDS if self.info.text == schema.TEXT_IDS_ONLY else schema.TEXT_EMBEDS
+        return build_trainer(self.cfg, train_dataloader=train_dataloader, info=self.info, extra_callbacks=callbacks,
+                             text_column=text_column, empty_text_embeds=self.empty_text_embeds)
 
 
 @dataclasses.dataclass
@@ -331,10 +334,12 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
              o.num_train_workers, o.train_cpus, o.train_gpus)
     from diffusion.train.trainer import noise_draws
     info, empty_text_embeds = stream_info(cfg)
+    ids = info.text == schema.TEXT_IDS_ONLY  # the workers encode the stream's token ids (model.text=ids)
     plan = WorkerPlan(
-        make_trainer=OnlineTrainer(cfg, info),
-        to_batch=ToModelBatch(cfg.model.resolution, empty_text_embeds,
-                              CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg)),
+        make_trainer=OnlineTrainer(cfg, info, empty_text_embeds),
+        to_batch=ToModelBatch(cfg.model.resolution, info.empty_input_ids if ids else empty_text_embeds,
+                              CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg),
+                              text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS),
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),

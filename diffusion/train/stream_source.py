@@ -21,12 +21,18 @@ from diffusion.convert.pipeline import ConvertConfig, PoolPlan, build_pipeline, 
 from diffusion.convert.summary import done_keys
 
 
+def stream_text(cfg: Config) -> str:
+    """The stream's text storage: token ids when ``model.text=ids`` (the Ray pipeline runs no text encoder;
+    the training workers encode the ids), else text embeddings (the encoder actors run it, as offline)."""
+    return schema.TEXT_IDS_ONLY if cfg.model.text == "ids" else schema.TEXT_EMBEDS_ONLY
+
+
 def convert_config(cfg: Config, work_dir: str) -> ConvertConfig:
     """The converter's view of ``data.online`` (the same pipeline settings), ``work_dir`` where the MDS
     output would be."""
     o = cfg.data.online
     return ConvertConfig(input=o.input, output=work_dir, model=cfg.model.ref, resolutions=(cfg.model.resolution,),
-                         progress=False, **o.pipeline_settings())
+                         progress=False, text=stream_text(cfg), **o.pipeline_settings())
 
 
 def data_resources(cluster: dict, cfg: Config) -> dict:
@@ -65,4 +71,4 @@ def count_rejects(work_dir: str) -> dict[str, int]:
 
 def stream_info(cfg: Config) -> tuple[schema.DatasetInfo, np.ndarray]:
     """What ``dataset.json`` and ``empty_text_embeds.npy`` tell offline training, for the stream."""
-    return encoders.describe_dataset(cfg.model.ref, [cfg.model.resolution])
+    return encoders.describe_dataset(cfg.model.ref, [cfg.model.resolution], stream_text(cfg))

@@ -25,7 +25,9 @@ from diffusion.config import Config
 from diffusion import schema
 from diffusion.train import mds_source, shared_memory
 from diffusion.train.batches import NoiseDraws
+from diffusion.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
+from diffusion.models.text_encoder import load_frozen_text_encoder
 
 
 
@@ -186,13 +188,36 @@ def build_evaluators(cfg: Config, eval_loader, algorithms) -> list[Evaluator] | 
     return evaluators
 
 
+def attach_text_encoder(cfg: Config, model: StableDiffusion, info: schema.DatasetInfo, empty_text_embeds) -> None:
+    """Training from token ids: the frozen text encoder (``model.text_encoder``, else the one the dataset
+    records), checked against the UNet and the dataset's empty-caption embedding before the first step."""
+    ref, where = cfg.model.text_encoder, "model.text_encoder"
+    if not ref:
+        ref, where = info.text_encoder_ref, "the text encoder dataset.json records"
+    if os.path.isdir(os.path.expanduser(ref)):
+        ref = os.path.abspath(os.path.expanduser(ref))
+    empty_ids = info.empty_input_ids
+    if empty_ids is None:  # a dataset written before dataset.json recorded them: its tokenizer's
+        empty_ids = mds_source.load_empty_input_ids(cfg.data.train)
+    model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
+                                                  empty_text_embeds=empty_text_embeds, where=where)
+
+
+def _empty_embedding_or_none(loader_cfg):
+    try:
+        return mds_source.load_empty_embedding(loader_cfg)
+    except FileNotFoundError:
+        return None
+
+
 def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo | None = None,
-                  extra_callbacks=()) -> Trainer:
+                  extra_callbacks=(), text_column: str | None = None, empty_text_embeds=None) -> Trainer:
     """The Composer trainer for ``cfg``.
 
     Online mode (:mod:`diffusion.online`) passes its own ``train_dataloader`` (batches of the same
-    contract) and the data description ``info`` in place of the MDS loader and ``dataset.json``, and
-    ``extra_callbacks`` of its own; everything else is built exactly as for offline training.
+    contract), the data description ``info``, the ``text_column`` its batches hold and the empty
+    caption's embedding in place of the MDS loader, ``dataset.json`` and ``empty_text_embeds.npy``,
+    and ``extra_callbacks`` of its own; everything else is built exactly as for offline training.
     """
     t = cfg.trainer
     device = t.device or ("gpu" if torch.cuda.is_available() else "cpu")
@@ -202,8 +227,15 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     if info is None:
         info = mds_source.read_loader_info(cfg.data.train, cfg.model.resolution)  # a mix's streams agree
     model = prepare_model(cfg, build_model(cfg.model, info, seed=t.seed))
+    if text_column is None:  # stored embeddings, or token ids the model encodes (model.text)
+        sections = [cfg.data.train] + ([cfg.data.eval] if cfg.data.eval else [])
+        text_column = mds_source.text_column(cfg.model.text, sections)
+        if text_column == schema.INPUT_IDS:
+            empty_text_embeds = _empty_embedding_or_none(cfg.data.train)
+    if text_column == schema.INPUT_IDS:
+        attach_text_encoder(cfg, model, info, empty_text_embeds)
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
-                       world_size=dist.get_world_size(), seed=t.seed)
+                       world_size=dist.get_world_size(), seed=t.seed, text_column=text_column)
     train_loader = (train_dataloader if train_dataloader is not None
                     else mds_source.build_dataloader(cfg.data.train, noise=noise_draws(cfg), **loader_args))
     eval_loader = mds_source.build_dataloader(cfg.data.eval, **loader_args) if cfg.data.eval else None
@@ -214,6 +246,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=t.grad_clip_norm))
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
+    if model.text_encoder is not None and not any(isinstance(c, TextEncoderShare) for c in callbacks):
+        callbacks.append(TextEncoderShare())  # every run that encodes text shows what it costs
     loggers, console = _console_logging(cfg.loggers)
     if t.autoresume:
         forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy

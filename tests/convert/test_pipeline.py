@@ -130,7 +130,8 @@ def test_shards_read_back_with_streaming(converted, manifest, sample_data):
         assert s[schema.vae_moments_column(r)].shape == (8, r // info.downsample, r // info.downsample)
         assert s[schema.vae_moments_column(r)].dtype == np.float16
     assert s[schema.TEXT_EMBEDS].shape == (77, info.text_dim)
-    assert s[schema.INPUT_IDS].dtype == np.int32
+    assert schema.INPUT_IDS not in s and info.text == schema.TEXT_EMBEDS_ONLY  # the default, --text embeds
+    assert len(info.empty_input_ids) == 77 and info.text_encoder == info.model
     assert s[schema.CAPTION] == good[s[schema.KEY]][schema.RAW_CAPTION]
     assert (s[schema.WIDTH], s[schema.HEIGHT]) == (good[s[schema.KEY]][schema.WIDTH],
                                                        good[s[schema.KEY]][schema.HEIGHT])

@@ -2,6 +2,7 @@
 and each sample's random draws are its own (seed, epoch, key), read by a forward that compiles whole."""
 
 import numpy as np
+import pytest
 import torch
 
 from diffusion import schema
@@ -25,32 +26,39 @@ class RowsAsStream:
             yield {name: values[start:start + batch_size] for name, values in self.columns.items()}
 
 
-def test_the_same_rows_give_identical_batches_offline_and_online(train_kit, tmp_path):
+@pytest.mark.parametrize("text", [schema.TEXT_EMBEDS, schema.INPUT_IDS])
+def test_the_same_rows_give_identical_batches_offline_and_online(train_kit, tmp_path, text):
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=N)
     cfg = TrainLoaderConfig(path=mds, batch_size=8, num_workers=0, persistent_workers=False, shuffle=False,
                             caption_dropout=0.5)
     noise = NoiseDraws(seed=11, perturbation=True)
     offline = list(mds_source.build_dataloader(cfg, resolution=64, text_dim=kit_text_dim(train_kit), seed=11,
-                                               noise=noise))
+                                               noise=noise, text_column=text))
 
     from streaming import LocalDataset
     rows = LocalDataset(mds)
     names = (schema.vae_moments_column(64), schema.TEXT_EMBEDS, schema.INPUT_IDS, schema.CAPTION, schema.KEY)
     stream = {name: np.stack([rows[i][name] for i in range(N)]) if name not in (schema.CAPTION, schema.KEY)
               else np.array([rows[i][name] for i in range(N)], dtype=object) for name in names}
-    empty = np.load(f"{mds}/{schema.EMPTY_TEXT_EMBEDS}")
+    if text == schema.TEXT_EMBEDS:
+        empty = np.load(f"{mds}/{schema.EMPTY_TEXT_EMBEDS}")
+    else:
+        empty = np.asarray(schema.DatasetInfo.load(mds).empty_input_ids)
+    text_key = schema.BATCH_TEXT_EMBEDS if text == schema.TEXT_EMBEDS else schema.BATCH_INPUT_IDS
     # as online.py builds it: the same class, the training seed, the pass as the epoch
-    to_batch = ToModelBatch(64, empty, CaptionDropout(0.5, seed=11), noise)
+    to_batch = ToModelBatch(64, empty, CaptionDropout(0.5, seed=11), noise, text_column=text)
     online = list(ShardBatches(RowsAsStream(stream), batch_size=8, to_batch=to_batch, max_passes=1))
 
     assert len(offline) == len(online) == N // 8
     dropped = 0
     for a, b in zip(offline, online):
-        for key in (schema.BATCH_MOMENTS, schema.BATCH_TEXT_EMBEDS, schema.BATCH_INPUT_IDS, schema.BATCH_NOISE,
+        for key in (schema.BATCH_MOMENTS, text_key, schema.BATCH_NOISE,
                     schema.BATCH_POSTERIOR_NOISE, schema.BATCH_OFFSET_NOISE, schema.BATCH_TIMESTEP_DRAW,
                     schema.BATCH_PERTURBATION_NOISE):
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-        dropped += int((a[schema.BATCH_TEXT_EMBEDS] == torch.from_numpy(empty)).all(dim=(1, 2)).sum())
+        assert set(a) - {schema.BATCH_SAMPLE_INDEX} == set(b)  # only stored samples have an index
+        empty_rows = (a[text_key] == torch.from_numpy(empty).to(a[text_key].dtype))
+        dropped += int(empty_rows.flatten(1).all(dim=1).sum())
     assert 0 < dropped < N  # both sources dropped the same captions, and some were dropped
 
 

@@ -105,9 +105,12 @@ def test_batch_tensors_are_torch_with_the_contract_dtypes(mds, dim):
     batch = next(iter(mds_source.build_dataloader(_loader_cfg(mds), resolution=64, text_dim=dim)))
     assert all(isinstance(v, torch.Tensor) for v in batch.values())
     assert batch[schema.BATCH_MOMENTS].dtype == torch.float16
-    assert batch[schema.BATCH_INPUT_IDS].dtype == torch.int64
     assert batch[schema.BATCH_SAMPLE_INDEX].dtype == torch.int64
+    assert schema.BATCH_INPUT_IDS not in batch  # embeddings or ids, never both
     batch[schema.BATCH_TEXT_EMBEDS] += 1  # writable: the model may work in place
+    ids = next(iter(mds_source.build_dataloader(_loader_cfg(mds), resolution=64, text_dim=dim,
+                                                text_column=schema.INPUT_IDS)))
+    assert ids[schema.BATCH_INPUT_IDS].dtype == torch.int64 and schema.BATCH_TEXT_EMBEDS not in ids
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -117,12 +120,13 @@ def test_every_sample_reads_exactly_what_streaming_decodes(train_kit, tmp_path, 
     # has decompressed the shard), streaming's own path under a cache limit: the same values either way.
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=20, samples_per_shard=8,
                            compression=compression)
-    dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4,
-                                       cache_limit=cache_limit)
-    items = [dataset[i] for i in range(len(dataset))]
-    for i, item in enumerate(items):
-        stored = _stored(mds, i)
-        for column in (schema.vae_moments_column(64), schema.TEXT_EMBEDS, schema.INPUT_IDS):
-            np.testing.assert_array_equal(item[column], stored[column])
-        assert item[schema.KEY] == stored[schema.KEY] and item[schema.BATCH_SAMPLE_INDEX] == i
-    del dataset
+    for text in (schema.TEXT_EMBEDS, schema.INPUT_IDS):
+        dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4,
+                                           cache_limit=cache_limit, text_column=text)
+        items = [dataset[i] for i in range(len(dataset))]
+        for i, item in enumerate(items):
+            stored = _stored(mds, i)
+            for column in (schema.vae_moments_column(64), text):
+                np.testing.assert_array_equal(item[column], stored[column])
+            assert item[schema.KEY] == stored[schema.KEY] and item[schema.BATCH_SAMPLE_INDEX] == i
+        del dataset

@@ -98,11 +98,16 @@ def test_batches_follow_the_contract_and_drop_captions_to_the_empty_embedding():
                schema.CAPTION: np.array(["a"] * n, dtype=object),
                schema.KEY: np.array([f"{i:09d}" for i in range(n)], dtype=object)}
     batch = ToModelBatch(64, empty, CaptionDropout(0.25, seed=0))(columns, 0)
-    assert set(batch) == {schema.BATCH_MOMENTS, schema.BATCH_TEXT_EMBEDS, schema.BATCH_INPUT_IDS}
-    assert batch[schema.BATCH_MOMENTS].shape == (n, 8, 8, 8) and batch[schema.BATCH_INPUT_IDS].dtype == torch.long
+    assert set(batch) == {schema.BATCH_MOMENTS, schema.BATCH_TEXT_EMBEDS}
+    assert batch[schema.BATCH_MOMENTS].shape == (n, 8, 8, 8)
     dropped = (batch[schema.BATCH_TEXT_EMBEDS] == -1).all(dim=(1, 2))
     kept = (batch[schema.BATCH_TEXT_EMBEDS] == 1).all(dim=(1, 2))
     assert bool((dropped | kept).all()) and 0.15 < dropped.float().mean() < 0.35
+    # a stream of token ids (model.text=ids): the same captions dropped, to the empty caption's ids
+    empty_ids = np.array([49406, 49407] + [0] * 75, np.int32)
+    ids = ToModelBatch(64, empty_ids, CaptionDropout(0.25, seed=0), text_column=schema.INPUT_IDS)(columns, 0)
+    assert set(ids) == {schema.BATCH_MOMENTS, schema.BATCH_INPUT_IDS} and ids[schema.BATCH_INPUT_IDS].dtype == torch.long
+    assert torch.equal((ids[schema.BATCH_INPUT_IDS] == torch.from_numpy(empty_ids).long()).all(dim=1), dropped)
 
 
 class FakeShard:

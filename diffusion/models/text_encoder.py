@@ -1,0 +1,127 @@
+"""The frozen text encoder on the training device: conditioning from stored token ids.
+
+A dataset converted with ``--text ids`` holds the 77 token ids of each caption instead of the text
+encoder's 77×D output (308 bytes instead of ≈158 KB at SD2 size). Training then runs the text encoder
+itself, each step, on the batch's ids: frozen (no gradients, eval mode), in bf16 on a GPU (fp32 on the
+CPU, as the converter runs it there), its output rounded to float16 as stored embeddings are, so a
+step sees what it would have read from a dataset of embeddings of the same rows.
+
+:class:`FrozenTextEncoder` is deliberately not an ``nn.Module`` child of the ComposerModel: it is not
+trained, so it stays out of the optimizer, the EMA, the checkpoints (it is loaded again from its
+reference) and FSDP's wrapping, and each rank holds a whole copy (OpenCLIP-H's text encoder is ≈0.7 GB
+in bf16). It times itself, so a run can show the text encoder's share of step time
+(:class:`diffusion.callbacks.text_encoder_share.TextEncoderShare`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from diffusion import schema
+from diffusion.errors import DatasetMismatchError, ModelReferenceError
+from diffusion.models import loading
+
+# Largest difference allowed between the dataset's empty-caption embedding and this encoder's, relative
+# to the embedding's largest magnitude: float16 rounding and another summation order stay far below it,
+# another text encoder far above.
+EMPTY_EMBEDDING_TOLERANCE = 0.05
+
+
+def empty_caption_ids(tokenizer) -> np.ndarray:
+    """The token ids of "" (int32, 77): what caption dropout substitutes in a batch of ids."""
+    return tokenizer([""], padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
+                     return_tensors="np")["input_ids"][0].astype(np.int32)
+
+
+class FrozenTextEncoder:
+    """``encoder(input_ids)`` → float16 (B, 77, D) text embeddings, on the device of the ids.
+
+    The weights move to the ids' device (bf16 on CUDA, fp16 where bf16 is unsupported) the first time
+    they are needed there; the time each call takes is summed (CUDA events on a GPU, read only by
+    :meth:`take_seconds`, so timing adds no host sync to a step).
+    """
+
+    def __init__(self, model: torch.nn.Module, ref: str):
+        self.model = model.eval().requires_grad_(False)
+        self.ref = ref
+        self.dim = int(model.config.hidden_size)
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _on(self, device: torch.device) -> None:
+        current = next(self.model.parameters()).device
+        if current == device:
+            return
+        dtype = torch.float32
+        if device.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        self.model.to(device=device, dtype=dtype)
+
+    @torch.compiler.disable  # eager, timed; under trainer.compile the UNet's graph takes the embeddings as input
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._on(input_ids.device)
+        cuda = input_ids.device.type == "cuda"
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        else:
+            start = time.perf_counter()
+        with torch.no_grad():  # not inference_mode: the UNet's backward saves these embeddings
+            embeds = self.model(input_ids.long()).last_hidden_state.to(torch.float16)
+        if cuda:
+            end.record()
+            self._events.append((begin, end))
+        else:
+            self._seconds += time.perf_counter() - start
+        return embeds
+
+    def take_seconds(self) -> float:
+        """Seconds spent encoding since the last call (waits for the GPU's last encode to finish)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(b.elapsed_time(e) for b, e in self._events) / 1000.0
+            self._events.clear()
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
+def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
+                             where: str = "") -> FrozenTextEncoder:
+    """The text encoder of ``ref`` for training from ids, checked before the first step: it loads, its
+    width is the UNet's ``text_dim``, the ids fit its vocabulary, and where the dataset's empty-caption
+    embedding is given, it reproduces it from ``empty_input_ids`` (so the ids were made for it).
+    ``where`` says where the reference came from, for the error messages."""
+    where = f" ({where})" if where else ""
+    try:
+        model = loading.load_text_encoder(ref)
+    except ModelReferenceError as e:
+        raise ModelReferenceError(f"training from token ids needs the text encoder {ref!r}{where}, which cannot "
+                                  f"be loaded: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ModelReferenceError(f"training from token ids needs the text encoder {ref!r}{where}, which cannot "
+                                  f"be loaded ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    encoder = FrozenTextEncoder(model, ref)
+    if encoder.dim != int(text_dim):
+        raise DatasetMismatchError(f"text encoder {ref!r}{where} has width {encoder.dim} but the UNet's "
+                                   f"cross_attention_dim is {text_dim}: name the text encoder the UNet is made for")
+    ids = np.asarray(empty_input_ids, dtype=np.int64)
+    vocab = int(model.config.vocab_size)
+    if ids.shape != (schema.MAX_TOKENS,) or ids.min() < 0 or ids.max() >= vocab:
+        raise DatasetMismatchError(f"the dataset's token ids do not fit text encoder {ref!r}{where} (ids up to "
+                                   f"{int(ids.max())}, vocabulary {vocab}): name the text encoder it was converted for")
+    if empty_text_embeds is not None:
+        mine = encoder(torch.from_numpy(ids)[None])[0].float().numpy()
+        theirs = np.asarray(empty_text_embeds, dtype=np.float32)
+        scale = float(np.abs(theirs).max()) or 1.0
+        difference = float(np.abs(mine - theirs).max()) / scale if mine.shape == theirs.shape else float("inf")
+        if difference > EMPTY_EMBEDDING_TOLERANCE:
+            raise DatasetMismatchError(
+                f"text encoder {ref!r}{where} does not give the dataset's {schema.EMPTY_TEXT_EMBEDS} for the empty "
+                f"caption (largest difference {difference:.3g} of its scale; float rounding stays under "
+                f"{EMPTY_EMBEDDING_TOLERANCE}): the dataset's ids were made for another text encoder; name that one "
+                f"in model.text_encoder")
+        encoder.take_seconds()  # the check is not training time
+    return encoder
