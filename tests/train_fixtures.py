@@ -77,7 +77,11 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
         empty_embeds = encoder.encode_ids(empty_ids[None])[0]
     columns = schema.mds_columns([resolution], text_dim, text=text)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
-    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + schema.MAX_TOKENS * (text_dim * 2 + 4) + 200)
+    # A shard holds samples_per_shard samples whichever text columns are stored (the same rows give the
+    # same shards, so the same training order): array bytes plus a little for the strings and header.
+    text_bytes = sum({schema.TEXT_EMBEDS: schema.MAX_TOKENS * text_dim * 2, schema.INPUT_IDS: schema.MAX_TOKENS * 4}
+                     .get(name, 0) for name in schema.text_columns(text))
+    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + text_bytes + 100)
     with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
         for i in range(n):
             c = i % CLASSES

@@ -143,6 +143,32 @@ def test_shards_read_back_with_streaming(converted, manifest, sample_data):
 
 
 @pytest.mark.slow
+def test_text_ids_stores_token_ids_and_no_embeddings(converted, convert_config, tiny_kit, tmp_path):
+    # The same rows as the shared conversion (its first 32), stored with --text ids: the moments are the
+    # same, the embeddings are gone, the ids are the tokenizer's, and dataset.json says what it holds.
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.models.loading import load_tokenizer
+    summary = run_conversion(convert_config(tmp_path / "ids", text="ids", limit=32, deterministic=True))
+    ids_samples = {s[schema.KEY]: s for s in _read_back(tmp_path / "ids")}
+    embeds_samples = {s[schema.KEY]: s for s in _read_back(converted[0])}
+    assert len(ids_samples) == summary.written > 20
+    tokenizer = load_tokenizer(tiny_kit)
+    for key, s in ids_samples.items():
+        assert schema.TEXT_EMBEDS not in s and s[schema.INPUT_IDS].dtype == np.int32
+        want = tokenizer(s[schema.CAPTION], padding="max_length", max_length=77, truncation=True)["input_ids"]
+        assert s[schema.INPUT_IDS].tolist() == want
+        np.testing.assert_array_equal(s[schema.vae_moments_column(32)], embeds_samples[key][schema.vae_moments_column(32)])
+    info = schema.DatasetInfo.load(str(tmp_path / "ids"))
+    assert info.text == "ids" and info.text_encoder == tiny_kit
+    assert info.empty_input_ids == tokenizer("", padding="max_length", max_length=77)["input_ids"]
+    embeds_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(converted[0]) for f in fs
+                       if ".mds" in f) / len(embeds_samples)
+    ids_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "ids") for f in fs
+                    if ".mds" in f) / len(ids_samples)
+    assert ids_bytes < embeds_bytes / 2  # even with the tiny kit's 64-wide text encoder
+
+
+@pytest.mark.slow
 def test_stored_moments_match_a_direct_vae_encode(converted, convert_config, tiny_kit):
     from diffusion.convert.preview import input_crops
     from diffusion.convert.encoders import TextEncoder, VaeEncoder
@@ -227,7 +253,7 @@ def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag, value, setting", [("--resolutions", "32", "resolutions"),
-                                                  ("--min-size", "80", "min_size")])
+                                                  ("--min-size", "80", "min_size"), ("--text", "ids", "text")])
 def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit,
                                                                  flag, value, setting):
     out, _ = converted

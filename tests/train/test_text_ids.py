@@ -1,0 +1,155 @@
+"""Training from stored token ids (datasets converted with --text ids): the frozen text encoder runs in the
+step, training matches training from the stored embeddings of the same rows, caption dropout gives the
+empty caption's embedding, a resumed run is exact, and a wrong setup fails at start naming its cause."""
+
+import gc
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from composer.core import Callback
+
+from diffusion import schema
+from diffusion.callbacks.text_encoder_share import TextEncoderShare
+from diffusion.config import load_config
+from diffusion.errors import DatasetMismatchError, ModelReferenceError
+from diffusion.train.trainer import build_trainer
+from train_fixtures import tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+N = 48
+
+
+class RecordLosses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def after_loss(self, state, logger):
+        self.losses.append(float(state.loss))
+
+
+@pytest.fixture(scope="module")
+def datasets(train_kit, tiny_kit, tmp_path_factory):
+    """The same 48 rows three ways: embeddings only, ids only, both; the text is the tiny kit's real
+    tokenizer and text encoder (what the converter would store)."""
+    root = tmp_path_factory.mktemp("text")
+    return {text: write_latent_mds(str(root / text), kit=train_kit, n=N, text_encoder=tiny_kit, text=text)
+            for text in schema.TEXT_STORAGE}
+
+
+def _config(kit, mds, *extra, batches=6, save_folder=None):
+    return load_config(TINY, tiny_overrides(kit, mds, batches=batches, save_folder=save_folder, extra=extra))
+
+
+def _fit(cfg):
+    trainer = build_trainer(cfg)
+    losses = RecordLosses()
+    trainer.state.callbacks.append(losses)
+    trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
+    share = next((c.last for c in trainer.state.callbacks if isinstance(c, TextEncoderShare)), None)
+    trainer.close()
+    del trainer
+    gc.collect()  # releases the StreamingDataset's shared memory before the next run reuses the folder
+    return weights, losses.losses, share
+
+
+@pytest.mark.slow
+def test_training_from_ids_matches_training_from_the_stored_embeddings(train_kit, datasets):
+    # Tolerance: the text encoder runs on CPU in fp32 in both cases (the converter's embeddings here,
+    # the step's there) and both are rounded to float16, so only the batch composition (4 captions
+    # encoded together vs a batch of 8) can change a last bit: losses agree to 1e-4 relative per step.
+    embeds, embeds_losses, no_share = _fit(_config(train_kit, datasets["embeds"], "algorithms={}"))
+    ids, ids_losses, share = _fit(_config(train_kit, datasets["ids"], "algorithms={}"))  # model.text=auto
+    assert len(ids_losses) == len(embeds_losses) == 6
+    np.testing.assert_allclose(ids_losses, embeds_losses, rtol=1e-4)
+    assert ids_losses[-1] != ids_losses[0]  # it trained
+    for name in embeds:
+        torch.testing.assert_close(ids[name], embeds[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert all(name.startswith("unet.") for name in ids)  # the text encoder is no part of the trained model
+    assert no_share is None and share is not None and 0 < share < 1  # its share of step time is logged
+
+
+def test_caption_dropout_with_ids_gives_the_empty_captions_embedding(train_kit, datasets):
+    cfg = _config(train_kit, datasets["both"], "model.text=ids", "data.train.caption_dropout=0.5")
+    trainer = build_trainer(cfg)
+    model = trainer.state.model
+    empty_ids = torch.tensor(schema.DatasetInfo.load(datasets["both"]).empty_input_ids)
+    empty = torch.from_numpy(np.load(os.path.join(datasets["both"], schema.EMPTY_TEXT_EMBEDS)))
+    dropped = kept = 0
+    for batch in trainer.state.train_dataloader:
+        assert schema.BATCH_TEXT_EMBEDS not in batch  # the step encodes the ids
+        embeds = model.conditioning(batch)
+        for row, ids in enumerate(batch[schema.BATCH_INPUT_IDS]):
+            if torch.equal(ids, empty_ids):
+                dropped += 1
+                torch.testing.assert_close(embeds[row].float(), empty.float(), rtol=0, atol=2e-3)
+            else:
+                kept += 1
+                assert (embeds[row].float() - empty.float()).abs().max() > 0.1
+    assert dropped > 5 and kept > 5
+    trainer.close()
+    del trainer
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_resume_from_ids_equals_a_straight_run(train_kit, datasets, tmp_path):
+    n = 3
+    straight = tmp_path / "straight"
+    weights, losses, _ = _fit(_config(train_kit, datasets["ids"], "trainer.save_interval=3ba", batches=2 * n,
+                                      save_folder=str(straight)))
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    first = next(p for p in os.listdir(straight) if p.endswith(f"ba{n}-rank0.pt"))
+    shutil.copy(straight / first, resumed / first)
+    os.symlink(first, resumed / "latest-rank0.pt")
+    weights2, losses2, _ = _fit(_config(train_kit, datasets["ids"], "trainer.save_interval=3ba",
+                                        "trainer.autoresume=true", batches=2 * n, save_folder=str(resumed)))
+    assert losses2 == losses[n:]  # the same batches, dropout and noise after the restart: exactly
+    for name in weights:
+        assert torch.equal(weights2[name], weights[name]), name
+    checkpoint = torch.load(straight / first, map_location="cpu", weights_only=False)
+    assert all(k.startswith("unet.") or k == "_extra_state" for k in checkpoint["state"]["model"])
+
+
+def _other_text_encoder(tiny_kit, out) -> str:
+    """A kit whose text encoder has the tiny kit's shape but other weights."""
+    from transformers import CLIPTextModel
+    source = CLIPTextModel.from_pretrained(os.path.join(tiny_kit, "text_encoder"))
+    torch.manual_seed(1234)
+    CLIPTextModel(source.config).save_pretrained(os.path.join(out, "text_encoder"))
+    return str(out)
+
+
+def test_a_missing_or_wrong_text_encoder_fails_at_start_naming_it(train_kit, tiny_kit, datasets, tmp_path):
+    ids = datasets["ids"]
+    with pytest.raises(ModelReferenceError, match=r"text encoder .*/nowhere.* cannot be loaded"):
+        build_trainer(_config(train_kit, ids, f"model.text_encoder={tmp_path}/nowhere"))
+    # the training kit has the text encoder's config but no weights
+    with pytest.raises(ModelReferenceError, match=r"text encoder .*train_kit.*model.text_encoder.* no weights"):
+        build_trainer(_config(train_kit, ids, f"model.text_encoder={train_kit}"))
+    other = _other_text_encoder(tiny_kit, tmp_path / "other")
+    with pytest.raises(DatasetMismatchError, match=r"does not give the dataset's empty_text_embeds.npy"):
+        build_trainer(_config(train_kit, ids, f"model.text_encoder={other}"))
+    # the dataset's own record of its text encoder points nowhere (moved, or another machine's path)
+    moved = tmp_path / "moved"
+    shutil.copytree(ids, moved)
+    info = schema.DatasetInfo.load(str(moved))
+    info.text_encoder = str(tmp_path / "gone")
+    info.save(str(moved))
+    with pytest.raises(ModelReferenceError, match=r"text encoder .*gone.* \(the text encoder dataset.json records\)"):
+        build_trainer(_config(train_kit, str(moved)))
+
+
+def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(train_kit, datasets):
+    with pytest.raises(DatasetMismatchError, match=r"holds token ids but no text embeddings .* model.text=embeds"):
+        build_trainer(_config(train_kit, datasets["ids"], "model.text=embeds"))
+    with pytest.raises(DatasetMismatchError, match=r"holds no token ids .* model.text=ids"):
+        build_trainer(_config(train_kit, datasets["embeds"], "model.text=ids"))
+    mix = ["data.train.path=null", f"data.train.streams=[{{path: {datasets['embeds']}}}, {{path: {datasets['ids']}}}]"]
+    with pytest.raises(DatasetMismatchError, match=r"holds text embeddings only where .* holds token ids only"):
+        build_trainer(_config(train_kit, datasets["embeds"], *mix))
