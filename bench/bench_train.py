@@ -3,12 +3,18 @@
     python bench/bench_train.py                               # full SD2-base UNet, on the GPU
     torchrun --nproc_per_node 8 bench/bench_train.py --fsdp   # FSDP over the node
     python bench/bench_train.py --tiny --device cpu           # smoke run of the tiny UNet (CPU)
+    python bench/bench_train.py --text embeds ids             # also: text encoded in the step (--text ids data)
 
 One step = UNet forward on noised latents + MSE on the noise + backward + AdamW, on synthetic
 latents and text embeddings (the data path has its own benchmark). MFU = training FLOPs per image
 (539 GFLOP at 256 and 2,409 at 512 for SD2-base, DESIGN.md; counted with torch's FlopCounterMode for
 other configs) x images/s / peak (--peak-tflops; default A100 312, H100 800 as measured, per DESIGN.md).
 Ends with the headline: best MFU at each resolution against the anchors (MosaicML 24% / 28%).
+
+``--text ids`` runs each step as training from a dataset of token ids does: the frozen text encoder
+(the kit's config, random weights; :class:`diffusion.models.text_encoder.FrozenTextEncoder`, bf16 on a
+GPU) encodes the batch's ids before the UNet. With ``--text embeds ids`` every variant is timed both ways
+in the same run, and the table adds the step-time ratio ids / embeds; MFU counts the UNet's FLOPs only.
 """
 
 from __future__ import annotations
@@ -45,8 +51,20 @@ def synthetic_batch(config: dict, batch: int, resolution: int, device, factor: i
     return latents, text, timesteps
 
 
-def train_step(unet, optimizer, batch, autocast):
+def frozen_text_encoder(kit: str, device):
+    """The kit's text encoder (config only: random weights), frozen, as training from ids runs it."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from diffusion.models.text_encoder import FrozenTextEncoder
+    config = CLIPTextConfig.from_pretrained(os.path.join(kit, "text_encoder"))
+    torch.manual_seed(0)
+    return FrozenTextEncoder(CLIPTextModel(config), kit)
+
+
+def train_step(unet, optimizer, batch, autocast, text_encoder=None):
     latents, text, timesteps = batch
+    if text_encoder is not None:  # text holds token ids: encode them in the step
+        text = text_encoder(text)
     noise = torch.randn_like(latents)
     with autocast:
         pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
@@ -84,7 +102,8 @@ def wrap_fsdp(unet):
     return fully_shard(unet)
 
 
-def bench_one(config, resolution, batch_size, device, *, channels_last, compile_, fsdp, steps, warmup):
+def bench_one(config, resolution, batch_size, device, *, channels_last, compile_, fsdp, steps, warmup,
+              text_encoder=None):
     torch.manual_seed(0)
     unet = build_unet(config, device=device).train()
     if channels_last:
@@ -94,16 +113,19 @@ def bench_one(config, resolution, batch_size, device, *, channels_last, compile_
     model = torch.compile(unet) if compile_ else unet
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = synthetic_batch(config, batch_size, resolution, device)
+    if text_encoder is not None:  # token ids in place of embeddings
+        vocab = int(text_encoder.model.config.vocab_size)
+        batch = (batch[0], torch.randint(0, vocab, (batch_size, 77), device=device), batch[2])
     if channels_last:
         batch = (batch[0].contiguous(memory_format=torch.channels_last), *batch[1:])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        train_step(model, optimizer, batch, autocast)
+        train_step(model, optimizer, batch, autocast, text_encoder)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        loss = train_step(model, optimizer, batch, autocast)
+        loss = train_step(model, optimizer, batch, autocast, text_encoder)
     sync()
     seconds = time.perf_counter() - start
     if not torch.isfinite(loss):
@@ -121,6 +143,8 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", help="eager channels_last compile channels_last+compile (default: all; "
                    "eager and channels_last with --tiny)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    p.add_argument("--text", nargs="+", default=["embeds"], choices=["embeds", "ids"],
+                   help="conditioning: stored embeddings, and/or token ids encoded in the step (default embeds)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: A100 312, H100 800)")
@@ -143,6 +167,7 @@ def main(argv=None):
                                   [64 if r <= 256 else 16 for r in args.resolutions])
     peak = args.peak_tflops or default_peak_tflops(device)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    encoder = frozen_text_encoder(kit, device) if "ids" in args.text else None
     rows, best = [], {}
     for resolution, batch_size in zip(args.resolutions, batches):
         counted = count_gflop_per_image(config, resolution)  # on the meta device: instant
@@ -150,18 +175,25 @@ def main(argv=None):
         if rank0 and gflop != counted:
             print(f"FLOP check {resolution}px: counted {counted:.1f} GFLOP/image, DESIGN.md {gflop:.0f}")
         for variant in args.variants:
-            rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
-                             compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps, warmup=args.warmup)
-            mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
-            best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
-            rows.append((resolution, variant + (" +fsdp" if args.fsdp else ""), batch_size, rate, gflop, mfu))
+            for text in args.text:
+                rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
+                                 compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps, warmup=args.warmup,
+                                 text_encoder=encoder if text == "ids" else None)
+                mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
+                if text == "embeds":
+                    best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
+                name = variant + (" +fsdp" if args.fsdp else "") + (" text=ids" if text == "ids" else "")
+                rows.append((resolution, name, batch_size, rate, gflop, mfu))
     if rank0:
         print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, "
               f"kit: {kit}, peak: {peak or 'n/a'} TFLOP/s")
-        print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU':>7}")
+        print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU':>7} {'step vs embeds':>15}")
+        rates = {(res, name): rate for res, name, _, rate, _, _ in rows}
         for res, variant, bs, rate, gflop, mfu in rows:
+            base = rates.get((res, variant.replace(" text=ids", ""))) if variant.endswith("text=ids") else None
+            ratio = f"{base / rate:.2f}x" if base else ""
             print(f"{res:>5} {variant:<28} {bs:>5} {rate:>10.2f} {gflop:>10.1f} "
-                  f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>7}")
+                  f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>7} {ratio:>15}")
         for res in best:
             anchor = ANCHOR_MFU.get(res)
             print(f"headline {res}px: best MFU {best[res]:.1%}" +

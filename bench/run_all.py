@@ -38,7 +38,8 @@ def plan(tmp: str) -> list[tuple[str, list[str]]]:
                     "--batch-size", "8", "--batches", "3"]),
         ("loader", [py, str(BENCH / "bench_loader.py"), "--samples", "1024"]),
         ("cost", [py, "-m", "diffusion.cost"]),
-        ("train", [py, str(BENCH / "bench_train.py"), "--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1"]),
+        ("train", [py, str(BENCH / "bench_train.py"), "--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1",
+                   "--text", "embeds", "ids"]),
     ]
 
 
