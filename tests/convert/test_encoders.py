@@ -38,6 +38,24 @@ def test_output_columns_shapes_and_dtypes(encoder):
     assert out[schema.vae_moments_column(32)].dtype == np.float16
     assert out[schema.TEXT_EMBEDS].shape == (3, 77, encoder.text.dim)
     assert out[schema.TEXT_EMBEDS].dtype == np.float16
+    assert schema.INPUT_IDS not in out  # --text embeds, the default
+
+
+def test_text_ids_passes_the_ids_through_and_runs_no_text_encoder(tiny_kit):
+    # What --text ids, and online mode with model.text=ids, run in the encode stage.
+    from diffusion.config import load_config
+    from diffusion.train.stream_source import convert_config
+    encoder = LatentTextEncoder(tiny_kit, [32], device="cpu", text="ids")
+    assert encoder.text is None
+    batch = _batch(3, np.random.default_rng(0))
+    batch[schema.INPUT_IDS][:, 0] = [5, 6, 7]
+    out = encoder(batch)
+    assert schema.TEXT_EMBEDS not in out and out[schema.INPUT_IDS][:, 0].tolist() == [5, 6, 7]
+    both = LatentTextEncoder(tiny_kit, [32], device="cpu", text="both")(batch)
+    assert {schema.TEXT_EMBEDS, schema.INPUT_IDS} <= set(both)
+    for text, stored in (("ids", "ids"), ("auto", "embeds"), ("embeds", "embeds")):
+        cfg = load_config("yamls/tiny-online-cpu.yaml", [f"model.ref={tiny_kit}", f"model.text={text}"])
+        assert convert_config(cfg, "work").text == stored
     assert not any(c.startswith("image_") for c in out)  # images stop here
 
 
