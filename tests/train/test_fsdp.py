@@ -124,6 +124,7 @@ for variant in json.loads(os.environ["VARIANTS"]):
         ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
         record["ema"] = ema.state_dict()["ema_params"]
     record["forwards"] = recorder.forwards
+    record["encodes_text"] = model.text_encoder is not None
     torch.save(record, os.path.join(out, f"{variant['name']}-rank{rank}.pt"))
     trainer.close()
     del trainer, model
@@ -135,10 +136,12 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(train_kit, tmp_path_factory):
+def fsdp_runs(train_kit, tiny_kit, tmp_path_factory):
     """Launch once: every variant, both ranks; returns (record dir, checkpoint folder of the NaN run)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     mds = write_latent_mds(str(tmp / "mds"), kit=train_kit, n=48)
+    # the same rows stored as token ids (--text ids): the kill-and-resume runs encode text in the step
+    ids = write_latent_mds(str(tmp / "ids"), kit=train_kit, n=48, text_encoder=tiny_kit, text="ids")
     held_out = write_latent_mds(str(tmp / "eval"), kit=train_kit, n=8, seed=1)
     ckpt = tmp / "ckpt"
     # 3 batches of 8 (4 per rank, 2 microbatches of 2); lr high and EMA slow so that the EMA and the
@@ -162,7 +165,7 @@ def fsdp_runs(train_kit, tmp_path_factory):
     for name, folder in (("straight", tmp / "straight"), ("resumed", tmp / "resumed")):
         variants.append({"name": name, "resume_from": [str(tmp / "straight"), "ep0-ba2-rank0.pt", str(folder)]
                          if name == "resumed" else None, "overrides": [
-            "trainer.fsdp={sharding_strategy: FULL_SHARD}", f"trainer.save_folder={folder}",
+            "trainer.fsdp={sharding_strategy: FULL_SHARD}", f"trainer.save_folder={folder}", f"data.train.path={ids}",
             "trainer.save_interval=2ba", "trainer.max_duration=4ba", "trainer.autoresume=true"]})
     result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], port=29541,
                              env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants)})
@@ -273,10 +276,13 @@ def test_a_nan_in_one_ranks_first_microbatch_stops_both_before_its_checkpoint(fs
 @pytest.mark.slow
 def test_kill_and_resume_under_fsdp_equals_a_straight_run(fsdp_runs):
     """4 batches straight == 2, killed, autoresumed from the batch-2 checkpoint, 2 more: the same
-    training forwards, final weights, EMA and optimizer state (FULL_SHARD, full checkpoints)."""
+    training forwards, final weights, EMA and optimizer state (FULL_SHARD, full checkpoints), training
+    from token ids (each rank's frozen text encoder, outside FSDP's wrapping, encodes its batches)."""
     tmp, _ = fsdp_runs
     for rank in (0, 1):
         straight, resumed = _load(tmp, "straight", rank), _load(tmp, "resumed", rank)
+        assert straight["encodes_text"] and resumed["encodes_text"]
+        assert not _load(tmp, "FULL_SHARD-plain", rank)["encodes_text"]
         assert sorted(_forwards(resumed, "train")) == [2, 3]  # it did not redo batches 1-2
         for batch, weights in _forwards(resumed, "train").items():
             torch.testing.assert_close(weights[0], _forwards(straight, "train")[batch][0], rtol=1e-5, atol=1e-6)
