@@ -132,7 +132,7 @@ def main(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
 
-    from diffusion.train.mds_source import pick_hash
+    from diffusion.train.shard_checks import pick_hash
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or write_synthetic(os.path.join(tmp, f"mds-{uuid.uuid4().hex[:8]}"), args.samples,
                                                 args.resolution or 256, hashes=tuple(args.hashes))

@@ -1,5 +1,8 @@
 """Training batches from MDS shards (local or remote) with mosaicml-streaming.
 
+What the datasets record beside their shards is read and checked first (:mod:`diffusion.train.dataset_info`);
+the shard checks themselves are :mod:`diffusion.train.shard_checks`.
+
 Each rank reads a disjoint part of every epoch; the sample order is a function of the shuffle seed and
 the number of canonical nodes only, so a resumed run (Composer restores the dataset's state) continues
 mid-epoch in the same order. ``data.train.streams`` reads a weighted mix of datasets (streaming's
@@ -29,83 +32,28 @@ ever returned.
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import math
 import mmap
 import os
 import struct
-import tempfile
 import threading
-import types
-import urllib.parse
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.dataset import _ShardState
-from streaming.base.format import get_index_basename
 from streaming.base.format.base.reader import FileInfo
 from streaming.base.format.mds.reader import MDSReader
-from streaming.base.hashing import get_hash, is_hash
-from streaming.base.shared import SharedArray
-from streaming.base.shared.prefix import _get_path
-from streaming.base.storage import CloudDownloader
-from streaming.base.world import World
 
 from diffusion import schema
-from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
+from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
-
-
-def is_remote(path: str) -> bool:
-    return urllib.parse.urlparse(path).scheme not in ("", "file")
-
-
-def fetch_side_file(path: str, name: str, timeout: float = 120.0) -> str:
-    """A local copy (or the local path) of ``name`` beside the shards' ``index.json``."""
-    if not is_remote(path):
-        return os.path.join(path, name)
-    share_endpoint_with_streaming()
-    local = os.path.join(tempfile.mkdtemp(prefix="mds-meta-"), name)  # per process: no download races
-    remote = path.rstrip("/") + "/" + name
-    try:
-        CloudDownloader.direct_download(remote, local, timeout=timeout)
-    except Exception as e:
-        raise FileNotFoundError(f"could not download {remote} ({type(e).__name__}: {e}): "
-                                f"is {path!r} a dataset written by convert/laion_to_mds.py?") from e
-    return local
-
-
-def read_dataset_info(path: str, timeout: float = 120.0) -> schema.DatasetInfo:
-    """``dataset.json`` of a local directory or a remote URI."""
-    local = fetch_side_file(path, schema.DATASET_JSON, timeout)
-    try:
-        return schema.DatasetInfo.load(os.path.dirname(local))
-    except (FileNotFoundError, UserError):
-        raise
-    except (ValueError, TypeError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
-        where = local if not is_remote(path) else path.rstrip("/") + "/" + schema.DATASET_JSON
-        raise DataIntegrityError(f"{where} is not a dataset.json written by convert/laion_to_mds.py "
-                                 f"({type(e).__name__}: {_one_line(e)}): restore it from a copy or re-convert "
-                                 f"the dataset") from e
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
-def check_compatible(info: schema.DatasetInfo, path: str, resolution: int, text_dim: int) -> None:
-    if resolution not in info.resolutions:
-        raise DatasetMismatchError(
-            f"{path}: the shards hold resolutions {info.resolutions} but the model trains at {resolution} "
-            f"(set model.resolution to one of them, or convert with --resolutions {resolution})")
-    if info.text_dim != text_dim:
-        raise DatasetMismatchError(
-            f"{path}: text embeddings have dimension {info.text_dim} (from {info.model}) but the UNet's "
-            f"cross_attention_dim is {text_dim}: convert with the model's own text encoder")
+from diffusion.train.dataset_info import (is_remote, load_empty_embedding, load_empty_input_ids, loader_streams,
+                                          one_line, read_loader_info, section_name)
+from diffusion.train.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
+                                          pick_hash, shared_flags, size_problem)
 
 
 class _ShardLayout:
@@ -158,101 +106,6 @@ class _ShardLayout:
         return out
 
 
-# ---- integrity: every shard checked against index.json before a sample of it is returned ----------------
-
-# Hashes to check a shard with, fastest first (xxh3 ~3x xxh64 on one core); any other the index records
-# comes after these (sha1 and md5 are 4-10x slower than xxh64).
-HASH_PREFERENCE = ("xxh3_64", "xxh128", "xxh3_128", "xxh64", "xxh32")
-_VERIFIED_SHM = "verified_shards"  # per node: 1 once a shard's raw files were checked
-
-
-def pick_hash(recorded) -> str | None:
-    """The algorithm to check a file with, of those its index entry records; None if it records none."""
-    usable = [algo for algo in recorded if is_hash(algo)]
-    return next((algo for algo in HASH_PREFERENCE if algo in usable), min(usable, default=None))
-
-
-def _size_problem(size: int, info: FileInfo) -> str | None:
-    if size != info.bytes:
-        return f"is {size:,} bytes where index.json records {info.bytes:,} (truncated or overwritten)"
-    return None
-
-
-def _mds_problem(data, samples: int) -> str | None:
-    """What is wrong with an MDS shard's header (sample count, offset table) given the index's count."""
-    if len(data) < 4:
-        return "has no MDS header"
-    count, = struct.unpack_from("<I", data, 0)
-    if count != samples:
-        return f"holds {count:,} samples where index.json records {samples:,}"
-    if len(data) < 4 * (count + 2):
-        return "is shorter than its MDS offset table"
-    offsets = np.frombuffer(data[4:4 * (count + 2)], "<u4").astype(np.int64)  # a copy: the map stays closable
-    # [count][count + 1 offsets][the writer's config, JSON][samples]
-    if offsets[0] < 4 * (count + 2) or offsets[-1] != len(data) or (np.diff(offsets) < 0).any():
-        return "has a corrupt MDS offset table"
-    return None
-
-
-def check_file(path: str, info: FileInfo, algo: str | None, *, samples: int | None = None, data=None) -> str | None:
-    """What is wrong with the shard file at ``path`` given its index entry ``info``, or None: its size,
-    its MDS header when ``samples`` (the index's sample count) is given, its ``algo`` hash unless None.
-    ``data``: the file already mapped. Raises FileNotFoundError for a file that is not there."""
-    if data is not None:
-        return _size_problem(len(data), info) or _content_problem(data, info, algo, samples)
-    with open(path, "rb") as f:
-        problem = _size_problem(os.fstat(f.fileno()).st_size, info)
-        if problem:
-            return problem
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _content_problem(data, info, algo, samples)
-
-
-def _content_problem(data, info: FileInfo, algo: str | None, samples: int | None) -> str | None:
-    problem = _mds_problem(data, samples) if samples is not None else None
-    if problem is None and algo is not None and get_hash(algo, data) != info.hashes[algo]:
-        problem = f"does not match its {algo} hash in index.json (its bytes changed on disk or in transfer)"
-    return problem
-
-
-class _CheckedStream(Stream):
-    """A stream whose index.json is checked as it is loaded: one that cannot be used is named."""
-
-    def get_shards(self, world: World, allow_unsafe_types: bool) -> list:
-        index = os.path.join(self.remote or self.local, self.split, get_index_basename())
-        fix = "restore it from a copy, or re-convert the dataset"
-        if self.remote is None and not os.path.isfile(index):
-            raise DataIntegrityError(f"{index} is missing: is {self.local} a dataset written by "
-                                     f"convert/laion_to_mds.py? If so, {fix}")
-        try:
-            shards = super().get_shards(world, allow_unsafe_types)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
-            raise DataIntegrityError(f"{index} is not a usable MDS index ({type(e).__name__}: {_one_line(e)}): "
-                                     f"{fix}") from e
-        for i, shard in enumerate(shards):
-            infos = [info for pair in shard.file_pairs for info in pair if info is not None]
-            if not (isinstance(shard.samples, int) and shard.samples >= 0) or not all(
-                    isinstance(info.bytes, int) and info.bytes > 0 and isinstance(info.hashes, dict)
-                    and isinstance(info.basename, str) and not os.path.isabs(info.basename)
-                    and ".." not in info.basename.split("/") for info in infos):
-                raise DataIntegrityError(f"{index} is not a usable MDS index (shard {i}: samples "
-                                         f"{shard.samples!r}, files {[vars(info) for info in infos]}): {fix}")
-        return shards
-
-
-def _shared_flags(dataset: StreamingDataset) -> Any:
-    """One byte per shard, shared by every process of the node reading this dataset (per process when a
-    stale segment of another size is in the way); cleared by the local leader."""
-    try:
-        flags = SharedArray(dataset.num_shards, np.uint8, _get_path(dataset._shm_prefix_int, _VERIFIED_SHM))
-        flags.numpy()  # a stale, smaller segment: TypeError
-    except (TypeError, ValueError, OSError):
-        flags = np.zeros(dataset.num_shards, np.uint8)
-    if dataset._unique_rank_world.is_local_leader:
-        flags[:] = 0  # a segment another dataset of this process left behind (the same prefix) is stale
-    return flags
-
-
 class LatentDataset(StreamingDataset):
     """MDS rows → samples: unscaled moments at one resolution, the text column (``text_embeds``, or
     ``input_ids`` when the model encodes them), the sample's key and index, and the epoch it is read in.
@@ -265,10 +118,10 @@ class LatentDataset(StreamingDataset):
     max_open_shards = 256  # memory maps kept open per process
 
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
-                 streams: Sequence[_CheckedStream] | None = None, verify_hashes: bool = True,
+                 streams: Sequence[CheckedStream] | None = None, verify_hashes: bool = True,
                  text_column: str = schema.TEXT_EMBEDS, **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
-            streams = [_CheckedStream(remote=remote, local=local)]
+            streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
             raise ValueError("give remote/local (one dataset) or streams (a mix), not both")
         super().__init__(streams=list(streams), **streaming_kwargs)
@@ -287,7 +140,7 @@ class LatentDataset(StreamingDataset):
                 recorded = [set(info.hashes) for shard in self.shards[begin:begin + self.shards_per_stream[stream_id]]
                             for pair in shard.file_pairs for info in pair if info is not None]
                 stream.validate_hash = pick_hash(set.intersection(*recorded)) if recorded else None
-        self._verified = _shared_flags(self)
+        self._verified = shared_flags(self)
         self._check_files()
 
     def __getstate__(self):  # memory maps and locks stay in the process that made them
@@ -349,7 +202,7 @@ class LatentDataset(StreamingDataset):
                 for pair in self.shards[shard_id].file_pairs:
                     present = [info for info in pair if info is not None and self._path(stream, info) in listing]
                     for info in present:
-                        problem = _size_problem(os.stat(self._path(stream, info)).st_size, info)
+                        problem = size_problem(os.stat(self._path(stream, info)).st_size, info)
                         if problem:
                             raise self._corrupt(shard_id, info, problem)
                     if not present and stream.remote in (None, stream.local):
@@ -425,7 +278,7 @@ class LatentDataset(StreamingDataset):
         raw_info, zip_info = shard.file_pairs[0]
         return DataIntegrityError(
             f"shard {self._path(stream, zip_info or raw_info)} of dataset {stream.local} could not be read "
-            f"({type(error).__name__}: {_one_line(error)}): restore it from a copy, or re-convert the dataset")
+            f"({type(error).__name__}: {one_line(error)}): restore it from a copy, or re-convert the dataset")
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         """Streaming's download/decompress step (run by its prefetch thread ahead of reading), then the
@@ -479,7 +332,7 @@ class LatentDataset(StreamingDataset):
         if data is None:
             info = self.shards[shard_id].raw_data
             with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded or decompressed yet
-                problem = _size_problem(os.fstat(f.fileno()).st_size, info)
+                problem = size_problem(os.fstat(f.fileno()).st_size, info)
                 if problem:
                     raise self._fail(self._corrupt(shard_id, info, problem))
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -516,7 +369,7 @@ class LatentDataset(StreamingDataset):
                     return layout.arrays(data, begin, end)
                 except ValueError as e:  # UnicodeDecodeError too
                     raise self._fail(self._corrupt(shard_id, self.shards[shard_id].raw_data,
-                                                   f"has a corrupt sample {sample_in_shard} ({_one_line(e)})"))
+                                                   f"has a corrupt sample {sample_in_shard} ({one_line(e)})"))
         if not self._verified[shard_id]:
             self.prepare_shard(shard_id)  # there, and checked once there
         row = super().__getitem__(index)
@@ -536,125 +389,7 @@ class LatentDataset(StreamingDataset):
         return row
 
 
-def needs_decompression_cache(path: str) -> bool:
-    """Whether the local dataset at ``path`` holds compressed shards not yet decompressed where their
-    raw file cannot be written (a read-only directory or file system). Streaming decompresses a shard
-    beside its compressed file; here it cannot, so the shards are read through a cache directory."""
-    try:
-        with open(os.path.join(path, get_index_basename())) as f:
-            shards = json.load(f)["shards"]
-        wanted = {os.path.dirname(os.path.join(path, shard["raw_data"]["basename"])) for shard in shards
-                  if shard.get("zip_data") and not os.path.exists(os.path.join(path, shard["raw_data"]["basename"]))}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False  # no usable index: the stream's own check names it
-    return any(os.path.isdir(d) and not os.access(d, os.W_OK) for d in wanted)
-
-
-def decompression_cache(path: str) -> str:
-    """The cache directory a read-only compressed dataset is decompressed into (``data.*.local`` unset):
-    the same on every run, so a restart reuses what was decompressed."""
-    digest = hashlib.sha1(os.path.realpath(path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "diffusion-mds-cache", digest)
-
-
-def _section(loader_cfg) -> str:
-    return "data.eval" if type(loader_cfg).__name__ == "EvalLoaderConfig" else "data.train"
-
-
-def loader_streams(loader_cfg) -> list[tuple[str, Any]]:
-    """The datasets a loader section reads, each as (its name in errors, its entry): ``data.train.streams``
-    (entries with path, local, proportion, repeat, choose), or the section's one ``path``."""
-    streams = getattr(loader_cfg, "streams", None)
-    if not streams:
-        one = types.SimpleNamespace(path=loader_cfg.path, local=loader_cfg.local, proportion=None, repeat=None,
-                                    choose=None)
-        return [(loader_cfg.path, one)]
-    return [(f"{_section(loader_cfg)}.streams[{i}] ({s.path})", s) for i, s in enumerate(streams)]
-
-
-# What training depends on in dataset.json: every stream of a mix must record the same.
-AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim")
-
-
-def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | None = None) -> schema.DatasetInfo:
-    """``dataset.json`` of the section's dataset (of a mix: its first stream's, once every stream's agrees
-    with it on :data:`AGREED_FIELDS` and on holding the ``resolution`` column), checked against the
-    model's ``resolution`` and ``text_dim`` where given."""
-    streams = loader_streams(loader_cfg)
-    infos = [read_dataset_info(entry.path, loader_cfg.download_timeout) for _, entry in streams]
-    (first_name, _), first = streams[0], infos[0]
-    for (name, _), info in zip(streams[1:], infos[1:]):
-        for field in AGREED_FIELDS:
-            if getattr(info, field) != getattr(first, field):
-                raise DatasetMismatchError(
-                    f"{name}: dataset.json records {field}={getattr(info, field)!r} where {first_name} records "
-                    f"{field}={getattr(first, field)!r}: every stream of a mix must be converted with the same "
-                    f"model (VAE scaling factor, text encoder)")
-        if resolution is not None and (resolution in info.resolutions) != (resolution in first.resolutions):
-            has, lacks = (first_name, name) if resolution in first.resolutions else (name, first_name)
-            raise DatasetMismatchError(
-                f"{lacks} has no {schema.vae_moments_column(resolution)} column where {has} has (the model "
-                f"trains at {resolution}): convert it with --resolutions {resolution}, or leave it out of the mix")
-    if resolution is not None and text_dim is not None:
-        for (name, _), info in zip(streams, infos):
-            check_compatible(info, name, resolution, text_dim)
-    return first
-
-
-def text_column(model_text: str, sections) -> str:
-    """The text column training reads from the datasets of ``sections`` (``data.train``, ``data.eval``):
-    ``text_embeds`` or ``input_ids`` (which the model's text encoder encodes), for ``model.text``
-    (``embeds``, ``ids`` or ``auto``: embeddings where every dataset holds them, else ids). A dataset
-    that lacks the column, or a mix of datasets of embeddings only and of ids only, is refused."""
-    holds = []  # (name, its text storage)
-    for section in sections:
-        for name, entry in loader_streams(section):
-            holds.append((name, read_dataset_info(entry.path, section.download_timeout).text))
-    wanted = model_text
-    if wanted == "auto":
-        wanted = "embeds" if all(t != schema.TEXT_IDS_ONLY for _, t in holds) else "ids"
-    column = schema.TEXT_EMBEDS if wanted == "embeds" else schema.INPUT_IDS
-    lacking = [(name, text) for name, text in holds if column not in schema.text_columns(text)]
-    if lacking:
-        name, text = lacking[0]
-        if model_text == "auto":  # ids chosen because some dataset holds only ids: this one holds only embeds
-            ids_only = next(n for n, t in holds if t == schema.TEXT_IDS_ONLY)
-            raise DatasetMismatchError(
-                f"{name} holds text embeddings only where {ids_only} holds token ids only (converted with --text "
-                f"embeds and --text ids): a run conditions every sample one way; convert one of them again with "
-                f"--text both, or with the other's --text")
-        if column == schema.INPUT_IDS:
-            raise DatasetMismatchError(
-                f"{name} holds no token ids (converted with --text embeds) but model.text=ids: set model.text to "
-                f"embeds or auto, or convert with --text ids or both")
-        raise DatasetMismatchError(
-            f"{name} holds token ids but no text embeddings (converted with --text ids) and model.text=embeds: "
-            f"set model.text to ids or auto (the text encoder then runs on the training device), or convert with "
-            f"--text embeds or both")
-    return column
-
-
-def load_empty_input_ids(loader_cfg) -> np.ndarray:
-    """The token ids of "" that caption dropout substitutes in a batch of ids: ``dataset.json``'s
-    ``empty_input_ids`` (a dataset written before it was recorded: its tokenizer's), equal for every
-    stream of a mix."""
-    loaded = []
-    for name, entry in loader_streams(loader_cfg):
-        info = read_dataset_info(entry.path, loader_cfg.download_timeout)
-        if info.empty_input_ids is not None:
-            ids = np.asarray(info.empty_input_ids, dtype=np.int64)
-        else:
-            from diffusion.models.loading import load_tokenizer
-            from diffusion.models.text_encoder import empty_caption_ids
-            ids = empty_caption_ids(load_tokenizer(info.text_encoder_ref)).astype(np.int64)
-        if loaded and not np.array_equal(loaded[0][1], ids):
-            raise DatasetMismatchError(f"{name}: the token ids of the empty caption differ from those of "
-                                       f"{loaded[0][0]}: every stream of a mix must be tokenized by the same tokenizer")
-        loaded.append((name, ids))
-    return loaded[0][1]
-
-
-def _checked_stream(entry) -> _CheckedStream:
+def _checked_stream(entry) -> CheckedStream:
     """A local dataset is read in place, except compressed shards whose directory cannot be written (see
     :func:`build_dataset`); a remote one is downloaded into ``entry.local``."""
     path = entry.path
@@ -665,7 +400,7 @@ def _checked_stream(entry) -> _CheckedStream:
         remote, local = path, entry.local or decompression_cache(path)
     else:
         remote, local = None, path
-    return _CheckedStream(remote=remote, local=local, proportion=entry.proportion, repeat=entry.repeat,
+    return CheckedStream(remote=remote, local=local, proportion=entry.proportion, repeat=entry.repeat,
                           choose=entry.choose)
 
 
@@ -689,39 +424,13 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples)
 
 
-def load_empty_embedding(loader_cfg) -> np.ndarray:
-    """``empty_text_embeds.npy`` of the section's dataset; of a mix, the first stream's, checked equal in
-    every other stream (caption dropout substitutes one embedding whatever stream a sample is from)."""
-    loaded = []
-    for name, entry in loader_streams(loader_cfg):
-        path = fetch_side_file(entry.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
-        try:
-            empty = np.load(path)
-        except FileNotFoundError:
-            raise
-        except (ValueError, OSError, EOFError) as e:
-            raise DataIntegrityError(f"{path} is not an array written by convert/laion_to_mds.py "
-                                     f"({type(e).__name__}: {_one_line(e)}): restore it from a copy, or re-convert "
-                                     f"the dataset") from e
-        if loaded:
-            first_name, first = loaded[0]
-            if first.shape != empty.shape or not np.array_equal(first, empty):
-                how = (f"shape {empty.shape} vs {first.shape}" if first.shape != empty.shape
-                       else "other values")
-                raise DatasetMismatchError(
-                    f"{name}: its {schema.EMPTY_TEXT_EMBEDS} differs from that of {first_name} ({how}): every "
-                    f"stream of a mix must be converted with the same text encoder")
-        loaded.append((name, empty))
-    return loaded[0][1]
-
-
 def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) -> None:
     """Refuse a batch larger than an epoch: every batch would be dropped as incomplete, and training
     would wait forever for its first one."""
     per_rank = math.ceil(dataset.epoch_size / world_size)  # streaming pads each rank's share to this
     if per_rank >= loader_cfg.batch_size // world_size:
         return
-    section = _section(loader_cfg)
+    section = section_name(loader_cfg)
     if dataset.epoch_size != dataset.num_samples:
         epoch = (f"{dataset.num_samples:,} samples, {dataset.epoch_size:,} per epoch as "
                  f"{section}.num_samples asks")

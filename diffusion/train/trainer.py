@@ -23,7 +23,7 @@ from diffusion.algorithms.ema import EMA
 from diffusion.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
 from diffusion.config import Config
 from diffusion import schema
-from diffusion.train import mds_source, shared_memory
+from diffusion.train import dataset_info, mds_source, shared_memory
 from diffusion.train.batches import NoiseDraws
 from diffusion.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.models.stable_diffusion import StableDiffusion, build_model
@@ -198,14 +198,14 @@ def attach_text_encoder(cfg: Config, model: StableDiffusion, info: schema.Datase
         ref = os.path.abspath(os.path.expanduser(ref))
     empty_ids = info.empty_input_ids
     if empty_ids is None:  # a dataset written before dataset.json recorded them: its tokenizer's
-        empty_ids = mds_source.load_empty_input_ids(cfg.data.train)
+        empty_ids = dataset_info.load_empty_input_ids(cfg.data.train)
     model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
                                                   empty_text_embeds=empty_text_embeds, where=where)
 
 
 def _empty_embedding_or_none(loader_cfg):
     try:
-        return mds_source.load_empty_embedding(loader_cfg)
+        return dataset_info.load_empty_embedding(loader_cfg)
     except FileNotFoundError:
         return None
 
@@ -225,11 +225,11 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     shared_memory.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
 
     if info is None:
-        info = mds_source.read_loader_info(cfg.data.train, cfg.model.resolution)  # a mix's streams agree
+        info = dataset_info.read_loader_info(cfg.data.train, cfg.model.resolution)  # a mix's streams agree
     model = prepare_model(cfg, build_model(cfg.model, info, seed=t.seed))
     if text_column is None:  # stored embeddings, or token ids the model encodes (model.text)
         sections = [cfg.data.train] + ([cfg.data.eval] if cfg.data.eval else [])
-        text_column = mds_source.text_column(cfg.model.text, sections)
+        text_column = dataset_info.text_column(cfg.model.text, sections)
         if text_column == schema.INPUT_IDS:
             empty_text_embeds = _empty_embedding_or_none(cfg.data.train)
     if text_column == schema.INPUT_IDS:

@@ -17,7 +17,7 @@ import streaming
 from diffusion import schema
 from diffusion.config import TrainLoaderConfig
 from diffusion.errors import ConfigError, DataIntegrityError, UserError
-from diffusion.train import mds_source, shared_memory
+from diffusion.train import mds_source, shard_checks, shared_memory
 from train_fixtures import kit_text_dim, write_latent_mds
 
 N, PER_SHARD = 40, 8  # five shards
@@ -244,8 +244,8 @@ def test_hash_checks_can_be_off_and_sizes_are_still_checked(pristine, tmp_path):
 def test_each_shard_is_hashed_once_per_node(pristine, tmp_path, monkeypatch):
     mds = _copy(pristine, "none", tmp_path)
     hashed = []
-    real = mds_source.get_hash
-    monkeypatch.setattr(mds_source, "get_hash", lambda algo, data: hashed.append(len(data)) or real(algo, data))
+    real = shard_checks.get_hash
+    monkeypatch.setattr(shard_checks, "get_hash", lambda algo, data: hashed.append(len(data)) or real(algo, data))
     dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4, shuffle=True)
     for _ in range(2):
         assert len(list(dataset)) == N
@@ -322,7 +322,7 @@ def test_a_read_only_compressed_dataset_is_read_through_a_cache(pristine, stored
     for _ in range(2):
         assert sorted(_epoch(mds, dim, stored, loader)) == list(range(N))
     del loader
-    cache = mds_source.decompression_cache(mds)
+    cache = shard_checks.decompression_cache(mds)
     assert cache.startswith(tempfile.tempdir)
     assert sorted(f for f in os.listdir(cache) if f.endswith(".mds")) == [f"shard.{i:05d}.mds" for i in range(5)]
     assert sorted(_epoch(mds, dim, stored)) == list(range(N))  # a restart reuses the cache
@@ -348,14 +348,14 @@ def test_a_shard_missing_from_a_read_only_dataset_names_it(pristine, stored, dim
 def test_a_read_only_uncompressed_dataset_is_read_in_place(pristine, stored, dim, tmp_path, unwritable):
     mds = _copy(pristine, "none", tmp_path)
     before = _listing(unwritable(mds))
-    assert not mds_source.needs_decompression_cache(mds)
+    assert not shard_checks.needs_decompression_cache(mds)
     assert sorted(_epoch(mds, dim, stored)) == list(range(N))
     assert _listing(mds) == before
 
 
 def test_a_writable_compressed_dataset_decompresses_in_place(pristine, stored, dim, tmp_path):
     mds = _copy(pristine, "zstd", tmp_path)
-    assert not mds_source.needs_decompression_cache(mds)
+    assert not shard_checks.needs_decompression_cache(mds)
     assert sorted(_epoch(mds, dim, stored)) == list(range(N))
     assert os.path.isfile(_shard_file(mds, raw=True))
 
@@ -384,10 +384,10 @@ def test_hash_checks_can_be_switched_off_in_the_config(pristine, stored, dim, tm
 
 
 def test_the_fastest_recorded_hash_is_checked():
-    assert mds_source.pick_hash({"sha1": "", "xxh64": "", "xxh3_64": ""}) == "xxh3_64"
-    assert mds_source.pick_hash({"sha1": "", "xxh64": ""}) == "xxh64"
-    assert mds_source.pick_hash({"sha1": "", "md5": ""}) == "md5"
-    assert mds_source.pick_hash({}) is None
+    assert shard_checks.pick_hash({"sha1": "", "xxh64": "", "xxh3_64": ""}) == "xxh3_64"
+    assert shard_checks.pick_hash({"sha1": "", "xxh64": ""}) == "xxh64"
+    assert shard_checks.pick_hash({"sha1": "", "md5": ""}) == "md5"
+    assert shard_checks.pick_hash({}) is None
 
 
 # ---- shared memory at a training start: another job's survives, a killed run's goes (issue 13) ---------

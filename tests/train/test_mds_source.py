@@ -7,7 +7,7 @@ import torch
 
 from diffusion.config import EvalLoaderConfig, TrainLoaderConfig
 from diffusion import schema
-from diffusion.train import mds_source
+from diffusion.train import dataset_info, mds_source
 from diffusion.train.batches import CaptionDropout
 from train_fixtures import kit_text_dim, write_latent_mds
 
@@ -98,7 +98,7 @@ def test_shards_without_the_resolution_name_the_sample_and_their_columns(mds):
 
 def test_missing_dataset_json_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset.json"):
-        mds_source.read_dataset_info(str(tmp_path))
+        dataset_info.read_dataset_info(str(tmp_path))
 
 
 def test_batch_tensors_are_torch_with_the_contract_dtypes(mds, dim):

@@ -22,7 +22,7 @@ import torch
 from diffusion import schema
 from diffusion.config import StreamConfig, TrainLoaderConfig, load_config
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
-from diffusion.train import mds_source
+from diffusion.train import dataset_info, mds_source
 from train_fixtures import fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,7 +129,7 @@ def test_a_second_stream_converted_otherwise_is_refused_naming_both_and_the_fiel
     assert re.search(wanted, message), message
     # the trainer reads dataset.json before it builds the model: the same error, before any model is built
     with pytest.raises(DatasetMismatchError, match=re.escape(f"data.train.streams[1] ({other})")):
-        mds_source.read_loader_info(cfg, 64)
+        dataset_info.read_loader_info(cfg, 64)
 
 
 def test_a_different_empty_caption_embedding_is_refused_naming_both(a, b, dim, tmp_path):
