@@ -153,3 +153,11 @@ def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(tra
     mix = ["data.train.path=null", f"data.train.streams=[{{path: {datasets['embeds']}}}, {{path: {datasets['ids']}}}]"]
     with pytest.raises(DatasetMismatchError, match=r"holds text embeddings only where .* holds token ids only"):
         build_trainer(_config(train_kit, datasets["embeds"], *mix))
+    # a dataset holding both mixes with either kind: here with one of ids, every sample is encoded
+    mix = ["data.train.path=null", f"data.train.streams=[{{path: {datasets['both']}}}, {{path: {datasets['ids']}}}]"]
+    trainer = build_trainer(_config(train_kit, datasets["both"], *mix))
+    batch = next(iter(trainer.state.train_dataloader))
+    assert trainer.state.model.text_encoder is not None and schema.BATCH_TEXT_EMBEDS not in batch
+    trainer.close()
+    del trainer
+    gc.collect()
