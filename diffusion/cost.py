@@ -4,6 +4,7 @@
     python -m diffusion.cost --gpus 64 --price 1.5
     python -m diffusion.cost --per node --throughput-256 1100 --throughput-512 290
     python -m diffusion.cost --from-run 256=runs/phase1/log.txt --gpus 128
+    python -m diffusion.cost --text ids --stored-samples 2B   # shards of token ids: training encodes text
 
 Throughputs are images/s **per GPU** unless ``--per node`` (then per node of ``--gpus-per-node``).
 Wall-clock time assumes perfect scaling over ``--gpus``: days = GPU-hours / gpus / 24.
@@ -11,6 +12,13 @@ Wall-clock time assumes perfect scaling over ``--gpus``: days = GPU-hours / gpus
 ``throughput/device/samples_per_sec`` Composer's SpeedMonitor logged, else the global
 ``throughput/samples_per_sec`` divided by ``--run-gpus``) from a text log, a JSON / JSON-lines metrics
 file, or a run directory (wandb offline run dirs hold ``files/wandb-summary.json``).
+
+Below the table, the text storage of the shards (issue 16; the converter's ``--text``): bytes per
+sample, TB stored and TB streamed per epoch and over the schedule for ``embeds`` (the text encoder's
+output, 77x1024 float16) vs ``ids`` (the 77 token ids, int32), from SD2's shapes
+(:func:`sample_bytes`), and the GPU time that encoding the text during training adds with ``ids``: an
+estimate from FLOPs (:func:`text_encode_overhead`) until measured. ``--text ids`` also puts that
+estimate into the table's throughputs (not into those a ``--from-run`` measured).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import dataclasses
 import json
 import os
 import re
+
+from diffusion import schema
 
 # MosaicML's published SD2-base recipe on one 8xA100 node (node totals: 1,100 and 290 img/s).
 RECIPE_SAMPLES = {256: 2048 * 550_000, 512: 2048 * 850_000}
@@ -49,6 +59,7 @@ class CostProjection:
     phases: list[Phase]
     gpus: int
     price_per_gpu_hour: float
+    text_storage: "TextStorageProjection | None" = dataclasses.field(default=None, repr=False)  # set by main()
 
     @property
     def gpu_hours(self) -> float:
@@ -89,6 +100,131 @@ def project_cost(samples: dict[int, int], samples_per_sec_per_gpu: dict[int, flo
     phases = [Phase(int(r), int(n), float(samples_per_sec_per_gpu[r]), (sources or {}).get(r, "given"))
               for r, n in sorted(samples.items())]
     return CostProjection(phases, int(gpus), float(price_per_gpu_hour))
+
+
+# ---- text storage: token ids vs embeddings (issue 16) -----------------------------------------------
+SD2_TEXT_DIM = 1024  # SD2's text encoder hidden size: text_embeds is 77 x 1024
+SD2_DOWNSAMPLE = 8  # VAE: moments are 8 x R/8 x R/8
+OTHER_BYTES = 100  # a sample's caption, key, width, height and MDS offsets, ~100 B (LAION captions: ~60 characters)
+TEXT_STORAGES = (schema.TEXT_EMBEDS_ONLY, schema.TEXT_IDS_ONLY)
+# LAION scale: LAION-2B-en lists 2.32B url+caption rows, about 2B of them download and convert.
+DEFAULT_STORED_SAMPLES = 2_000_000_000
+# DESIGN.md's FLOPs per image: SD2's text encoder forward, and the UNet's forward + backward.
+TEXT_ENCODE_GFLOP = 45.0
+UNET_TRAIN_GFLOP = {256: 539.0, 512: 2409.0}
+TB = 1e12
+
+
+def column_bytes(encoding: str) -> int:
+    """Bytes of one ``ndarray:DTYPE:SHAPE`` MDS column (``ndarray:float16:77,1024`` -> 157,696)."""
+    import numpy as np
+    kind, dtype, shape = encoding.split(":")
+    if kind != "ndarray":
+        raise ValueError(f"{encoding!r} is no fixed-shape ndarray encoding")
+    count = 1
+    for dim in shape.split(","):
+        count *= int(dim)
+    return np.dtype(dtype).itemsize * count
+
+
+def sample_bytes(resolutions, text: str, text_dim: int = SD2_TEXT_DIM, downsample: int = SD2_DOWNSAMPLE,
+                 other: int = OTHER_BYTES) -> int:
+    """Bytes of one stored sample, before compression: the converter's array columns for ``resolutions``
+    and text storage ``text`` (:func:`diffusion.schema.mds_columns`) plus ``other`` for the caption, key,
+    sizes and offsets."""
+    columns = schema.mds_columns(resolutions, text_dim, downsample, text)
+    return sum(column_bytes(e) for e in columns.values() if e.startswith("ndarray:")) + int(other)
+
+
+def text_encode_overhead(resolution: int) -> float:
+    """GPU time that running the text encoder on the training GPU adds, as a share of the UNet's training
+    step at ``resolution``: FLOPs per sample, text encoder forward / UNet forward + backward. An estimate
+    (it assumes the encoder runs at the UNet's MFU) until measured."""
+    if int(resolution) not in UNET_TRAIN_GFLOP:
+        raise ValueError(f"no UNet FLOPs for {resolution}px (known: {', '.join(map(str, UNET_TRAIN_GFLOP))})")
+    return TEXT_ENCODE_GFLOP / UNET_TRAIN_GFLOP[int(resolution)]
+
+
+@dataclasses.dataclass
+class TextStorageProjection:
+    """Bytes stored and streamed for each text storage of ``stored_samples`` samples holding moments at
+    ``resolutions``, and the GPU time ``ids`` adds to the ``schedule`` (its throughputs: with embeddings)."""
+
+    stored_samples: int
+    resolutions: tuple[int, ...]
+    schedule: CostProjection = dataclasses.field(repr=False)
+    text_dim: int = SD2_TEXT_DIM
+    other_bytes: int = OTHER_BYTES
+
+    def bytes_per_sample(self, text: str) -> int:
+        return sample_bytes(self.resolutions, text, self.text_dim, other=self.other_bytes)
+
+    def tb_stored(self, text: str) -> float:
+        """TB the shards hold; also what one epoch streams (a pass reads whole shards: every column)."""
+        return self.stored_samples * self.bytes_per_sample(text) / TB
+
+    @property
+    def samples_seen(self) -> int:
+        return sum(p.samples for p in self.schedule.phases)
+
+    @property
+    def epochs(self) -> float:
+        return self.samples_seen / self.stored_samples if self.stored_samples else float("inf")
+
+    def tb_streamed(self, text: str) -> float:
+        """TB the schedule streams: every sample it draws brings its whole stored row."""
+        return self.samples_seen * self.bytes_per_sample(text) / TB
+
+    @property
+    def ratio(self) -> float:
+        """How many times smaller a sample is stored with ids than with embeddings."""
+        return self.bytes_per_sample(schema.TEXT_EMBEDS_ONLY) / self.bytes_per_sample(schema.TEXT_IDS_ONLY)
+
+    @property
+    def text_encode_gpu_hours(self) -> float:
+        """GPU-hours encoding text on the training GPUs adds over the schedule (ids; estimate)."""
+        return sum(p.gpu_hours * text_encode_overhead(p.resolution) for p in self.schedule.phases)
+
+    def table(self) -> str:
+        res = "+".join(map(str, self.resolutions))
+        moments = ", ".join(f"{2 * schema.LATENT_CHANNELS}x{r // SD2_DOWNSAMPLE}x{r // SD2_DOWNSAMPLE}"
+                            for r in self.resolutions)
+        head = (f"{'--text':<8} {'bytes/sample':>12} {'TB stored':>10} {'TB/epoch':>9} {'TB streamed':>12}  "
+                f"text encoder on the training GPUs (estimate)")
+        rows = [f"Text storage (issue 16): {self.stored_samples:,} stored samples with moments at {res} px; "
+                f"SD2 shapes before compression: moments {moments} float16, text_embeds {schema.MAX_TOKENS}x"
+                f"{self.text_dim} float16 or input_ids {schema.MAX_TOKENS} int32, "
+                f"~{self.other_bytes} B caption/key/sizes",
+                head, "-" * len(head)]
+        s = self.schedule
+        extra = self.text_encode_gpu_hours
+        share = extra / s.gpu_hours if s.gpu_hours else 0.0
+        cost = {schema.TEXT_EMBEDS_ONLY: "none: the embeddings were computed at conversion",
+                schema.TEXT_IDS_ONLY: f"+{extra:,.0f} GPU-hours (+{share:.1%}), +{extra / s.gpus / 24:.2f} days, "
+                                      f"+${extra * s.price_per_gpu_hour:,.0f}"}
+        for text in TEXT_STORAGES:
+            rows.append(f"{text:<8} {self.bytes_per_sample(text):>12,} {self.tb_stored(text):>10,.2f} "
+                        f"{self.tb_stored(text):>9,.2f} {self.tb_streamed(text):>12,.2f}  {cost[text]}")
+        only_256 = sample_bytes([256], schema.TEXT_EMBEDS_ONLY, self.text_dim, other=self.other_bytes) / \
+            sample_bytes([256], schema.TEXT_IDS_ONLY, self.text_dim, other=self.other_bytes)
+        rows.append(f"ids store {self.ratio:.2f}x smaller than embeds at {res} px "
+                    f"(moments at 256 px only: {only_256:.2f}x); TB/epoch = TB stored (a pass streams whole shards), "
+                    f"TB streamed = the schedule's {self.samples_seen:,} samples ({self.epochs:.2f} epochs)")
+        per_res = ", ".join(f"+{text_encode_overhead(p.resolution):.1%} at {p.resolution} px "
+                            f"({UNET_TRAIN_GFLOP[p.resolution]:,.0f} GFLOP)" for p in s.phases if p.samples)
+        rows.append(f"text encoder: {TEXT_ENCODE_GFLOP:g} GFLOP/caption forward vs the UNet's forward+backward: "
+                    f"{per_res} of GPU time; an estimate from FLOPs (the encoder assumed at the UNet's MFU) "
+                    f"until measured")
+        return "\n".join(rows)
+
+
+def project_text_storage(schedule: CostProjection, stored_samples: int = DEFAULT_STORED_SAMPLES,
+                         resolutions=None) -> TextStorageProjection:
+    """Text storage of ``stored_samples`` samples; ``resolutions`` (default: the schedule's phases that
+    draw samples) are those whose moments the shards hold."""
+    if resolutions is None:
+        resolutions = [p.resolution for p in schedule.phases if p.samples] or [p.resolution for p in schedule.phases]
+    return TextStorageProjection(int(stored_samples), tuple(sorted({int(r) for r in resolutions})), schedule)
 
 
 # ---- reading a run's measured throughput -------------------------------------------------------
@@ -166,12 +302,17 @@ DESCRIPTION = """Project GPU-hours, days and dollars of a two-phase training sch
 Input: samples per phase, throughput per phase (images/s per GPU, or per node with --per node; or
 measured: --from-run reads what a training run logged), GPUs and $ per GPU-hour; the defaults are
 MosaicML's published SD2-base recipe on 8xA100. Output: a table on stdout of each phase's samples,
-throughput, GPU-hours, days (assuming perfect scaling over --gpus) and dollars, and the total."""
+throughput, GPU-hours, days (assuming perfect scaling over --gpus) and dollars, and the total; then
+the text storage of the shards (--text embeds vs ids, issue 16): bytes/sample, TB stored and streamed
+per epoch and over the schedule (SD2 shapes, --stored-samples), and the GPU time that encoding text
+during training adds with ids (an estimate from FLOPs until measured)."""
 EXAMPLES = """examples:
   python -m diffusion.cost                                  # MosaicML's 8xA100 recipe: 81.33 days, $31,230
   python -m diffusion.cost --gpus 64 --price 1.5
   python -m diffusion.cost --per node --throughput-256 1100 --throughput-512 290
-  python -m diffusion.cost --from-run 256=runs/phase1/log.txt --run-gpus 8 --gpus 128"""
+  python -m diffusion.cost --from-run 256=runs/phase1/log.txt --run-gpus 8 --gpus 128
+  python -m diffusion.cost --text ids                       # token-id shards: text encoded on the GPUs
+  python -m diffusion.cost --samples-512 0 --stored-samples 1B   # one 256 px phase over 1B stored samples"""
 
 
 def _positive(kind, allow_zero: bool = False):
@@ -209,6 +350,14 @@ def main(argv=None) -> CostProjection:
                    help="take the per-GPU throughput at RES from a training run's log/metrics file or dir")
     p.add_argument("--run-gpus", type=_positive(int),
                    help="GPUs of the --from-run run (when it logged only global img/s)")
+    p.add_argument("--text", choices=TEXT_STORAGES, default=schema.TEXT_EMBEDS_ONLY,
+                   help="what the shards hold of the caption (the converter's --text): 'embeds' (default: the "
+                        "throughputs as given) or 'ids' (the training GPUs run the text encoder: given and default "
+                        "throughputs are lowered by the FLOPs estimate; --from-run ones are taken as measured)")
+    p.add_argument("--stored-samples", type=_positive(parse_count), default=DEFAULT_STORED_SAMPLES,
+                   help="samples the shards hold, for TB stored and streamed (default: 2B, LAION-2B-en scale)")
+    p.add_argument("--stored-resolutions", type=_positive(int), nargs="+", metavar="RES",
+                   help="resolutions whose moments the shards hold (default: the phases with samples)")
     args = p.parse_args(argv)
 
     per_gpu, sources = dict(RECIPE_PER_GPU), {r: "MosaicML 8xA100" for r in RECIPE_PER_GPU}
@@ -216,16 +365,32 @@ def main(argv=None) -> CostProjection:
     for res, value in ((256, args.throughput_256), (512, args.throughput_512)):
         if value is not None:
             per_gpu[res], sources[res] = value / divisor, f"--throughput-{res} (per {args.per})"
+    measured = set()  # resolutions whose throughput a run measured
     for spec in args.from_run:
         res, sep, path = spec.partition("=")
         if not sep or not res.isdigit() or int(res) not in (256, 512):
             p.error(f"--from-run takes RES=PATH with RES 256 or 512, got {spec!r}")
         try:
             per_gpu[int(res)], sources[int(res)] = throughput_from_run(path, args.run_gpus), path
+            measured.add(int(res))
         except (OSError, ValueError) as e:
             p.error(str(e))
-    projection = project_cost({256: args.samples_256, 512: args.samples_512}, per_gpu, args.gpus, args.price, sources)
+    schedule = {256: args.samples_256, 512: args.samples_512}
+    if args.stored_resolutions and any(r % SD2_DOWNSAMPLE for r in args.stored_resolutions):
+        p.error(f"--stored-resolutions must be multiples of {SD2_DOWNSAMPLE}, got {args.stored_resolutions}")
+    with_embeds = project_cost(schedule, per_gpu, args.gpus, args.price, sources)
+    storage = project_text_storage(with_embeds, args.stored_samples, args.stored_resolutions)
+    projection = with_embeds
+    if args.text == schema.TEXT_IDS_ONLY:  # the text encoder runs beside the UNet: fewer images/s
+        for res in per_gpu:
+            if res not in measured:
+                per_gpu[res] /= 1 + text_encode_overhead(res)
+                sources[res] += f", - text encode {text_encode_overhead(res):.1%} (estimate)"
+        projection = project_cost(schedule, per_gpu, args.gpus, args.price, sources)
+    projection.text_storage = storage
     print(projection.table())
+    print()
+    print(storage.table())
     return projection
 
 

@@ -72,3 +72,73 @@ def test_from_run_without_throughput_says_so(tmp_path):
         cost.throughput_from_run(str(tmp_path / "empty.log"))
     with pytest.raises(SystemExit):
         cost.main(["--from-run", str(tmp_path / "empty.log")])  # RES= missing
+
+
+# ---- text storage: token ids vs embeddings (issue 16) ---------------------------------------------
+def _row(printed: str, text: str) -> list[str]:
+    """The fields of the text-storage table's row for ``text`` as printed."""
+    return next(line.split() for line in printed.splitlines() if line.startswith(f"{text} "))
+
+
+def _sd2_bytes(resolutions, text: str) -> int:
+    """A stored sample from SD2's shapes: moments 8 x (R/8)^2 float16 each, 77x1024 float16 or 77 int32, ~100 B."""
+    moments = sum(8 * (r // 8) ** 2 * 2 for r in resolutions)
+    return moments + (77 * 1024 * 2 if text == "embeds" else 77 * 4) + cost.OTHER_BYTES
+
+
+def test_ids_store_at_least_8x_smaller_than_embeds_at_256_only(capsys):
+    projection = cost.main(["--samples-512", "0"])
+    printed = capsys.readouterr().out
+    embeds, ids = _sd2_bytes([256], "embeds"), _sd2_bytes([256], "ids")
+    assert embeds / ids >= 8  # the issue's goal
+    assert _row(printed, "embeds")[1] == f"{embeds:,}" and _row(printed, "ids")[1] == f"{ids:,}"
+    assert f"ids store {embeds / ids:.2f}x smaller than embeds at 256 px" in printed
+    assert projection.text_storage.ratio == pytest.approx(embeds / ids)
+    assert projection.text_storage.resolutions == (256,)
+
+
+def test_storage_and_streaming_per_epoch_at_both_resolutions(capsys):
+    cost.main(["--stored-samples", "2B"])  # the default schedule stores moments at 256 and 512
+    printed = capsys.readouterr().out
+    seen = cost.RECIPE_SAMPLES[256] + cost.RECIPE_SAMPLES[512]
+    for text in ("embeds", "ids"):
+        b = _sd2_bytes([256, 512], text)
+        row = _row(printed, text)
+        assert row[1] == f"{b:,}"
+        assert row[2] == row[3] == f"{2e9 * b / 1e12:,.2f}"  # TB stored = TB a pass over the shards streams
+        assert row[4] == f"{seen * b / 1e12:,.2f}"  # TB the schedule streams
+    ratio = _sd2_bytes([256, 512], "embeds") / _sd2_bytes([256, 512], "ids")
+    assert 2 < ratio < 8  # the 512 px moments dominate once stored: reported as it is
+    assert f"ids store {ratio:.2f}x smaller than embeds at 256+512 px" in printed
+    assert f"{2_000_000_000:,} stored samples" in printed and f"({seen / 2e9:.2f} epochs)" in printed
+
+
+def test_default_stored_samples_and_resolutions_flag(capsys):
+    projection = cost.main(["--stored-resolutions", "256"])
+    assert projection.text_storage.stored_samples == cost.DEFAULT_STORED_SAMPLES
+    assert projection.text_storage.resolutions == (256,)
+    assert "81.33 days" in capsys.readouterr().out  # the schedule's table is unchanged
+
+
+def test_text_ids_adds_the_text_encoders_share_of_gpu_time(capsys):
+    embeds = cost.main([])
+    capsys.readouterr()
+    ids = cost.main(["--text", "ids"])
+    printed = capsys.readouterr().out
+    share = {256: 45 / 539, 512: 45 / 2409}  # text encoder fwd / UNet fwd+bwd GFLOP per sample (DESIGN.md)
+    assert share[256] == pytest.approx(0.083, abs=0.001)  # ~8% more GPU time at 256 px, less at 512
+    extra = sum(p.gpu_hours * share[p.resolution] for p in embeds.phases)
+    assert ids.gpu_hours == pytest.approx(embeds.gpu_hours + extra)
+    assert ids.text_storage.text_encode_gpu_hours == pytest.approx(extra)
+    assert f"{ids.days:.2f} days" in printed and ids.days > embeds.days
+    assert "+8.3% at 256 px" in printed and "+1.9% at 512 px" in printed and "estimate" in printed
+    assert f"+{extra:,.0f} GPU-hours" in " ".join(_row(printed, "ids"))
+
+
+def test_text_ids_keeps_a_measured_throughput(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("throughput/device/samples_per_sec: 40.0\n")
+    projection = cost.main(["--text", "ids", "--from-run", f"256={log}"])
+    rates = {p.resolution: p.samples_per_sec_per_gpu for p in projection.phases}
+    assert rates[256] == 40.0  # the run measured whatever text encoding it did
+    assert rates[512] == pytest.approx(cost.RECIPE_PER_GPU[512] / (1 + 45 / 2409))
