@@ -33,6 +33,7 @@ def plan(tmp: str) -> list[tuple[str, list[str]]]:
         ("storage", [py, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import bench_loader; "
                                f"bench_loader.write_synthetic({synthetic!r}, 256)",
                      "&&", py, str(BENCH / "bench_storage.py"), "--dataset", synthetic]),
+        ("text-storage", [py, str(BENCH / "bench_storage.py"), "--only", "sd2"]),
         ("download", [py, str(BENCH / "bench_download.py"), "--seconds", "5", "--levels", "1,16"]),
         ("encode", [py, str(BENCH / "bench_encode.py"), "--kit", "tiny", "--resolutions", "64", "256",
                     "--batch-size", "8", "--batches", "3"]),
