@@ -50,8 +50,10 @@ def _fit_one_process(args: list[str]):
 @pytest.mark.slow
 def test_two_ranks_read_disjoint_samples_and_agree(train_kit, tmp_path):
     """Two ranks split each global batch; the result equals one process training the same global
-    batches whole or in microbatches of 4 or 8: the noise is the sample's, not the split's."""
-    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=64)
+    batches whole or in microbatches of 4 or 8: the noise is the sample's, not the split's. The data is
+    a mix of two datasets (data.train.streams), so the mix's partitioning across ranks is covered too."""
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=32)
+    other = write_latent_mds(str(tmp_path / "other"), kit=train_kit, n=32, seed=1)
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
@@ -62,7 +64,9 @@ def test_two_ranks_read_disjoint_samples_and_agree(train_kit, tmp_path):
                                                          "data.train.shuffle=false", "algorithms={}",
                                                          # Adam with a large eps: smooth in the gradient
                                                          # (see below), so float error stays float error
-                                                         "optimizer.eps=1.0", "optimizer.lr=0.1")),
+                                                         "optimizer.eps=1.0", "optimizer.lr=0.1",
+                                                         "data.train.path=null",
+                                                         f"data.train.streams=[{{path: {mds}}}, {{path: {other}}}]")),
             "trainer.save_interval=4ba"]
     env = dict(os.environ, RECORD_DIR=str(tmp_path), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     result = subprocess.run([composer, "-n", "2", "--master_port", "29533", str(harness), *args], cwd=ROOT,
