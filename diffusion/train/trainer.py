@@ -232,6 +232,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         text_column = dataset_info.text_column(cfg.model.text, sections)
         if text_column == schema.INPUT_IDS:
             empty_text_embeds = _empty_embedding_or_none(cfg.data.train)
+    elif cfg.data.eval:  # the stream's column: the held-out set must hold it too
+        dataset_info.text_column("ids" if text_column == schema.INPUT_IDS else "embeds", [cfg.data.eval])
     if text_column == schema.INPUT_IDS:
         attach_text_encoder(cfg, model, info, empty_text_embeds)
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
