@@ -48,15 +48,14 @@ def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 102
     columns = schema.mds_columns([resolution], text_dim)
     with MDSWriter(out=out, columns=columns, size_limit=1 << 26, hashes=sorted(hashes)) as writer:
         for i in range(n):
-            writer.write({
+            writer.write({  # the converter's default columns (--text embeds: no token ids)
                 schema.vae_moments_column(resolution): rng.standard_normal((8, h, h), dtype=np.float32).astype(np.float16),
                 schema.TEXT_EMBEDS: rng.standard_normal((77, text_dim), dtype=np.float32).astype(np.float16),
-                schema.INPUT_IDS: rng.integers(0, 49408, 77, dtype=np.int32),
                 schema.CAPTION: f"synthetic caption {i}", schema.KEY: f"{i:09d}",
                 schema.WIDTH: resolution, schema.HEIGHT: resolution,
             })
     schema.DatasetInfo(model="synthetic", scaling_factor=0.18215, resolutions=[resolution], text_dim=text_dim,
-                         count=n, rows_in=n).save(out)
+                         count=n, rows_in=n, text=schema.TEXT_EMBEDS_ONLY).save(out)
     np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), np.zeros((77, text_dim), np.float16))
     return out
 
@@ -65,7 +64,7 @@ class _PlainSamples:
     """The baseline: streaming's decoded sample, reduced to the batch columns, for the default collate."""
 
     def __init__(self, moments_column: str):
-        self.columns = (moments_column, schema.TEXT_EMBEDS, schema.INPUT_IDS)
+        self.columns = (moments_column, schema.TEXT_EMBEDS)
 
     def __call__(self, samples):
         import torch

@@ -78,7 +78,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         todo = [(n, a) for n, a in plan(tmp) if not args.only or n in args.only]
         for i, (name, command) in enumerate(todo):
-            share = max(30.0, (deadline - time.monotonic()) / (len(todo) - i))
+            # what is left, less 30 s for each bench after this one: a long bench may run long, and
+            # every later one still gets its 30 s
+            share = max(30.0, deadline - time.monotonic() - 30.0 * (len(todo) - i - 1))
             results.append((name, *run(name, command, share)))
     print("\n===== summary")
     for name, status, seconds in results:
