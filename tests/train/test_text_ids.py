@@ -161,3 +161,26 @@ def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(tra
     trainer.close()
     del trainer
     gc.collect()
+
+
+def test_a_dataset_written_before_text_storage_was_recorded_trains_from_its_ids(train_kit, datasets, tmp_path):
+    # Its dataset.json has no text, text_encoder or empty_input_ids: it holds both columns (as every
+    # dataset did), its text encoder is its model, and the empty caption's ids are its tokenizer's.
+    import json
+    old = tmp_path / "old"
+    shutil.copytree(datasets["both"], old)
+    recorded = json.loads((old / schema.DATASET_JSON).read_text())
+    want = recorded["empty_input_ids"]
+    for field in ("text", "text_encoder", "empty_input_ids"):
+        recorded.pop(field)
+    (old / schema.DATASET_JSON).write_text(json.dumps(recorded))
+    info = schema.DatasetInfo.load(str(old))
+    assert info.text == schema.TEXT_BOTH and info.empty_input_ids is None
+    trainer = build_trainer(_config(train_kit, str(old), "model.text=ids", "data.train.caption_dropout=0.5"))
+    dropped = 0
+    for batch in trainer.state.train_dataloader:
+        dropped += int((batch[schema.BATCH_INPUT_IDS] == torch.tensor(want)).all(dim=1).sum())
+    assert dropped > 5 and trainer.state.model.text_encoder is not None
+    trainer.close()
+    del trainer
+    gc.collect()
