@@ -87,6 +87,24 @@ def count_gflop_per_image(config: dict, resolution: int) -> float:
     return counter.get_total_flops() / 1e9
 
 
+def measure_peak_tflops(device: torch.device, n: int = 8192, iters: int = 20, dtype=torch.bfloat16) -> float:
+    """Dense matmul TFLOP/s measured on ``device``: the MFU denominator from the same machine and run
+    (an n×n×n ``dtype`` matmul, 2n³ FLOPs, best of ``iters`` after a warm-up)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e12
+
+
 def default_peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -147,7 +165,10 @@ def main(argv=None):
                    help="conditioning: stored embeddings, and/or token ids encoded in the step (default embeds)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: A100 312, H100 800)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: measured on a GPU with an "
+                   "8192^3 bf16 matmul in this run; else the table: A100 312, H100 800)")
+    p.add_argument("--measure-peak", type=int, metavar="N", default=None,
+                   help="measure the peak with an N^3 bf16 matmul (default on a GPU: 8192; 0: use the table)")
     args = p.parse_args(argv)
 
     args.resolutions = args.resolutions or ([64, 128] if args.tiny else [256, 512])
@@ -165,7 +186,12 @@ def main(argv=None):
     config = load_unet_config(kit)
     batches = args.batch_size or ([2] * len(args.resolutions) if args.tiny else
                                   [64 if r <= 256 else 16 for r in args.resolutions])
-    peak = args.peak_tflops or default_peak_tflops(device)
+    peak, peak_source = args.peak_tflops, "--peak-tflops"
+    size = args.measure_peak if args.measure_peak is not None else (8192 if device.type == "cuda" else 0)
+    if peak is None and size:
+        peak, peak_source = measure_peak_tflops(device, size), f"measured: {size}^3 bf16 matmul, this run"
+    if peak is None:
+        peak, peak_source = default_peak_tflops(device), "table"
     rank0 = int(os.environ.get("RANK", "0")) == 0
     encoder = frozen_text_encoder(kit, device) if "ids" in args.text else None
     rows, best = [], {}
@@ -186,7 +212,7 @@ def main(argv=None):
                 rows.append((resolution, name, batch_size, rate, gflop, mfu))
     if rank0:
         print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, "
-              f"kit: {kit}, peak: {peak or 'n/a'} TFLOP/s")
+              f"kit: {kit}, peak: {f'{peak:.1f}' if peak else 'n/a'} TFLOP/s ({peak_source})")
         print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU':>7} {'step vs embeds':>15}")
         rates = {(res, name): rate for res, name, _, rate, _, _ in rows}
         for res, variant, bs, rate, gflop, mfu in rows:
@@ -196,9 +222,11 @@ def main(argv=None):
                   f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>7} {ratio:>15}")
         for res in best:
             anchor = ANCHOR_MFU.get(res)
-            print(f"headline {res}px: best MFU {best[res]:.1%}" +
-                  (f" vs MosaicML {anchor:.0%} ({best[res] / anchor:.2f}x)" if peak and anchor else
-                   " (no peak known for this device: pass --peak-tflops)"))
+            if not peak:
+                print(f"headline {res}px: no MFU (no peak known for this device: pass --peak-tflops or --measure-peak)")
+            else:
+                print(f"headline {res}px: best MFU {best[res]:.1%}" +
+                      (f" vs MosaicML {anchor:.0%} ({best[res] / anchor:.2f}x)" if anchor else " (no anchor at this size)"))
     return rows
 
 
