@@ -152,7 +152,10 @@ class DatasetInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "DatasetInfo":
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        info = cls(**{k: v for k, v in d.items() if k in known})
+        if info.text not in TEXT_STORAGE:
+            raise ValueError(f"text={info.text!r} is none of {', '.join(TEXT_STORAGE)}")
+        return info
 
     @classmethod
     def load(cls, directory: str) -> "DatasetInfo":

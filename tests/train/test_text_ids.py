@@ -184,3 +184,15 @@ def test_a_dataset_written_before_text_storage_was_recorded_trains_from_its_ids(
     trainer.close()
     del trainer
     gc.collect()
+
+
+def test_a_dataset_json_naming_an_unknown_text_storage_is_named_as_damaged(train_kit, datasets, tmp_path):
+    import json
+
+    from diffusion.errors import DataIntegrityError
+    damaged = tmp_path / "damaged"
+    shutil.copytree(datasets["ids"], damaged)
+    recorded = json.loads((damaged / schema.DATASET_JSON).read_text())
+    (damaged / schema.DATASET_JSON).write_text(json.dumps({**recorded, "text": "idz"}))
+    with pytest.raises(DataIntegrityError, match=r"damaged/dataset.json is not a dataset.json .*text='idz'"):
+        build_trainer(_config(train_kit, str(damaged)))
