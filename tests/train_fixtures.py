@@ -128,12 +128,18 @@ def launch_composer(script_path, script: str, args: list[str], *, port: int, env
                           cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def fit_in_process(cfg):
-    """Train ``cfg`` (a loaded Config) in this process: ({name: final weight}, the sample indices of
-    each batch in training order). The trainer is closed and collected, releasing the streaming
-    dataset's shared memory before the next run reuses the folder."""
+def close_trainer(trainer) -> None:
+    """Close ``trainer`` and collect it, releasing the streaming dataset's shared memory before the next
+    run reuses the folder."""
     import gc
+    trainer.close()
+    del trainer
+    gc.collect()
 
+
+def fit_in_process(cfg, callbacks=()):
+    """Train ``cfg`` (a loaded Config) in this process, with ``callbacks`` added: ({name: final weight},
+    the sample indices of each batch in training order). The trainer is closed and collected."""
     from composer.core import Callback
 
     from diffusion.train.trainer import build_trainer
@@ -147,10 +153,8 @@ def fit_in_process(cfg):
 
     trainer = build_trainer(cfg)
     record = RecordBatches()
-    trainer.state.callbacks.append(record)
+    trainer.state.callbacks.extend([record, *callbacks])
     trainer.fit()
     weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
-    trainer.close()
-    del trainer
-    gc.collect()
+    close_trainer(trainer)
     return weights, record.batches

@@ -2,7 +2,7 @@
 step, training matches training from the stored embeddings of the same rows, caption dropout gives the
 empty caption's embedding, a resumed run is exact, and a wrong setup fails at start naming its cause."""
 
-import gc
+import json
 import os
 import shutil
 
@@ -16,7 +16,7 @@ from diffusion.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.config import load_config
 from diffusion.errors import DatasetMismatchError, ModelReferenceError
 from diffusion.train.trainer import build_trainer
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import close_trainer, fit_in_process, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -24,11 +24,16 @@ N = 48
 
 
 class RecordLosses(Callback):
+    """Each step's loss, and at fit end the text encoder's share of step time, if the run logged one."""
+
     def __init__(self):
-        self.losses = []
+        self.losses, self.share = [], None
 
     def after_loss(self, state, logger):
         self.losses.append(float(state.loss))
+
+    def fit_end(self, state, logger):
+        self.share = next((c.last for c in state.callbacks if isinstance(c, TextEncoderShare)), None)
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +50,19 @@ def _config(kit, mds, *extra, batches=6, save_folder=None):
 
 
 def _fit(cfg):
-    trainer = build_trainer(cfg)
-    losses = RecordLosses()
-    trainer.state.callbacks.append(losses)
-    trainer.fit()
-    weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
-    share = next((c.last for c in trainer.state.callbacks if isinstance(c, TextEncoderShare)), None)
-    trainer.close()
-    del trainer
-    gc.collect()  # releases the StreamingDataset's shared memory before the next run reuses the folder
-    return weights, losses.losses, share
+    record = RecordLosses()
+    weights, _ = fit_in_process(cfg, [record])
+    return weights, record.losses, record.share
+
+
+def _copy_with_dataset_json(source: str, out, **changes) -> str:
+    """A copy of dataset ``source`` at ``out`` whose dataset.json has ``changes`` (a None value: the field
+    dropped, as in a dataset.json written before it existed)."""
+    shutil.copytree(source, out)
+    path = out / schema.DATASET_JSON
+    recorded = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({k: v for k, v in recorded.items() if v is not None}))
+    return str(out)
 
 
 @pytest.mark.slow
@@ -91,9 +99,7 @@ def test_caption_dropout_with_ids_gives_the_empty_captions_embedding(train_kit, 
                 kept += 1
                 assert (embeds[row].float() - empty.float()).abs().max() > 0.1
     assert dropped > 5 and kept > 5
-    trainer.close()
-    del trainer
-    gc.collect()
+    close_trainer(trainer)
 
 
 @pytest.mark.slow
@@ -136,13 +142,9 @@ def test_a_missing_or_wrong_text_encoder_fails_at_start_naming_it(train_kit, tin
     with pytest.raises(DatasetMismatchError, match=r"does not give the dataset's empty_text_embeds.npy"):
         build_trainer(_config(train_kit, ids, f"model.text_encoder={other}"))
     # the dataset's own record of its text encoder points nowhere (moved, or another machine's path)
-    moved = tmp_path / "moved"
-    shutil.copytree(ids, moved)
-    info = schema.DatasetInfo.load(str(moved))
-    info.text_encoder = str(tmp_path / "gone")
-    info.save(str(moved))
+    moved = _copy_with_dataset_json(ids, tmp_path / "moved", text_encoder=str(tmp_path / "gone"))
     with pytest.raises(ModelReferenceError, match=r"text encoder .*gone.* \(the text encoder dataset.json records\)"):
-        build_trainer(_config(train_kit, str(moved)))
+        build_trainer(_config(train_kit, moved))
 
 
 def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(train_kit, datasets):
@@ -158,41 +160,27 @@ def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(tra
     trainer = build_trainer(_config(train_kit, datasets["both"], *mix))
     batch = next(iter(trainer.state.train_dataloader))
     assert trainer.state.model.text_encoder is not None and schema.BATCH_TEXT_EMBEDS not in batch
-    trainer.close()
-    del trainer
-    gc.collect()
+    close_trainer(trainer)
 
 
 def test_a_dataset_written_before_text_storage_was_recorded_trains_from_its_ids(train_kit, datasets, tmp_path):
     # Its dataset.json has no text, text_encoder or empty_input_ids: it holds both columns (as every
     # dataset did), its text encoder is its model, and the empty caption's ids are its tokenizer's.
-    import json
-    old = tmp_path / "old"
-    shutil.copytree(datasets["both"], old)
-    recorded = json.loads((old / schema.DATASET_JSON).read_text())
-    want = recorded["empty_input_ids"]
-    for field in ("text", "text_encoder", "empty_input_ids"):
-        recorded.pop(field)
-    (old / schema.DATASET_JSON).write_text(json.dumps(recorded))
-    info = schema.DatasetInfo.load(str(old))
+    want = schema.DatasetInfo.load(datasets["both"]).empty_input_ids
+    old = _copy_with_dataset_json(datasets["both"], tmp_path / "old", text=None, text_encoder=None,
+                                  empty_input_ids=None)
+    info = schema.DatasetInfo.load(old)
     assert info.text == schema.TEXT_BOTH and info.empty_input_ids is None
-    trainer = build_trainer(_config(train_kit, str(old), "model.text=ids", "data.train.caption_dropout=0.5"))
+    trainer = build_trainer(_config(train_kit, old, "model.text=ids", "data.train.caption_dropout=0.5"))
     dropped = 0
     for batch in trainer.state.train_dataloader:
         dropped += int((batch[schema.BATCH_INPUT_IDS] == torch.tensor(want)).all(dim=1).sum())
     assert dropped > 5 and trainer.state.model.text_encoder is not None
-    trainer.close()
-    del trainer
-    gc.collect()
+    close_trainer(trainer)
 
 
 def test_a_dataset_json_naming_an_unknown_text_storage_is_named_as_damaged(train_kit, datasets, tmp_path):
-    import json
-
     from diffusion.errors import DataIntegrityError
-    damaged = tmp_path / "damaged"
-    shutil.copytree(datasets["ids"], damaged)
-    recorded = json.loads((damaged / schema.DATASET_JSON).read_text())
-    (damaged / schema.DATASET_JSON).write_text(json.dumps({**recorded, "text": "idz"}))
+    damaged = _copy_with_dataset_json(datasets["ids"], tmp_path / "damaged", text="idz")
     with pytest.raises(DataIntegrityError, match=r"damaged/dataset.json is not a dataset.json .*text='idz'"):
-        build_trainer(_config(train_kit, str(damaged)))
+        build_trainer(_config(train_kit, damaged))
