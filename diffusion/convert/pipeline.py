@@ -75,8 +75,8 @@ class ConvertConfig(PipelineSettings):
                                    "or, not, parentheses, in [...], is null); each and-term's removals are counted "
                                    "as 'filtered: TERM'", metavar="EXPR")
     text: str = flag(schema.TEXT_EMBEDS_ONLY, "what the shards hold of the caption: 'embeds' the text encoder's "
-                                              "output (training reads it), 'ids' the 77 token ids only (~500x "
-                                              "smaller; training runs the text encoder), 'both'",
+                                              "output (training reads it), 'ids' the 77 token ids only (308 B where "
+                                              "SD2's embeddings take 158 KB; training runs the text encoder), 'both'",
                      choices=schema.TEXT_STORAGE)
     dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
                                "as duplicate_image rejects: a pass over the input before converting",
