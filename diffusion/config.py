@@ -27,13 +27,36 @@ from diffusion.errors import ConfigError
 
 
 @dataclasses.dataclass
+class FlowConfig:
+    """``model.objective: flow`` (rectified flow, as SD3): how σ is drawn, shifted and weighted."""
+
+    sigma_density: Literal["logit_normal", "uniform", "mode"] = "logit_normal"
+    logit_mean: float = 0.0  # logit_normal: u = sigmoid(N(mean, std))
+    logit_std: float = 1.0
+    mode_scale: float = 1.29  # mode: SD3's heavy-tails scale
+    shift: float = 1.0  # σ' = shift·σ / (1 + (shift-1)·σ): > 1 trains more at high noise (SD3: 3.0 at 1024 px)
+    shift_base_resolution: Optional[int] = None  # set: shift·R/R_base at resolution R (SD3's α = √(m/n))
+    weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"  # SD3's loss weightings
+    num_train_timesteps: int = 1000  # discrete σ (the flow-matching scheduler's), timestep = σ·T
+
+
+@dataclasses.dataclass
 class ModelConfig:
-    ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (UNet config, scheduler)
-    pretrained: Optional[str] = None  # a diffusers unet/ directory (or model ref with unet weights) to start from
+    ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (denoiser config, scheduler)
+    # the diffusers denoiser class (UNet2DConditionModel, SD3Transformer2DModel); auto: the reference's
+    # transformer/ component where it has one, else its unet/
+    denoiser: str = "auto"
+    # epsilon, v_prediction (DDPM schedule) or flow (rectified flow); None: model.prediction_type
+    objective: Optional[str] = None
+    pretrained: Optional[str] = None  # a diffusers denoiser directory (or model ref with its weights) to start from
     resolution: int = 256  # pixels per side; selects the vae_moments_{R} column
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the scheduler config's
     offset_noise: float = 0.0  # std of a per-channel constant added to the noise
     min_snr_gamma: Optional[float] = None  # min-SNR-γ loss weighting (5.0 in the paper); None: uniform
+    # min-SNR gives the zero-terminal-SNR step (SNR = 0) weight 0; a floor keeps it trained (e.g. 0.1)
+    min_snr_floor: float = 0.0
+    flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
+    eval_bins: int = 0  # > 0: also the held-out loss at this many fixed noise levels (metrics loss_bin{k})
     zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
     input_perturbation: float = 0.0  # extra noise on the UNet input only (0.1 in the paper)
     eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
@@ -380,13 +403,41 @@ def _check_streams(name: str, loader: TrainLoaderConfig) -> None:
     _require(dup is None, f"{key} lists {dup} twice: give it once, with a larger proportion or repeat")
 
 
+def _check_model(m: ModelConfig) -> None:
+    from diffusion.models import denoisers, objectives
+    if m.objective is not None and m.objective not in objectives.names():
+        close = difflib.get_close_matches(m.objective, objectives.names(), n=1)
+        raise ConfigError(f"model.objective={m.objective!r} is not one of {', '.join(objectives.names())}"
+                          + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if m.denoiser != "auto" and m.denoiser not in denoisers.names():
+        raise ConfigError(f"model.denoiser={m.denoiser!r}: no adapter for it; choose auto or one of "
+                          f"{', '.join(denoisers.names())}")
+    if m.objective and m.prediction_type and m.objective != m.prediction_type:
+        raise ConfigError(f"model.objective={m.objective} and model.prediction_type={m.prediction_type} disagree: "
+                          f"give one")
+    trains = m.objective or m.prediction_type
+    if m.zero_terminal_snr and trains not in (None, "v_prediction"):
+        raise ConfigError(f"model.zero_terminal_snr needs v-prediction, not {trains} (epsilon is undefined at the "
+                          f"terminal step): set model.prediction_type=v_prediction")
+    _require(m.min_snr_floor >= 0, f"model.min_snr_floor={m.min_snr_floor} must be >= 0")
+    if m.zero_terminal_snr and m.min_snr_gamma and not m.min_snr_floor:
+        print("note: model.min_snr_gamma with model.zero_terminal_snr gives the terminal step (SNR = 0) loss "
+              "weight 0, so the step zero terminal SNR adds is not trained; set model.min_snr_floor (e.g. 0.1) "
+              "to keep it", flush=True)
+    _require(m.eval_bins >= 0, f"model.eval_bins={m.eval_bins} must be >= 0 (0: off)")
+    f = m.flow
+    _require(f.shift > 0, f"model.flow.shift={f.shift} must be positive")
+    _require(f.logit_std > 0, f"model.flow.logit_std={f.logit_std} must be positive")
+    _require(f.num_train_timesteps > 0, f"model.flow.num_train_timesteps={f.num_train_timesteps} must be positive")
+    _require(f.shift_base_resolution is None or f.shift_base_resolution > 0,
+             f"model.flow.shift_base_resolution={f.shift_base_resolution} must be positive (or null)")
+
+
 def _check_consistency(cfg: Config) -> None:
     m, t, o = cfg.model, cfg.trainer, cfg.optimizer
     if m.resolution % 8:
         raise ConfigError(f"model.resolution={m.resolution} is not a multiple of 8 (the VAE downsampling)")
-    if m.zero_terminal_snr and m.prediction_type != "v_prediction":
-        raise ConfigError("model.zero_terminal_snr needs model.prediction_type=v_prediction "
-                          "(epsilon is undefined at the terminal step)")
+    _check_model(m)
     if cfg.data.eval is not None and cfg.data.eval.source != "mds":
         raise ConfigError("data.eval.source must be mds: the held-out set is read from stored shards")
     for name, loader in (("train", cfg.data.train), ("eval", cfg.data.eval)):

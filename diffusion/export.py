@@ -1,5 +1,12 @@
 """Export a trained model as a diffusers pipeline directory.
 
+A UNet exports as a ``StableDiffusionPipeline``; an MMDiT (``SD3Transformer2DModel``, trained with flow
+matching) as a ``StableDiffusion3Pipeline`` with its flow-matching scheduler, its three text-encoder slots
+empty (load it with ``from_pretrained(DIR, text_encoder=None, ...)`` for each, as diffusers' docs do
+for SD3 without T5) and our one text encoder and tokenizer in ``text_encoder/`` and ``tokenizer/``
+beside them: call it with ``prompt_embeds`` from :func:`diffusion.models.denoisers.sd3_transformer.encode_prompts` (our
+``diffusion.generate --checkpoint DIR`` does), and it draws the images our sampler draws.
+
     python -m diffusion.export --checkpoint CKPT --out DIR
 
 ``DIR`` gets the diffusers layout (``unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json``)
@@ -23,6 +30,7 @@ import torch
 
 from diffusion.errors import UserError
 from diffusion.models import checkpoint as checkpoints, loading, sampling
+from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -47,16 +55,19 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         loading.resolve_model(model_ref, components=("vae", "text_encoder", "tokenizer", "scheduler"))
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     _check_not_source(out, [trained.model_ref])
-    sampler = sampling.Sampler(trained.model_ref, scheduler=scheduler or "ddim",
-                               scaling_factor=trained.scaling_factor, prediction_type=trained.prediction_type,
-                               noise_schedule=trained.noise_schedule)
-    if scheduler is None:
+    sampler = sampling.Sampler(trained.description, scheduler=scheduler)
+    if scheduler is None and trained.prediction_type:  # DDPM objectives keep the reference's scheduler class
         sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type,
                                                  trained.noise_schedule)
-    pipe = sampler.pipeline(trained.unet)
+    pipe = sampler.pipeline(trained.denoiser)
     pipe.to(dtype=DTYPES[dtype])
     os.makedirs(out, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
+    conditioning = getattr(pipe, "conditioning", None)
+    if conditioning:  # SD3's pipeline leaves its three encoder slots empty: ours goes beside them
+        text_encoder, tokenizer = conditioning
+        text_encoder.to(dtype=DTYPES[dtype]).save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     return out
 
 
@@ -139,7 +150,14 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     out = export_pipeline(args.checkpoint, args.out, model_ref=args.model, ema=args.ema,
                           scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {os.path.abspath(out)}: load with diffusers.StableDiffusionPipeline.from_pretrained({out!r})")
+    with open(os.path.join(out, "model_index.json")) as f:
+        pipeline_class = json.load(f)["_class_name"]
+    empty = ", " + ", ".join(f"{slot}=None" for slot in EMPTY_SLOTS) if pipeline_class == "StableDiffusion3Pipeline" else ""
+    print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
+    if empty:
+        print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
+              "(the text encoder and tokenizer are in text_encoder/ and tokenizer/), or sample with "
+              f"python -m diffusion.generate --checkpoint {out}")
     with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
         if json.load(f).get("rescale_betas_zero_snr"):
             print(f"zero terminal SNR: call the pipeline with guidance_rescale="

@@ -2,6 +2,8 @@
 
     python -m diffusion.generate --checkpoint CKPT --prompt "a red circle" [--prompt ...] --out grid.png
 
+Any model the trainer writes samples: a UNet or an MMDiT, trained with ε, v or flow matching (the
+checkpoint's model description says which, and picks the pipeline and scheduler).
 ``CKPT`` is a Composer checkpoint written by training (EMA weights unless ``--no-ema``) or a diffusers
 pipeline directory (``python -m diffusion.export`` output, or the model kit). The VAE, text encoder and
 tokenizer come from the training run's model reference unless ``--model`` says otherwise; the noise
@@ -25,7 +27,7 @@ from diffusion import cli
 
 
 def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | None = None, ema: bool = True,
-                    scheduler: str = "ddim", device=None, **sample_kwargs) -> list:
+                    scheduler: str | None = None, device=None, **sample_kwargs) -> list:
     """Sample ``prompts`` from ``checkpoint``: PIL images, each prompt ``images_per_prompt`` times in a row.
 
     ``sample_kwargs`` go to :class:`~diffusion.models.sampling.Sampler` (steps, guidance_scale,
@@ -34,12 +36,11 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
     """
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    trained.unet.to(device)
+    trained.denoiser.to(device)
     if sample_kwargs.get("size") is None and trained.resolution:
         sample_kwargs["size"] = trained.resolution
-    sampler = sampling.Sampler(trained.model_ref, scheduler=scheduler, scaling_factor=trained.scaling_factor,
-                               prediction_type=trained.prediction_type, noise_schedule=trained.noise_schedule)
-    return sampler(trained.unet, prompts, progress=True, **sample_kwargs)
+    sampler = sampling.Sampler(trained.description, scheduler=scheduler)
+    return sampler(trained.denoiser, prompts, progress=True, **sample_kwargs)
 
 
 def generate_grid(checkpoint: str, prompts: list[str], out: str, *, images_per_prompt: int = 1,
@@ -73,8 +74,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                              "tokenizer and scheduler (default: the one the checkpoint was trained with)")
     parser.add_argument("--no-ema", dest="ema", action="store_false",
                         help="sample with the raw weights, not the EMA weights (Composer checkpoints)")
-    parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default="ddim",
-                        help="sampler (default: %(default)s)")
+    parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default=None,
+                        help="sampler: ddim, euler or dpm++ for epsilon/v models, euler or heun (flow matching) "
+                             "for flow models (default: ddim, or euler for flow models)")
     parser.add_argument("--steps", type=cli.positive_int, default=25, help="denoising steps (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=float, default=7.5,
                         help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")
@@ -130,7 +132,8 @@ def sample_kwargs(args: argparse.Namespace) -> dict:
                 device=args.device)
 
 
-DESCRIPTION = """Sample a prompt grid from a trained model with classifier-free guidance (DDIM, Euler or DPM-Solver++).
+DESCRIPTION = """Sample a prompt grid from a trained model with classifier-free guidance (DDIM, Euler or DPM-Solver++;
+flow-matching Euler or Heun for flow models).
 
 Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online, EMA weights unless
 --no-ema, or a diffusers pipeline directory) and prompts (--prompt, --prompts-file). The VAE, text

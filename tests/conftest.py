@@ -33,6 +33,20 @@ def train_kit(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mmdit_train_kit(tmp_path_factory) -> str:
+    """The tiny MMDiT kit's configs (transformer, text encoder, flow scheduler) without weights."""
+    from train_fixtures import write_mmdit_training_kit
+    return write_mmdit_training_kit(str(tmp_path_factory.mktemp("mmdit_train_kit")))
+
+
+@pytest.fixture(scope="session")
+def tiny_mmdit_kit() -> str:
+    """The tiny-mmdit kit (random MMDiT and text encoder, the shipped fitted VAE): built in seconds, cached."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-mmdit", CACHE / "kit" / "tiny-mmdit"))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.kit.build import ensure_kit

@@ -78,7 +78,8 @@ def _scheduler_config(directory):
 
 
 def test_a_checkpoint_carries_its_noise_schedule(ztsnr_checkpoint, tiny_kit):
-    schedule = checkpoints.read_state(ztsnr_checkpoint)["model"]["_extra_state"]["noise_schedule"]
+    schedule = checkpoints.read_state(ztsnr_checkpoint)["model"]["_extra_state"]["description"]["objective_params"][
+        "noise_schedule"]
     reference = _scheduler_config(tiny_kit)
     assert schedule == {"num_train_timesteps": 1000, "beta_schedule": reference["beta_schedule"],
                         "beta_start": reference["beta_start"], "beta_end": reference["beta_end"],
@@ -117,7 +118,7 @@ def test_diffusers_pipeline_draws_what_generate_draws_for_a_zero_terminal_snr_mo
 
 
 def _reference(checkpoint_path):
-    return checkpoints.read_state(checkpoint_path)["model"]["_extra_state"]["model_ref"]
+    return checkpoints.read_state(checkpoint_path)["model"]["_extra_state"]["description"]["model_ref"]
 
 
 def test_a_model_without_zero_terminal_snr_exports_the_reference_schedule_as_before(fake_checkpoint, tiny_kit,

@@ -40,7 +40,7 @@ def test_default_size_follows_the_unet_and_vae_and_size_overrides(sampler, unet,
     assert sampler(unet, PROMPTS[:1], steps=2, size=(expected // 2, expected))[0].size == (expected, expected // 2)
 
 
-@pytest.mark.parametrize("name", sampling.SCHEDULERS)
+@pytest.mark.parametrize("name", sampling.DDPM_SCHEDULERS)
 def test_every_scheduler_samples(tiny_kit, unet, name):
     images = sampling.sample_images(unet, tiny_kit, PROMPTS[:1], scheduler=name, steps=3, negative_prompt="blurry")
     assert np.asarray(images[0]).std() > 0
@@ -50,7 +50,7 @@ def _ztsnr_schedule(kit):
     return dict(loading.noise_schedule_of(loading.load_scheduler(kit).config), rescale_betas_zero_snr=True)
 
 
-@pytest.mark.parametrize("name", sampling.SCHEDULERS)
+@pytest.mark.parametrize("name", sampling.DDPM_SCHEDULERS)
 def test_a_zero_terminal_snr_schedule_starts_sampling_at_pure_noise(tiny_kit, name):
     """Training's last timestep has ᾱ = 0: the sampler must start there ("trailing" spacing), not at 961."""
     scheduler = sampling.load_sampling_scheduler(tiny_kit, name, "v_prediction", _ztsnr_schedule(tiny_kit))

@@ -38,6 +38,24 @@ def write_training_kit(out: str) -> str:
     return root
 
 
+def write_mmdit_training_kit(out: str) -> str:
+    """The tiny MMDiT kit's transformer, text-encoder and flow scheduler configs, without weights (as
+    :func:`write_training_kit` for the UNet)."""
+    import diffusers
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextConfig
+
+    from diffusion.kit import build as kit
+    root = os.path.abspath(out)
+    with __import__("torch").device("meta"):
+        SD3Transformer2DModel(**kit.TINY_MMDIT).save_config(os.path.join(root, "transformer"))
+    CLIPTextConfig(**kit.TINY_TEXT).save_pretrained(os.path.join(root, "text_encoder"))
+    diffusers.FlowMatchEulerDiscreteScheduler(**kit.FLOW_SCHEDULER).save_config(os.path.join(root, "scheduler"))
+    with open(os.path.join(root, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "StableDiffusion3Pipeline"}, f)
+    return root
+
+
 def kit_text_dim(kit: str) -> int:
     with open(os.path.join(kit, "text_encoder", "config.json")) as f:
         return int(json.load(f)["hidden_size"])

@@ -23,7 +23,7 @@ the EMA has started, the EMA weights too, by a second evaluator on the same held
 (:meth:`EMA.evaluator`, label ``eval_ema``: ``metrics/eval_ema/loss``): the EMA is swapped in at that
 evaluator's ``EVAL_START`` and the training weights back at its ``EVAL_END``, around it only. Image
 loggers use ``with ema.ema_weights(model): ...``. ``state_dict()["ema_params"]`` maps the
-ComposerModel's parameter names (``unet.conv_in.weight``) to full tensors; Composer stores it in the
+ComposerModel's parameter names (``denoiser.conv_in.weight``) to full tensors; Composer stores it in the
 checkpoint under ``state["algorithms"]``, and loading it restores the average exactly.
 
 Swapping under FSDP: the swap writes the local shards, but FSDP computes with the *gathered* full

@@ -32,11 +32,12 @@ class ImageLogger(Callback):
     Args:
         prompts: the fixed prompts, one grid row each.
         model_ref: where the VAE, text encoder and tokenizer come from (default: the model's
-            ``model_ref`` attribute). ``scaling_factor`` and ``prediction_type`` likewise default to
-            the model's attributes of those names, so decoding matches training.
+            description, which also gives the scaling factor, the objective and its schedule, so
+            decoding matches training). ``scaling_factor`` and ``prediction_type`` override it.
         interval: a Composer time string ("500ba", "1ep"); None logs at the end of every eval.
         images_per_prompt, steps, guidance_scale, guidance_rescale, scheduler, negative_prompt, seed:
-            sampling (``guidance_rescale`` None: 0.7 for a zero-terminal-SNR model, else 0).
+            sampling (``scheduler`` None: the objective's default; ``guidance_rescale`` None: 0.7 for a
+            zero-terminal-SNR model, else 0).
         size: pixels per side (default: the model's ``resolution``, the training resolution).
         use_ema: sample with the EMA weights when the EMA algorithm is in the trainer (and has started;
             the key says ``raw`` otherwise, and ``ema`` whenever the EMA is in the model, as during eval).
@@ -47,12 +48,12 @@ class ImageLogger(Callback):
     def __init__(self, prompts, *, model_ref: str | None = None, scaling_factor: float | None = None,
                  prediction_type: str | None = None, interval: str | None = None, images_per_prompt: int = 1,
                  steps: int = 25, guidance_scale: float = 7.5, guidance_rescale: float | None = None,
-                 scheduler: str = "ddim",
+                 scheduler: str | None = None,
                  negative_prompt: str | None = None, seed: int = 0, size: int | None = None,
                  use_ema: bool = True, save_folder: str | None = None, name: str = "samples"):
         if not prompts:
             raise ValueError("ImageLogger needs at least one prompt")
-        if scheduler not in sampling.SCHEDULERS:
+        if scheduler is not None and scheduler not in sampling.SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(sampling.SCHEDULERS)}")
         self.prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         self.model_ref, self.scaling_factor, self.prediction_type = model_ref, scaling_factor, prediction_type
@@ -90,14 +91,14 @@ class ImageLogger(Callback):
         if not rank0 and not _sharded(state.model):
             return None
         model = _unwrap(state.model)
-        unet = getattr(model, "unet", model)
+        denoiser = getattr(model, "denoiser", model)
         kwargs = dict(self.sample_kwargs)
         if kwargs["size"] is None:
             kwargs["size"] = getattr(model, "resolution", None)  # None: the UNet config's size
         ema_context, ema_in_model = self._ema_weights(state)
         with ema_context:
             weights = "ema" if ema_in_model() else "raw"
-            images = self._get_sampler(model)(unet, self.prompts, **kwargs)
+            images = self._get_sampler(model)(denoiser, self.prompts, **kwargs)
         if not rank0:
             return None
         labels = [p for p in self.prompts for _ in range(self.sample_kwargs["images_per_prompt"])]
@@ -112,6 +113,10 @@ class ImageLogger(Callback):
 
     def _get_sampler(self, model) -> sampling.Sampler:
         if self._sampler is None:
+            description = getattr(model, "description", None)
+            if description is not None and not (self.model_ref or self.scaling_factor or self.prediction_type):
+                self._sampler = sampling.Sampler(description, scheduler=self.scheduler)
+                return self._sampler
             model_ref = self.model_ref or getattr(model, "model_ref", None)
             if not model_ref:
                 raise ValueError("ImageLogger: pass model_ref= (the model has no model_ref attribute)")
@@ -147,6 +152,6 @@ def _sharded(model) -> bool:
 
 def _unwrap(model):
     # DistributedDataParallel keeps the ComposerModel in .module; FSDP forwards attribute access itself.
-    while hasattr(model, "module") and not hasattr(model, "unet"):
+    while hasattr(model, "module") and not hasattr(model, "denoiser"):
         model = model.module
     return model

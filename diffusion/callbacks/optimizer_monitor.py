@@ -9,7 +9,7 @@ ranks in one all-reduce (divided by the replicas under hybrid sharding), so ever
 the whole gradient:
 
 - ``l2_norm/grad/global``: the L2 norm of all trainable parameters' gradients;
-- ``l2_norm/grad/<name>``: per parameter, by the model's own names (``unet.conv_in.weight``, no wrapper
+- ``l2_norm/grad/<name>``: per parameter, by the model's own names (``denoiser.conv_in.weight``, no wrapper
   prefixes).
 
 Without FSDP (one process, or DDP with gradients already averaged) and with NO_SHARD, nothing is

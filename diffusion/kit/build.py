@@ -1,6 +1,6 @@
 """The offline model kit: diffusers-layout model directories written without hub access.
 
-``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip} --out DIR``
+``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip,tiny-mmdit} --out DIR``
 
 - ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
   no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
@@ -8,6 +8,8 @@
   VAE fitted on sample scenes so decoded images can be judged by eye. The fitted VAE ships with the
   package (``diffusion/kit/assets/tiny-vae``, see :mod:`diffusion.kit.vae_fit`), so the preset
   builds in seconds; ``--refit-vae`` fits it again instead (a few minutes on CPU).
+- ``tiny-mmdit``: the tiny kit with an MMDiT (SD3's ``SD3Transformer2DModel``, random, seeded) in
+  ``transformer/`` for its denoiser and a flow-matching scheduler, for the flow recipe.
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 
@@ -43,13 +45,14 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
-PRESETS = ("tiny", "sd2-base", "tiny-clip")
+PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
 LEGACY_TOP_LEVEL = {
     "sd2-base": _DIFFUSERS_LAYOUT,
     "tiny": _DIFFUSERS_LAYOUT,
+    "tiny-mmdit": frozenset({"transformer", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP}),
     "tiny-clip": frozenset({  # CLIPModel, the CLIP tokenizer and image processor's save_pretrained
         STAMP, "config.json", "model.safetensors", "pytorch_model.bin", "generation_config.json",
         "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
@@ -91,6 +94,15 @@ TINY_UNET = dict(
     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
     cross_attention_dim=TINY_TEXT["hidden_size"], attention_head_dim=(2, 4), use_linear_projection=True,
 )
+
+# The MMDiT preset: SD3's transformer at the tiny UNet's scale (latent 8×8 at 64 px, patches of 2), the
+# tiny text encoder's width as its joint-attention and pooled widths, and a flow-matching scheduler.
+TINY_MMDIT = dict(
+    sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=4, attention_head_dim=16,
+    num_attention_heads=4, joint_attention_dim=TINY_TEXT["hidden_size"], caption_projection_dim=64,
+    pooled_projection_dim=TINY_TEXT["hidden_size"], pos_embed_max_size=32,
+)
+FLOW_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0)
 
 
 def model_index() -> dict:
@@ -171,6 +183,28 @@ def copy_tiny_vae(out: pathlib.Path, asset: pathlib.Path = TINY_VAE_ASSET) -> di
     return fit
 
 
+def build_tiny_mmdit(out: pathlib.Path) -> dict:
+    """The tiny kit with an MMDiT (``SD3Transformer2DModel``) for its denoiser and a flow-matching
+    scheduler: the same tokenizer, text encoder and fitted VAE, so it trains on the same converted data."""
+    import diffusers
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    SD3Transformer2DModel(**TINY_MMDIT).save_pretrained(out / "transformer")
+    torch.manual_seed(1)
+    CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
+    fit = copy_tiny_vae(out / "vae")
+    write_clip_tokenizer(out / "tokenizer")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
+    _write_json(out / "model_index.json", {
+        "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
+        "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]})
+    return {"vae": "shipped", "vae_fit": fit}
+
+
 def build_tiny_clip(out: pathlib.Path) -> dict:
     """A tiny random CLIPModel with the CLIP tokenizer and a 64 px image processor in one directory."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
@@ -194,6 +228,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_sd2_base(out)
     elif preset == "tiny":
         info = build_tiny(out, progress=progress, refit_vae=refit_vae)
+    elif preset == "tiny-mmdit":
+        info = build_tiny_mmdit(out)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -340,7 +376,8 @@ existing complete kit is kept as it is; a folder holding other files is refused.
 EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny --out .cache/kit/tiny          # what make demo and the tests use
   python -m diffusion.kit --preset sd2-base --out kits/sd2-base        # model.ref for yamls/sd2-base-256.yaml
-  python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip"""
+  python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip
+  python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml"""
 
 
 def build_parser() -> argparse.ArgumentParser:

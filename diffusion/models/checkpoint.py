@@ -1,6 +1,6 @@
-"""Read a UNet back out of a Composer checkpoint written by training, with no config needed.
+"""Read a denoiser back out of a Composer checkpoint written by training, with no config needed.
 
-The model's extra state (``StableDiffusion.get_extra_state``) records how to rebuild it; the EMA
+The model's extra state (``LatentDiffusion.get_extra_state``: the model description) records how to rebuild it; the EMA
 algorithm's state carries the averaged weights under the ComposerModel's parameter names.
 
 :func:`check_checkpoint` is the cheap look a command takes at its ``--checkpoint`` before loading any
@@ -17,7 +17,8 @@ import torch
 
 from diffusion.errors import InputError
 
-UNET_PREFIX = "unet."
+DENOISER_PREFIX = "denoiser."
+UNET_PREFIX = "unet."  # checkpoints written before the model wing
 EXTRA_STATE = "_extra_state"
 _WHAT = "a Composer checkpoint file (e.g. CKPT_FOLDER/latest-rank0.pt) or a diffusers pipeline directory"
 # torch.save writes a zip archive (PK..); the legacy format is a pickle (protocol 2+: 0x80 first).
@@ -30,7 +31,7 @@ def is_remote(path: str) -> bool:
 
 
 def check_checkpoint(path) -> None:
-    """Fail fast, before any model loads, when ``path`` cannot be a checkpoint :func:`load_unet` or
+    """Fail fast, before any model loads, when ``path`` cannot be a checkpoint :func:`load_denoiser` or
     :func:`diffusion.models.sampling.load_trained` reads.
 
     A missing local path is a ``FileNotFoundError`` carrying the path; a directory without
@@ -76,34 +77,35 @@ def read_state(checkpoint_path: str) -> dict:
     return saved["state"]
 
 
-def load_unet(checkpoint_path: str, ema: bool = True):
-    """``(unet, info)``: the trained UNet (EMA weights when ``ema`` and present) and how it was trained.
-
-    ``info`` holds ``model_ref, unet_config, scaling_factor, prediction_type, resolution, text_dim``,
-    ``noise_schedule`` (the training noise schedule; None in checkpoints written before it was recorded,
-    whose samplers fall back to the model reference's scheduler config) and ``ema_used``.
-    """
-    from diffusers import UNet2DConditionModel
-
-    from diffusion.models.stable_diffusion import EXTRA_STATE_KEYS  # imports Composer: only when loading
+def load_denoiser(checkpoint_path: str, ema: bool = True):
+    """``(denoiser, description, ema_used)``: the trained denoiser (EMA weights when ``ema`` and present)
+    and its :class:`~diffusion.models.description.ModelDescription`. Checkpoints written before the
+    description existed (SD2 UNets, their weights under ``unet.``) are read too."""
+    from diffusion.models.description import ModelDescription
     state = read_state(checkpoint_path)
     model_state = state["model"]
-    info = model_state.get(EXTRA_STATE)
-    if not isinstance(info, dict) or "unet_config" not in info:
+    extra = model_state.get(EXTRA_STATE)
+    try:
+        description = ModelDescription.from_extra_state(extra if isinstance(extra, dict) else {})
+    except KeyError:
         raise InputError(f"{checkpoint_path}: the checkpoint does not describe its model (no {EXTRA_STATE}); "
-                         f"was it written by diffusion.train?")
-    info = {k: info.get(k) for k in EXTRA_STATE_KEYS}
-    weights = {k[len(UNET_PREFIX):]: v for k, v in model_state.items() if k.startswith(UNET_PREFIX)}
+                         f"was it written by diffusion.train?") from None
+    weights = _denoiser_weights(model_state)
     ema_params = ema_weights(state) if ema else None
     if ema_params:
-        weights.update({k[len(UNET_PREFIX):]: v for k, v in ema_params.items() if k.startswith(UNET_PREFIX)})
-    unet = UNet2DConditionModel.from_config(info["unet_config"])
-    missing, unexpected = unet.load_state_dict(weights, strict=False)
+        weights.update(_denoiser_weights(ema_params))
+    denoiser = description.build_denoiser()
+    missing, unexpected = denoiser.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise InputError(f"{checkpoint_path}: UNet weights do not match its config "
+        raise InputError(f"{checkpoint_path}: {description.denoiser} weights do not match its config "
                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    info["ema_used"] = bool(ema_params)
-    return unet.eval(), info
+    return denoiser.eval(), description, bool(ema_params)
+
+
+def _denoiser_weights(named: dict) -> dict:
+    """The denoiser's tensors of a model state dict (or EMA parameters) by the denoiser's own names."""
+    return {k[len(prefix):]: v for k, v in named.items()
+            for prefix in (DENOISER_PREFIX, UNET_PREFIX) if k.startswith(prefix)}
 
 
 def ema_weights(state: dict) -> dict | None:

@@ -73,7 +73,8 @@ def resolve_model(ref: str, components=COMPONENTS) -> str:
             f"diffusers directory instead, e.g. one written by `python -m diffusion.kit`") from e
 
 
-def _component(ref: str, name: str) -> str:
+def component_path(ref: str, name: str) -> str:
+    """The local directory of component ``name`` (``unet``, ``transformer``, ``vae`` ...) of ``ref``."""
     path = os.path.join(resolve_model(ref, components=(name,)), name)
     if not os.path.isdir(path):
         raise ModelReferenceError(f"model {ref!r} has no {name}/ component")
@@ -88,7 +89,7 @@ def require_weights(ref: str, components=("vae", "text_encoder")) -> None:
     """Fail early, in one line, when a component of ``ref`` has a config but no weights (e.g. the
     ``sd2-base`` kit, whose VAE and text encoder come from the hub)."""
     for name in components:
-        path = _component(ref, name)
+        path = component_path(ref, name)
         if not _has_weights(path):
             raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
 
@@ -96,13 +97,13 @@ def require_weights(ref: str, components=("vae", "text_encoder")) -> None:
 def load_tokenizer(ref: str):
     """The CLIP tokenizer of ``ref`` (max length 77, pad ``!`` = 0 for SD2)."""
     from transformers import CLIPTokenizer
-    return CLIPTokenizer.from_pretrained(_component(ref, "tokenizer"))
+    return CLIPTokenizer.from_pretrained(component_path(ref, "tokenizer"))
 
 
 def load_text_encoder(ref: str, dtype=None):
     from transformers import CLIPTextModel
     require_weights(ref, ("text_encoder",))
-    path = _component(ref, "text_encoder")
+    path = component_path(ref, "text_encoder")
     model = CLIPTextModel.from_pretrained(path, dtype=dtype)
     return model.eval().requires_grad_(False)
 
@@ -110,24 +111,24 @@ def load_text_encoder(ref: str, dtype=None):
 def load_vae(ref: str, dtype=None):
     from diffusers import AutoencoderKL
     require_weights(ref, ("vae",))
-    path = _component(ref, "vae")
+    path = component_path(ref, "vae")
     model = AutoencoderKL.from_pretrained(path, torch_dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
 def load_unet_config(ref: str) -> dict:
-    with open(os.path.join(_component(ref, "unet"), "config.json")) as f:
+    with open(os.path.join(component_path(ref, "unet"), "config.json")) as f:
         return json.load(f)
 
 
 def load_text_encoder_config(ref: str) -> dict:
     """The text encoder's config.json (``hidden_size`` is the D of ``text_embeds``), without weights."""
-    with open(os.path.join(_component(ref, "text_encoder"), "config.json")) as f:
+    with open(os.path.join(component_path(ref, "text_encoder"), "config.json")) as f:
         return json.load(f)
 
 
 def load_vae_config(ref: str) -> dict:
-    with open(os.path.join(_component(ref, "vae"), "config.json")) as f:
+    with open(os.path.join(component_path(ref, "vae"), "config.json")) as f:
         return json.load(f)
 
 
@@ -143,7 +144,7 @@ def load_scheduler(ref: str, name: str = "ddpm"):
     }
     if name not in classes:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(classes)}")
-    return classes[name].from_pretrained(_component(ref, "scheduler"))
+    return classes[name].from_pretrained(component_path(ref, "scheduler"))
 
 
 # The scheduler config keys that define the noise schedule a UNet was trained on (the rest of a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import typing
 
 import numpy as np
 import torch
@@ -72,6 +73,9 @@ class NoiseDraws:
 
     seed: int = 0
     perturbation: bool = False
+    # The objective's draw for the noise level (``Objective.level_draw``: e.g. flow's logit-normal
+    # density through diffusers' sampler); None: a uniform number in [0, 1), as the DDPM objectives take.
+    level: typing.Callable | None = None
 
     def __call__(self, keys, epoch: int, latent_shape) -> dict[str, torch.Tensor]:
         n, shape = len(keys), tuple(int(d) for d in latent_shape)
@@ -83,7 +87,9 @@ class NoiseDraws:
         for i, key in enumerate(keys):
             generator.manual_seed(mix64(self.seed, _NOISE_STREAM, epoch, key_number(key)))
             for name, values in draws.items():  # dict order is the draw order
-                if name == schema.BATCH_TIMESTEP_DRAW:
+                if name == schema.BATCH_TIMESTEP_DRAW and self.level is not None:
+                    values[i:i + 1] = self.level(generator)
+                elif name == schema.BATCH_TIMESTEP_DRAW:
                     values[i:i + 1].uniform_(generator=generator)
                 else:
                     values[i].normal_(generator=generator)

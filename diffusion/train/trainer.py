@@ -26,14 +26,18 @@ from diffusion import schema
 from diffusion.train import dataset_info, mds_source, shared_memory
 from diffusion.train.batches import NoiseDraws
 from diffusion.callbacks.text_encoder_share import TextEncoderShare
-from diffusion.models.stable_diffusion import StableDiffusion, build_model
+from diffusion.models import objectives
+from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
 from diffusion.models.text_encoder import load_frozen_text_encoder
 
 
 
 def noise_draws(cfg: Config) -> NoiseDraws:
-    """What the training loader draws per sample for the model (offline and online alike)."""
-    return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0)
+    """The loader's per-sample draws for this run's model: the objective says how its level is drawn."""
+    ref = cfg.model.ref
+    objective = objectives.build_objective(objective_name(cfg.model, ref), cfg.model, ref)
+    return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0,
+                      level=objective.level_draw())
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -146,12 +150,12 @@ def _average_fsdp2_gradients_on_cpu() -> None:
     collectives._get_gradient_divide_factors = divide_factors
 
 
-def prepare_model(cfg: Config, model: StableDiffusion) -> StableDiffusion:
+def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
     """Memory layout and (without FSDP, which does its own) activation checkpointing."""
-    if cfg.trainer.channels_last:
-        model.unet.to(memory_format=torch.channels_last)
+    if cfg.trainer.channels_last and model.adapter.channels_last:
+        model.denoiser.to(memory_format=torch.channels_last)
     if cfg.trainer.activation_checkpointing and cfg.trainer.fsdp is None:
-        model.unet.enable_gradient_checkpointing()
+        model.denoiser.enable_gradient_checkpointing()
     return model
 
 
@@ -188,7 +192,7 @@ def build_evaluators(cfg: Config, eval_loader, algorithms) -> list[Evaluator] | 
     return evaluators
 
 
-def attach_text_encoder(cfg: Config, model: StableDiffusion, info: schema.DatasetInfo, empty_text_embeds) -> None:
+def attach_text_encoder(cfg: Config, model: LatentDiffusion, info: schema.DatasetInfo, empty_text_embeds) -> None:
     """Training from token ids: the frozen text encoder (``model.text_encoder``, else the one the dataset
     records), checked against the UNet and the dataset's empty-caption embedding before the first step."""
     ref, where = cfg.model.text_encoder, "model.text_encoder"

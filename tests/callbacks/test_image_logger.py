@@ -21,18 +21,18 @@ PROMPTS = ["a red circle", "a blue square"]
 
 
 class TinyDiffusion(ComposerModel):
-    """Just enough of a diffusion ComposerModel: a UNet, its model reference, a loss."""
+    """Just enough of a diffusion ComposerModel: a denoiser (a UNet), its model reference, a loss."""
 
     def __init__(self, kit, resolution=None):
         super().__init__()
         from diffusers import UNet2DConditionModel
-        self.unet = UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet"))
+        self.denoiser = UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet"))
         self.model_ref = kit
         if resolution:
             self.resolution = resolution
 
     def forward(self, batch):
-        return self.unet(batch["latents"], 10, encoder_hidden_states=batch["embeds"]).sample
+        return self.denoiser(batch["latents"], 10, encoder_hidden_states=batch["embeds"]).sample
 
     def loss(self, outputs, batch):
         return outputs.pow(2).mean()
@@ -73,19 +73,19 @@ class EMA(ema.EMA):
 
     @contextlib.contextmanager
     def ema_weights(self, model):
-        saved = {k: v.clone() for k, v in model.unet.state_dict().items()}
+        saved = {k: v.clone() for k, v in model.denoiser.state_dict().items()}
         with torch.no_grad():
-            for p in model.unet.parameters():
+            for p in model.denoiser.parameters():
                 p.mul_(0.5)
         try:
             yield
         finally:
-            model.unet.load_state_dict(saved)
+            model.denoiser.load_state_dict(saved)
 
 
 def _fit(model, callback, *, algorithms=(), eval_interval=None, duration="2ba"):
     capture = ImageCapture()
-    data = torch.utils.data.DataLoader(Batches(model.unet), batch_size=2)
+    data = torch.utils.data.DataLoader(Batches(model.denoiser), batch_size=2)
     trainer = Trainer(model=model, train_dataloader=data, max_duration=duration, callbacks=[callback],
                       loggers=[capture], algorithms=list(algorithms), device="cpu", progress_bar=False,
                       optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -111,18 +111,18 @@ def test_interval_logs_the_same_grid_for_unchanged_weights_and_saves_pngs(tiny_k
 @pytest.mark.slow  # two Composer fits; ~10 s alone, over 30 s on a loaded 2-core machine
 def test_uses_ema_weights_when_ema_is_present_and_restores_training_weights(tiny_kit):
     model = TinyDiffusion(tiny_kit)
-    before = {k: v.clone() for k, v in model.unet.state_dict().items()}
+    before = {k: v.clone() for k, v in model.denoiser.state_dict().items()}
     with_ema = _fit(model, ImageLogger(PROMPTS, interval="1ba", steps=2), algorithms=[EMA()], duration="1ba")
     without = _fit(TinyDiffusion(tiny_kit), ImageLogger(PROMPTS, interval="1ba", steps=2, use_ema=False),
                    algorithms=[EMA()], duration="1ba")
     assert (with_ema[0][0], without[0][0]) == ("samples_ema", "samples_raw")  # the key says which weights
     assert np.abs(with_ema[0][2].astype(int) - without[0][2].astype(int)).mean() > 1
-    for k, v in model.unet.state_dict().items():
+    for k, v in model.denoiser.state_dict().items():
         torch.testing.assert_close(v, before[k])
     # The EMA picture is what the halved weights draw.
     halved = TinyDiffusion(tiny_kit)
     with EMA().ema_weights(halved):
-        images = sampling.sample_images(halved.unet, tiny_kit, PROMPTS, steps=2)
+        images = sampling.sample_images(halved.denoiser, tiny_kit, PROMPTS, steps=2)
     assert np.abs(np.asarray(grid.make_grid(images, PROMPTS, columns=1)).astype(int)
                   - with_ema[0][2].astype(int)).max() <= 1
 
@@ -136,7 +136,7 @@ def test_one_grid_per_eval_whatever_the_number_of_evaluators(tiny_kit):
     """EVAL_END comes once per evaluator (training evaluates raw and EMA weights separately)."""
     from composer.core import Evaluator
     model = TinyDiffusion(tiny_kit)
-    data = torch.utils.data.DataLoader(Batches(model.unet), batch_size=2)
+    data = torch.utils.data.DataLoader(Batches(model.denoiser), batch_size=2)
     capture = ImageCapture()
     trainer = Trainer(model=model, train_dataloader=data, max_duration="2ba", loggers=[capture],
                       callbacks=[ImageLogger(PROMPTS, steps=2)], device="cpu", progress_bar=False,
@@ -162,7 +162,7 @@ def half_res_model(tiny_kit):
 
 
 def test_grid_is_drawn_at_the_training_resolution_not_the_unet_config_size(half_res_model, tiny_kit, tmp_path):
-    assert sampling.default_size(half_res_model.unet, tiny_kit) == 64
+    assert sampling.default_size(half_res_model.denoiser, tiny_kit) == 64
     callback = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path))
     capture = ImageCapture()
     callback.log_grid(_state(half_res_model), capture)
@@ -200,11 +200,11 @@ def test_under_fsdp_other_ranks_sample_but_only_rank0_logs(half_res_model, monke
     monkeypatch.setattr(image_logger, "_sharded", lambda model: True)
     callback, capture = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path)), ImageCapture()
     forwards = []
-    half_res_model.unet.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    half_res_model.denoiser.register_forward_pre_hook(lambda module, args: forwards.append(1))
     try:
         assert callback.log_grid(_state(half_res_model), capture) is None
     finally:
-        half_res_model.unet._forward_pre_hooks.clear()
+        half_res_model.denoiser._forward_pre_hooks.clear()
     assert len(forwards) == 2  # the same forwards as rank 0: 2 steps, both prompts and guidance in one batch
     assert capture.images == [] and os.listdir(tmp_path) == []
 

@@ -109,7 +109,7 @@ def test_the_training_forward_compiles_without_graph_breaks(train_kit):
     import torch._dynamo
 
     from diffusion.config import ModelConfig
-    from diffusion.models.stable_diffusion import build_model
+    from diffusion.models.latent_diffusion import build_model
     info = schema.DatasetInfo(model=train_kit, scaling_factor=0.18215, resolutions=[64],
                               text_dim=kit_text_dim(train_kit))
     model = build_model(ModelConfig(ref=train_kit, resolution=64, prediction_type="v_prediction",

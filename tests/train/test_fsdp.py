@@ -52,8 +52,8 @@ class Recorder(Callback):
         self.microbatch = 0
     def batch_end(self, state, logger):
         # the norm of the whole gradient of this batch, gathered by FSDP
-        with FSDP.summon_full_params(state.model.unet, writeback=False, with_grads=True):
-            grads = [p.grad.float().pow(2).sum() for p in state.model.unet.parameters() if p.grad is not None]
+        with FSDP.summon_full_params(state.model.denoiser, writeback=False, with_grads=True):
+            grads = [p.grad.float().pow(2).sum() for p in state.model.denoiser.parameters() if p.grad is not None]
             self.full_grad_norms.append(torch.stack(grads).sum().sqrt().item())
     def after_forward(self, state, logger):
         self.microbatch += 1
@@ -102,10 +102,10 @@ for variant in json.loads(os.environ["VARIANTS"]):
     trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
     rank = dist.get_global_rank()
     model = trainer.state.model
-    assert isinstance(model.unet, FSDP), type(model.unet)
+    assert isinstance(model.denoiser, FSDP), type(model.denoiser)
     recorder = Recorder(variant.get("nan_at"))
     trainer.state.callbacks.insert(0, recorder)
-    model.unet.conv_in.register_forward_pre_hook(recorder.hook(trainer.state))
+    model.denoiser.conv_in.register_forward_pre_hook(recorder.hook(trainer.state))
     logged = InMemoryLogger()
     logged.init(trainer.state, trainer.logger)
     trainer.logger.destinations = (*trainer.logger.destinations, logged)
@@ -119,8 +119,8 @@ for variant in json.loads(os.environ["VARIANTS"]):
         record["grad_norms"] = [v for _, v in logged.data["l2_norm/grad/global"]]
         record["grad_keys"] = sorted(k for k in logged.data if k.startswith("l2_norm/grad/"))
         record["full_grad_norms"] = recorder.full_grad_norms
-        with FSDP.summon_full_params(model.unet):
-            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.unet.named_parameters()}
+        with FSDP.summon_full_params(model.denoiser):
+            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.denoiser.named_parameters()}
         ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
         record["ema"] = ema.state_dict()["ema_params"]
     record["forwards"] = recorder.forwards
@@ -220,7 +220,7 @@ def test_an_ema_eval_between_steps_leaves_training_unchanged(fsdp_runs, strategy
     for batch, seen in evals.items():
         torch.testing.assert_close(seen[0], expected[batch], rtol=1e-5, atol=1e-6, msg=f"eval after batch {batch}")
         assert not torch.allclose(seen[0], weights[batch], atol=1e-4)  # really not the training weights
-    torch.testing.assert_close(plain["ema"]["unet.conv_in.weight"], expected[3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain["ema"]["denoiser.conv_in.weight"], expected[3], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_the_logged_grad_norm_is_the_whole_gradients_on_every_rank(fsdp_runs, st
     tmp, _ = fsdp_runs
     rank0, rank1 = _load(tmp, f"{strategy}-plain", 0), _load(tmp, f"{strategy}-plain", 1)
     assert len(rank0["grad_norms"]) == 3 and rank0["grad_norms"] == rank1["grad_norms"]
-    assert rank0["grad_keys"] == rank1["grad_keys"] and "l2_norm/grad/unet.conv_in.weight" in rank0["grad_keys"]
+    assert rank0["grad_keys"] == rank1["grad_keys"] and "l2_norm/grad/denoiser.conv_in.weight" in rank0["grad_keys"]
     assert rank0["grad_norms"] == pytest.approx(rank0["full_grad_norms"], rel=1e-4)
     assert all(n > 0 for n in rank0["grad_norms"])
 
@@ -265,7 +265,7 @@ def test_a_nan_in_one_ranks_first_microbatch_stops_both_before_its_checkpoint(fs
     assert os.readlink(ckpt / "latest-rank0.pt") == "ep0-ba2-rank0.pt"
     # ...and what it holds is whole and finite: the full weights, and the EMA gathered from both ranks.
     state = torch.load(ckpt / "ep0-ba2-rank0.pt", weights_only=False)["state"]
-    weights = {k: v for k, v in state["model"].items() if k.startswith("unet.")}
+    weights = {k: v for k, v in state["model"].items() if k.startswith("denoiser.")}
     ema = dict(state["algorithms"])["EMA"]["ema_params"]
     assert ema.keys() == weights.keys()
     for name, tensor in weights.items():

@@ -114,7 +114,7 @@ def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(train_k
     CPU ranks, EMA, two microbatches per rank train the weights one process trains on the same global
     batches (gradients averaged over the ranks, not summed), and the checkpoint holds them whole with
     the EMA."""
-    from diffusion.models.checkpoint import load_unet
+    from diffusion.models.checkpoint import load_denoiser
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=32)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
     # Adam with eps = 1: smooth in the gradient (see test_two_ranks_read_disjoint_samples_and_agree), and
@@ -129,10 +129,10 @@ def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(train_k
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ema, info = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"))
-    raw, _ = load_unet(str(tmp_path / "ckpt" / "latest-rank0.pt"), ema=False)
-    assert info["ema_used"] and not torch.equal(ema.conv_in.weight, raw.conv_in.weight)
+    ema, _, ema_used = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"))
+    raw, _, _ = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"), ema=False)
+    assert ema_used and not torch.equal(ema.conv_in.weight, raw.conv_in.weight)
 
     _, one_process = _fit_one_process(common)
     for name, tensor in raw.state_dict().items():
-        torch.testing.assert_close(tensor, one_process["unet." + name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(tensor, one_process["denoiser." + name], rtol=1e-5, atol=1e-7, msg=name)

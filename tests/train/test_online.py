@@ -169,7 +169,7 @@ def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, s
         f"trainer.load_path={checkpoint}", "trainer.load_weights_only=true")))
     trainer = build_trainer(cfg)
     loaded = trainer.state.model.state_dict()
-    torch.testing.assert_close(loaded["unet.conv_in.weight"], online_state["unet.conv_in.weight"])
+    torch.testing.assert_close(loaded["denoiser.conv_in.weight"], online_state["denoiser.conv_in.weight"])
     trainer.fit()
     assert int(trainer.state.timestamp.batch) == 2
     trainer.close()

@@ -77,7 +77,7 @@ def test_training_from_ids_matches_training_from_the_stored_embeddings(train_kit
     assert ids_losses[-1] != ids_losses[0]  # it trained
     for name in embeds:
         torch.testing.assert_close(ids[name], embeds[name], rtol=1e-3, atol=1e-5, msg=name)
-    assert all(name.startswith("unet.") for name in ids)  # the text encoder is no part of the trained model
+    assert all(name.startswith("denoiser.") for name in ids)  # the text encoder is no part of the trained model
     assert no_share is None and share is not None and 0 < share < 1  # its share of step time is logged
 
 
@@ -119,7 +119,7 @@ def test_resume_from_ids_equals_a_straight_run(train_kit, datasets, tmp_path):
     for name in weights:
         assert torch.equal(weights2[name], weights[name]), name
     checkpoint = torch.load(straight / first, map_location="cpu", weights_only=False)
-    assert all(k.startswith("unet.") or k == "_extra_state" for k in checkpoint["state"]["model"])
+    assert all(k.startswith("denoiser.") or k == "_extra_state" for k in checkpoint["state"]["model"])
 
 
 def _other_text_encoder(tiny_kit, out) -> str:

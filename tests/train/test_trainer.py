@@ -12,7 +12,7 @@ from composer.core import Callback
 
 from diffusion.config import load_config
 from diffusion import schema
-from diffusion.models.checkpoint import load_unet
+from diffusion.models.checkpoint import load_denoiser
 from diffusion.train.trainer import build_trainer
 from train_fixtures import tiny_overrides, write_latent_mds
 
@@ -81,7 +81,7 @@ def test_the_same_seed_trains_the_same_weights_and_another_seed_does_not(train_k
     assert order_again == order
     for name in first:
         assert torch.equal(again[name], first[name]), name
-    assert not torch.equal(other["unet.conv_in.weight"], first["unet.conv_in.weight"])
+    assert not torch.equal(other["denoiser.conv_in.weight"], first["denoiser.conv_in.weight"])
 
 
 @pytest.mark.slow
@@ -106,12 +106,12 @@ def test_resume_equals_a_straight_run(train_kit, mds, tmp_path):
     for name in ema:
         torch.testing.assert_close(ema2[name], ema[name], rtol=1e-5, atol=1e-6, msg=name)
     # the checkpoint alone rebuilds the UNet, with EMA weights by default
-    unet, info = load_unet(str(resumed / "latest-rank0.pt"))
-    assert info["ema_used"] and info["resolution"] == 64 and info["model_ref"] == train_kit
-    torch.testing.assert_close(unet.state_dict()["conv_in.weight"], ema["unet.conv_in.weight"])
-    raw, info = load_unet(str(resumed / "latest-rank0.pt"), ema=False)
-    assert not info["ema_used"]
-    torch.testing.assert_close(raw.state_dict()["conv_in.weight"], weights["unet.conv_in.weight"])
+    unet, description, ema_used = load_denoiser(str(resumed / "latest-rank0.pt"))
+    assert ema_used and description.resolution == 64 and description.model_ref == train_kit
+    torch.testing.assert_close(unet.state_dict()["conv_in.weight"], ema["denoiser.conv_in.weight"])
+    raw, _, ema_used = load_denoiser(str(resumed / "latest-rank0.pt"), ema=False)
+    assert not ema_used
+    torch.testing.assert_close(raw.state_dict()["conv_in.weight"], weights["denoiser.conv_in.weight"])
 
 
 def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp_path):
@@ -125,7 +125,7 @@ def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp
     assert int(trainer.state.timestamp.batch) == 0  # fresh schedule
     assert not trainer.state.optimizers[0].state  # fresh optimizer
     loaded = trainer.state.model.state_dict()
-    torch.testing.assert_close(loaded["unet.conv_in.weight"], weights["unet.conv_in.weight"])
+    torch.testing.assert_close(loaded["denoiser.conv_in.weight"], weights["denoiser.conv_in.weight"])
     trainer.close()
 
 
@@ -166,4 +166,4 @@ def test_eval_reports_raw_and_ema_loss_apart_and_the_grad_norm_is_logged(train_k
     norms = logged.data["l2_norm/grad/global"]
     assert [int(t.batch) for t, _ in norms] == [1, 2, 3, 4]
     assert all(0 < value < float("inf") for _, value in norms)
-    assert logged.data["l2_norm/grad/unet.conv_in.weight"][0][1] > 0
+    assert logged.data["l2_norm/grad/denoiser.conv_in.weight"][0][1] > 0

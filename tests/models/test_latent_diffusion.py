@@ -5,7 +5,7 @@ import torch
 
 from diffusion.config import ModelConfig
 from diffusion import schema
-from diffusion.models.stable_diffusion import build_model, unet_forward_flops
+from diffusion.models.latent_diffusion import build_model
 from train_fixtures import kit_text_dim
 
 SF = 0.18215
@@ -26,7 +26,7 @@ def _batch(n=4, logvar=-30.0, seed=0, text_dim=64):
 
 def _unet_inputs(model):
     seen = []
-    model.unet.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    model.denoiser.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
     return seen
 
 
@@ -37,8 +37,8 @@ def test_latents_are_scaled_exactly_once(train_kit):
     batch = _batch()
     out = model(batch)
     mean = batch[schema.BATCH_MOMENTS][:, :4]
-    a = model.sqrt_alphas_cumprod[out["timesteps"]].view(-1, 1, 1, 1)
-    s = model.sqrt_one_minus_alphas_cumprod[out["timesteps"]].view(-1, 1, 1, 1)
+    a = model.objective.sqrt_alphas_cumprod[out["levels"]].view(-1, 1, 1, 1)
+    s = model.objective.sqrt_one_minus_alphas_cumprod[out["levels"]].view(-1, 1, 1, 1)
     torch.testing.assert_close(seen[0], a * mean * SF + s * out["noise"], rtol=1e-4, atol=1e-4)
     # and not unscaled: a model that forgot the factor would fail the line above just the same
     assert not torch.allclose(seen[0], a * mean * SF * SF + s * out["noise"], atol=1e-2)
@@ -55,10 +55,10 @@ def test_latents_are_fresh_draws_from_the_moments(train_kit):
 
 def test_v_prediction_target_matches_diffusers(train_kit):
     model = _model(train_kit, prediction_type="v_prediction")
-    from diffusion.models.stable_diffusion import build_noise_scheduler
-    scheduler = build_noise_scheduler(train_kit)
+    from diffusion.models import loading
+    scheduler = loading.load_scheduler(train_kit, "ddpm")
     out = model(_batch())
-    expected = scheduler.get_velocity(out["latents"], out["noise"], out["timesteps"])
+    expected = scheduler.get_velocity(out["latents"], out["noise"], out["levels"])
     torch.testing.assert_close(out["target"], expected.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -67,29 +67,29 @@ def test_min_snr_weighting_against_a_reference(train_kit):
     batch = _batch()
     out = model(batch)
     mse = ((out["prediction"] - out["target"]) ** 2).mean(dim=(1, 2, 3))
-    alphas = build_alphas(train_kit)[out["timesteps"]]
+    alphas = build_alphas(train_kit)[out["levels"]]
     snr = alphas / (1 - alphas)
     expected = (mse * torch.clamp(snr, max=5.0) / snr).mean()
     torch.testing.assert_close(model.loss(out, batch), expected.float(), rtol=1e-4, atol=1e-6)
 
 
 def build_alphas(kit):
-    from diffusion.models.stable_diffusion import build_noise_scheduler
-    return build_noise_scheduler(kit).alphas_cumprod.double()
+    from diffusion.models import loading
+    return loading.load_scheduler(kit, "ddpm").alphas_cumprod.double()
 
 
 def test_zero_terminal_snr_ends_in_pure_noise(train_kit):
     plain, rescaled = _model(train_kit), _model(train_kit, zero_terminal_snr=True, prediction_type="v_prediction")
-    assert plain.sqrt_alphas_cumprod[-1] > 0.01
-    assert rescaled.sqrt_alphas_cumprod[-1].abs() < 1e-6
+    assert plain.objective.sqrt_alphas_cumprod[-1] > 0.01
+    assert rescaled.objective.sqrt_alphas_cumprod[-1].abs() < 1e-6
 
 
 def test_input_perturbation_changes_the_input_not_the_target(train_kit):
     model = _model(train_kit, input_perturbation=0.5)
     seen = _unet_inputs(model)
     out = model(_batch())
-    a = model.sqrt_alphas_cumprod[out["timesteps"]].view(-1, 1, 1, 1)
-    s = model.sqrt_one_minus_alphas_cumprod[out["timesteps"]].view(-1, 1, 1, 1)
+    a = model.objective.sqrt_alphas_cumprod[out["levels"]].view(-1, 1, 1, 1)
+    s = model.objective.sqrt_one_minus_alphas_cumprod[out["levels"]].view(-1, 1, 1, 1)
     assert torch.equal(out["target"], out["noise"])
     assert not torch.allclose(seen[0], a * out["latents"] + s * out["noise"], atol=1e-3)
 
@@ -103,40 +103,58 @@ def test_eval_noise_is_pinned_per_sample(train_kit):
     reordered = {k: v.flip(0) for k, v in batch.items()}
     flipped = model.eval_forward(reordered)
     torch.testing.assert_close(flipped["noise"].flip(0), first["noise"])
-    assert torch.equal(flipped["timesteps"].flip(0), first["timesteps"])
-    assert len(set(first["timesteps"].tolist())) > 1  # but different samples differ
+    assert torch.equal(flipped["levels"].flip(0), first["levels"])
+    assert len(set(first["levels"].tolist())) > 1  # but different samples differ
 
 
 def test_checkpoint_state_describes_the_model(train_kit):
+    from diffusion.models.description import ModelDescription
     model = _model(train_kit)
     extra = model.state_dict()["_extra_state"]
     dim = kit_text_dim(train_kit)
-    assert extra["resolution"] == 64 and extra["scaling_factor"] == SF and extra["text_dim"] == dim
-    assert extra["prediction_type"] == "epsilon" and extra["unet_config"]["cross_attention_dim"] == dim
-    assert extra["noise_schedule"]["rescale_betas_zero_snr"] is False
+    description = ModelDescription.from_extra_state(extra)
+    assert description.resolution == 64 and description.scaling_factor == SF and description.text_dim == dim
+    assert description.objective == "epsilon" and description.denoiser == "UNet2DConditionModel"
+    assert description.denoiser_config["cross_attention_dim"] == dim
+    assert description.noise_schedule["rescale_betas_zero_snr"] is False
+    wider = dict(description.to_dict(), text_dim=1024)
     with pytest.raises(ValueError, match="text_dim"):
-        model.set_extra_state(dict(extra, text_dim=1024))
+        model.set_extra_state({"description": wider})
+
+
+def test_a_checkpoint_written_before_the_description_is_read(train_kit):
+    """SD2 checkpoints of earlier versions carry loose keys and the UNet under "unet.": both still load."""
+    from diffusion.models.description import ModelDescription
+    model = _model(train_kit)
+    legacy_extra = {"model_ref": train_kit, "unet_config": dict(model.denoiser.config), "scaling_factor": SF,
+                    "prediction_type": "v_prediction", "resolution": 64, "text_dim": model.text_dim,
+                    "noise_schedule": None}
+    description = ModelDescription.from_extra_state(legacy_extra)
+    assert description.objective == "v_prediction" and description.denoiser == "UNet2DConditionModel"
+    legacy = {"unet." + k: v + 1 for k, v in model.denoiser.state_dict().items()}
+    fresh = _model(train_kit)
+    fresh.load_state_dict({**legacy, "_extra_state": legacy_extra}, strict=True)
+    torch.testing.assert_close(fresh.denoiser.conv_in.weight, model.denoiser.conv_in.weight + 1)
 
 
 def test_checkpoint_state_carries_the_zero_terminal_snr_schedule_training_used(train_kit):
     """Samplers rebuild the schedule from the checkpoint: it must give exactly training's ᾱ, ending at 0."""
     from diffusers import DDIMScheduler
     model = _model(train_kit, zero_terminal_snr=True, prediction_type="v_prediction")
-    schedule = model.state_dict()["_extra_state"]["noise_schedule"]
+    schedule = model.state_dict()["_extra_state"]["description"]["objective_params"]["noise_schedule"]
     assert schedule["rescale_betas_zero_snr"] is True
     rebuilt = DDIMScheduler(**schedule).alphas_cumprod
-    torch.testing.assert_close(rebuilt.sqrt(), model.sqrt_alphas_cumprod, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rebuilt.sqrt(), model.objective.sqrt_alphas_cumprod, rtol=1e-5, atol=1e-6)
     assert rebuilt[-1] == 0
     with pytest.warns(UserWarning, match="noise_schedule"):  # phase 2 without ZTSNR on a ZTSNR phase 1
-        _model(train_kit).set_extra_state(model.state_dict()["_extra_state"])
+        _model(train_kit, prediction_type="v_prediction").set_extra_state(model.state_dict()["_extra_state"])
 
 
 def test_sd2_unet_flops_match_the_reference(sd2_kit):
     """539 GFLOP per image (fwd+bwd) at 256 px for SD2-base: what SpeedMonitor's MFU is built on."""
-    import json
-    from diffusion.models import loading
-    config = json.dumps(loading.load_unet_config(sd2_kit), sort_keys=True)
-    training_flops = 3 * unet_forward_flops(config, 256 // 8)
+    from diffusion.models import denoisers, loading
+    unet = denoisers.adapter("UNet2DConditionModel")
+    training_flops = 3 * unet.forward_flops(loading.load_unet_config(sd2_kit), 256 // 8, 1024, 77)
     assert training_flops == pytest.approx(539e9, rel=0.05)
 
 

@@ -1,0 +1,57 @@
+"""Denoiser adapters: how the model calls a diffusers denoiser class, builds it, wraps it and samples it.
+
+``model.denoiser`` names a diffusers class (``UNet2DConditionModel``, ``SD3Transformer2DModel``), or
+``auto``: the class of the model reference's ``transformer/`` component where it has one, else its
+``unet/``. Each module of this package lists the classes it adapts in ``DENOISERS = {class name:
+adapter}``, so another diffusers transformer (PixArt, DiT, SANA) is one new file.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import pkgutil
+
+from diffusion.models import loading
+from diffusion.models.denoisers.base import DenoiserAdapter
+
+__all__ = ["DenoiserAdapter", "adapter", "names", "resolve_class"]
+
+
+@functools.lru_cache(maxsize=1)
+def _registry() -> dict:
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name == "base":
+            continue
+        found.update(getattr(importlib.import_module(f"{__name__}.{module.name}"), "DENOISERS", {}))
+    return found
+
+
+def names() -> list[str]:
+    return sorted(_registry())
+
+
+def adapter(class_name: str) -> DenoiserAdapter:
+    registry = _registry()
+    if class_name not in registry:
+        raise ValueError(f"model.denoiser={class_name!r}: no adapter for it; choose one of "
+                         f"{', '.join(sorted(registry))} (or auto)")
+    return registry[class_name]
+
+
+def resolve_class(model_ref: str, denoiser: str = "auto") -> str:
+    """The denoiser class a run trains: ``denoiser`` itself, or with ``auto`` the class the model
+    reference's ``transformer/`` (else ``unet/``) config names."""
+    if denoiser != "auto":
+        adapter(denoiser)  # one line for an unknown name
+        return denoiser
+    root = loading.resolve_model(model_ref, components=())
+    for component in ("transformer", "unet"):
+        path = os.path.join(root, component, "config.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f).get("_class_name") or "UNet2DConditionModel"
+    return "UNet2DConditionModel"  # a hub id whose layout is not local yet: SD2's

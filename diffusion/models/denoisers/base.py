@@ -1,0 +1,101 @@
+"""What every denoiser adapter provides: see :class:`DenoiserAdapter`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+from diffusion.models import loading
+
+
+class DenoiserAdapter:
+    """One diffusers denoiser class as the model uses it.
+
+    ``component`` is its folder in a model reference (``unet``, ``transformer``); ``blocks`` the class
+    names of the modules FSDP wraps, activation checkpointing recomputes and compile may compile one by
+    one (by name, so the wrapping survives diffusers moving classes between modules).
+    """
+
+    class_name: str
+    component: str
+    blocks: frozenset = frozenset()
+    channels_last: bool = False  # a convolutional network that gains from channels_last
+
+    @property
+    def model_class(self):
+        import diffusers
+        return getattr(diffusers, self.class_name)
+
+    # ---- building ------------------------------------------------------------------------------------
+    def load_config(self, model_ref: str) -> dict:
+        with open(os.path.join(loading.component_path(model_ref, self.component), "config.json")) as f:
+            return json.load(f)
+
+    def build(self, config: dict, seed: int = 0) -> torch.nn.Module:
+        """The denoiser of ``config`` with random init from ``seed`` (the global RNG is left as it was:
+        the same seed gives the same initial weights on every rank and every run)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.mark_blocks(self.model_class.from_config(config))
+
+    def from_pretrained(self, pretrained: str) -> torch.nn.Module:
+        """Weights from a component directory, or from a model reference's component."""
+        path = pretrained
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            path = loading.component_path(pretrained, self.component)
+        return self.mark_blocks(self.model_class.from_pretrained(path))
+
+    def mark_blocks(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Composer's FSDP and activation checkpointing ask the root's children for these."""
+        module.fsdp_wrap_fn = functools.partial(_is_block, self.blocks)
+        module.activation_checkpointing_fn = functools.partial(_is_block, self.blocks)
+        return module
+
+    def text_dim(self, config: dict) -> int:
+        """The width of the text states the denoiser attends to."""
+        raise NotImplementedError
+
+    # ---- the call ------------------------------------------------------------------------------------
+    def __call__(self, module, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text``."""
+        raise NotImplementedError
+
+    def forward_flops(self, config: dict, latent_size: int, text_dim: int, text_length: int) -> int:
+        """FLOPs of one image's forward, counted by torch on the meta device (no memory, no compute)."""
+        return _forward_flops(self, json.dumps(config, sort_keys=True, default=str), latent_size, text_dim,
+                              text_length)
+
+    # ---- sampling ------------------------------------------------------------------------------------
+    def sample_size(self, module) -> int:
+        """Latent side length the denoiser's config was built for."""
+        return int(module.config.sample_size)
+
+    def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
+        """A diffusers pipeline around ``module`` and the frozen parts."""
+        raise NotImplementedError
+
+    def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float) -> dict:
+        """The pipeline call's prompt arguments (text, or the embeddings our conditioning makes)."""
+        raise NotImplementedError
+
+
+def _is_block(blocks, module: torch.nn.Module) -> bool:
+    return type(module).__name__ in blocks
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int, text_dim: int,
+                   text_length: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+    config = json.loads(config_json)
+    with torch.device("meta"):
+        module = adapter.model_class.from_config(config)
+        sample = torch.empty(1, config["in_channels"], latent_size, latent_size)
+        text = torch.empty(1, text_length, text_dim)
+        timestep = torch.zeros(1)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        adapter(module, sample, timestep, text)
+    return counter.get_total_flops()

@@ -1,0 +1,73 @@
+"""The MMDiT of SD3 (Esser et al. 2024): diffusers' ``SD3Transformer2DModel``, joint text-image attention.
+
+Conditioning: the text encoder's last hidden state (what the converter stores, or what the frozen text
+encoder computes from token ids) as ``encoder_hidden_states`` (``joint_attention_dim`` = its width), and
+its mean over the tokens as ``pooled_projections`` (``pooled_projection_dim`` = the same width). SD3
+itself feeds two CLIPs and a T5; one text encoder keeps the data contract of the UNet recipe, so both
+train on the same converted data.
+
+Sampling uses diffusers' ``StableDiffusion3Pipeline`` with the prompt embeddings computed here (its own
+prompt encoding expects SD3's three encoders); an exported directory loads into that class with those
+slots passed as None (:data:`EMPTY_SLOTS`), and :func:`encode_prompts` gives the embeddings to call it with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffusion.models.denoisers.base import DenoiserAdapter
+from diffusion import schema
+
+
+# SD3's three text-encoder slots, which our pipelines leave empty: diffusers loads such a directory when
+# they are passed as None, e.g. ``DiffusionPipeline.from_pretrained(DIR, **dict.fromkeys(EMPTY_SLOTS))``.
+EMPTY_SLOTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+
+
+def pooled(text: torch.Tensor) -> torch.Tensor:
+    """The pooled text vector: the mean of the token states."""
+    return text.mean(dim=1)
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder, tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_embeds, pooled_prompt_embeds)`` for ``StableDiffusion3Pipeline``: the prompts padded to
+    the tokenizer's length and encoded as training's conditioning is."""
+    ids = tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids
+    states = text_encoder(ids.to(text_encoder.device))[0]
+    return states, pooled(states)
+
+
+class SD3TransformerAdapter(DenoiserAdapter):
+    class_name = "SD3Transformer2DModel"
+    component = "transformer"
+    blocks = frozenset({"JointTransformerBlock"})
+
+    def text_dim(self, config):
+        return int(config["joint_attention_dim"])
+
+    def __call__(self, module, noisy, timesteps, text):
+        text = text.to(noisy.dtype)
+        return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text),
+                      timestep=timesteps).sample
+
+    def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
+        from diffusers import StableDiffusion3Pipeline
+        if vae.config.get("shift_factor") is None:  # SD3's decode adds it; SD-family VAEs have none
+            vae.register_to_config(shift_factor=0.0)
+        pipe = StableDiffusion3Pipeline(transformer=module, scheduler=scheduler, vae=vae,
+                                        **dict.fromkeys(EMPTY_SLOTS))
+        pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are SD3's three
+        return pipe
+
+    def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale):
+        text_encoder, tokenizer = pipe.conditioning
+        embeds, pooled_embeds = encode_prompts(text_encoder, tokenizer, prompts)
+        negative, negative_pooled = encode_prompts(text_encoder, tokenizer, [negative_prompt or ""] * len(prompts))
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds,
+                "negative_prompt_embeds": negative, "negative_pooled_prompt_embeds": negative_pooled,
+                "max_sequence_length": schema.MAX_TOKENS}
+
+
+DENOISERS = {SD3TransformerAdapter.class_name: SD3TransformerAdapter()}

@@ -1,0 +1,251 @@
+"""The ComposerModel: a diffusers denoiser trained with an objective on latents drawn from stored VAE moments.
+
+A model is a **denoiser** (:mod:`diffusion.models.denoisers`: the UNet, an MMDiT ...) and an
+**objective** (:mod:`diffusion.models.objectives`: ε / v on the DDPM schedule, rectified flow ...).
+One training step, per sample: latent = (mean + σ·ε_z) · scaling_factor (the ONLY place latents are
+scaled), noise ε (+ optional offset, + optional input perturbation), a noise level from the loader's
+draw u, then the objective's noisy input and target, loss = (weighted) MSE(denoiser(x, level, text), target).
+The random numbers come with the batch, drawn per sample from (seed, epoch, key) by the loader
+(:class:`diffusion.train.batches.NoiseDraws`): the step is the same whatever the microbatch size or
+the number of ranks, and the forward has no generator or host sync for ``torch.compile`` to break on.
+Eval uses the same path with noise and levels pinned per held-out sample, so evals are comparable;
+with ``eval_bins`` it also reports the held-out loss at fixed noise levels (``loss_bin{k}``).
+The conditioning is the batch's text embeddings, or, from a dataset of token ids, the frozen text
+encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), computed in the step.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from composer.models import ComposerModel
+from torchmetrics import MeanMetric
+
+from diffusion import schema
+from diffusion.errors import ConfigError
+from diffusion.models import denoisers, loading, objectives
+from diffusion.models.description import ModelDescription
+from diffusion.models.text_encoder import FrozenTextEncoder
+
+LEGACY_PREFIX, PREFIX = "unet.", "denoiser."  # checkpoints before the model wing named the UNet "unet"
+
+
+class LatentDiffusion(ComposerModel):
+    """``forward`` noises a batch of moments; ``loss`` is the (weighted) MSE to the objective's target."""
+
+    def __init__(self, denoiser: torch.nn.Module, objective: objectives.Objective, *, scaling_factor: float,
+                 model_ref: str, resolution: int, downsample: int = 8, offset_noise: float = 0.0,
+                 input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
+                 text_encoder: FrozenTextEncoder | None = None):
+        super().__init__()
+        self.denoiser = denoiser
+        self.adapter = denoisers.adapter(type(denoiser).__name__)
+        self.objective = objective
+        self.text_encoder = text_encoder  # not a submodule: see diffusion.models.text_encoder
+        self.model_ref = model_ref
+        self.scaling_factor = float(scaling_factor)
+        self.resolution = int(resolution)
+        self.latent_size = self.resolution // downsample
+        self.text_dim = self.adapter.text_dim(dict(denoiser.config))
+        self.offset_noise = offset_noise
+        self.input_perturbation = input_perturbation
+        self.eval_seed = eval_seed
+        self.eval_bins = int(eval_bins)
+        self._register_load_state_dict_pre_hook(_upgrade_state_dict)
+        self.loaded_extra_state: dict | None = None
+
+    @property
+    def description(self) -> ModelDescription:
+        return ModelDescription(model_ref=self.model_ref, denoiser=type(self.denoiser).__name__,
+                                denoiser_config=dict(self.denoiser.config), objective=self.objective.name,
+                                objective_params=self.objective.params(), scaling_factor=self.scaling_factor,
+                                resolution=self.resolution, text_dim=self.text_dim)
+
+    # ---- the one place latents are scaled ------------------------------------------------------------
+    def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
+        """Draw a latent from the stored posterior moments (with ``eps`` as the standard normal draw
+        when given) and scale it for the denoiser."""
+        if moments.shape[1:] != (2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size):
+            raise ValueError(f"moments of shape {tuple(moments.shape[1:])} do not fit a {self.resolution}px model "
+                             f"(expected {(2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size)})")
+        mean, logvar = moments.float().chunk(2, dim=1)
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+        if eps is None:
+            eps = _randn(mean.shape, generator, mean.device)
+        return (mean + std * eps) * self.scaling_factor
+
+    # ---- training ------------------------------------------------------------------------------------
+    def forward(self, batch: dict) -> dict:
+        moments = batch[schema.BATCH_MOMENTS]
+        latents = self.sample_latents(moments, eps=self._draw(batch, schema.BATCH_POSTERIOR_NOISE, moments))
+        noise = self._draw(batch, schema.BATCH_NOISE, moments)
+        if self.offset_noise:
+            noise = noise + self.offset_noise * self._draw(batch, schema.BATCH_OFFSET_NOISE, moments)[..., None, None]
+        levels = self.objective.levels(self._draw(batch, schema.BATCH_TIMESTEP_DRAW, moments))
+        perturbed = noise
+        if self.input_perturbation and self.training:
+            perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
+        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch))
+
+    def conditioning(self, batch: dict) -> torch.Tensor:
+        """The batch's text embeddings: stored ones, or the frozen text encoder's output on its token ids."""
+        if schema.BATCH_TEXT_EMBEDS in batch:
+            return batch[schema.BATCH_TEXT_EMBEDS]
+        if self.text_encoder is None:
+            raise ValueError("the batch holds token ids but no text embeddings, and this model has no text encoder "
+                             "to encode them (model.text=ids builds one)")
+        return self.text_encoder(batch[schema.BATCH_INPUT_IDS])
+
+    @staticmethod
+    def _draw(batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
+        """The batch's per-sample draw ``name``; a batch built by hand without them gets fresh ones."""
+        if name in batch:
+            return batch[name].to(device=moments.device, dtype=torch.float32)
+        n, latent_channels = moments.shape[0], moments.shape[1] // 2
+        if name == schema.BATCH_TIMESTEP_DRAW:
+            return torch.rand(n, device=moments.device)
+        if name == schema.BATCH_OFFSET_NOISE:
+            return torch.randn(n, latent_channels, device=moments.device)
+        return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
+
+    def _denoise(self, latents, noise, input_noise, levels, text_embeds) -> dict:
+        noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
+        prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds)
+        return {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
+
+    def loss(self, outputs: dict, batch: dict) -> torch.Tensor:
+        per_sample = _per_sample_mse(outputs)
+        weight = self.objective.weights(outputs["levels"])
+        if weight is not None:
+            per_sample = per_sample * weight
+        return per_sample.mean()
+
+    # ---- evaluation: pinned noise and levels per held-out sample -------------------------------------
+    def eval_forward(self, batch: dict, outputs=None) -> dict:
+        if outputs is not None:
+            return outputs
+        moments = batch[schema.BATCH_MOMENTS]
+        indices = batch.get(schema.BATCH_SAMPLE_INDEX)
+        if indices is None:  # a source without indices: pin by position in the batch
+            indices = torch.arange(moments.shape[0])
+        latents, noise, levels = [], [], []
+        for i, index in enumerate(indices.tolist()):
+            g = torch.Generator().manual_seed(self.eval_seed * 1_000_003 + int(index))
+            latents.append(self.sample_latents(moments[i:i + 1], generator=g))
+            noise.append(_randn(latents[-1].shape, g, moments.device))
+            levels.append(self.objective.eval_level(g))
+        latents, noise = torch.cat(latents), torch.cat(noise)
+        levels = torch.cat(levels).to(moments.device)
+        text = self.conditioning(batch)
+        with torch.no_grad():
+            outputs = self._denoise(latents, noise, noise, levels, text)
+            if self.eval_bins:  # every held-out sample at each fixed level, same latent and noise
+                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), text))
+                                   for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
+        return outputs
+
+    def get_metrics(self, is_train: bool = False) -> dict:
+        if is_train:
+            return {}
+        metrics = {"loss": MeanMetric()}
+        for k in range(self.eval_bins):  # tagged: Composer hands update_metric the metric, not its name
+            metrics[f"loss_bin{k}"] = MeanMetric()
+            metrics[f"loss_bin{k}"].level_bin = k
+        return metrics
+
+    def update_metric(self, batch, outputs, metric) -> None:
+        k = getattr(metric, "level_bin", None)
+        per_sample = _per_sample_mse(outputs) if k is None else outputs["bins"][k]
+        metric.update(per_sample.mean(), weight=per_sample.numel())
+
+    # ---- throughput ------------------------------------------------------------------------------------
+    def flops_per_batch(self, batch: dict) -> float:
+        """Denoiser training FLOPs of ``batch``: forward + backward ≈ 3 × forward (for SpeedMonitor's MFU)."""
+        per_image = self.adapter.forward_flops(dict(self.denoiser.config), self.latent_size, self.text_dim,
+                                               schema.MAX_TOKENS)
+        return 3.0 * per_image * batch[schema.BATCH_MOMENTS].shape[0]
+
+    # ---- self-description in checkpoints ---------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        """The model description (:class:`~diffusion.models.description.ModelDescription`): what sampling
+        and export need to rebuild this model, the objective's schedule included."""
+        return {"description": self.description.to_dict()}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Keep this model's settings (phase 2 loads phase-1 weights at a new resolution); check they fit."""
+        self.loaded_extra_state = dict(state)
+        try:
+            loaded = ModelDescription.from_extra_state(state)
+        except KeyError:
+            return
+        mine = self.description
+        if loaded.text_dim not in (None, mine.text_dim):
+            raise ValueError(f"checkpoint was trained with text_dim {loaded.text_dim}, this model has {mine.text_dim}")
+        if loaded.denoiser != mine.denoiser:
+            raise ValueError(f"checkpoint holds a {loaded.denoiser}, this run trains a {mine.denoiser}")
+        for key in ("scaling_factor", "objective"):
+            if getattr(loaded, key) not in (None, getattr(mine, key)):
+                warnings.warn(f"checkpoint {key}={getattr(loaded, key)!r} differs from this run's {getattr(mine, key)!r}")
+        if loaded.noise_schedule not in (None, mine.noise_schedule):
+            warnings.warn(f"checkpoint noise_schedule={loaded.noise_schedule!r} differs from this run's "
+                          f"{mine.noise_schedule!r}")
+
+
+def _upgrade_state_dict(state_dict, prefix, *args) -> None:
+    """Checkpoints written before the model wing: the UNet under ``unet.``, and a noise step counter."""
+    state_dict.pop(prefix + "noise_step", None)
+    for key in [k for k in state_dict if k.startswith(prefix + LEGACY_PREFIX)]:
+        state_dict[prefix + PREFIX + key[len(prefix + LEGACY_PREFIX):]] = state_dict.pop(key)
+
+
+def _randn(shape, generator, device) -> torch.Tensor:
+    if generator is None:
+        return torch.randn(shape, device=device)
+    # a CPU generator (eval) gives the same numbers on any device
+    return torch.randn(shape, generator=generator, device=generator.device).to(device)
+
+
+def _per_sample_mse(outputs: dict) -> torch.Tensor:
+    return F.mse_loss(outputs["prediction"].float(), outputs["target"].float(), reduction="none").mean(dim=(1, 2, 3))
+
+
+# ---- building ---------------------------------------------------------------------------------------
+
+def objective_name(model_cfg, model_ref: str) -> str:
+    """``model.objective``, else ``model.prediction_type``, else the model reference scheduler's."""
+    if model_cfg.objective:
+        return model_cfg.objective
+    if model_cfg.prediction_type:
+        return model_cfg.prediction_type
+    return loading.load_scheduler(model_ref, "ddpm").config.prediction_type
+
+
+def build_denoiser(model_cfg, model_ref: str, seed: int = 0) -> torch.nn.Module:
+    """The denoiser of ``model_ref``'s config with random init from ``seed``, or ``model.pretrained``'s weights."""
+    adapter = denoisers.adapter(denoisers.resolve_class(model_ref, model_cfg.denoiser))
+    if model_cfg.pretrained:
+        return adapter.from_pretrained(model_cfg.pretrained)
+    return adapter.build(adapter.load_config(model_ref), seed=seed)
+
+
+def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
+                text_encoder: FrozenTextEncoder | None = None) -> LatentDiffusion:
+    """The ComposerModel for ``model_cfg`` (a :class:`diffusion.config.ModelConfig`) on data ``info``;
+    ``text_encoder`` when it trains from token ids."""
+    ref = model_cfg.ref
+    if os.path.isdir(os.path.expanduser(ref)):  # checkpoints record a path that works from any directory
+        ref = os.path.abspath(os.path.expanduser(ref))
+    name = objective_name(model_cfg, ref)
+    if model_cfg.zero_terminal_snr and name != "v_prediction":
+        raise ConfigError(f"model.zero_terminal_snr needs v-prediction, and this run trains {name} "
+                          f"(epsilon is undefined at the terminal step): set model.prediction_type=v_prediction")
+    objective = objectives.build_objective(name, model_cfg, ref)
+    return LatentDiffusion(
+        build_denoiser(model_cfg, ref, seed=seed), objective,
+        scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,
+        downsample=info.downsample, offset_noise=model_cfg.offset_noise,
+        input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
+        eval_bins=model_cfg.eval_bins, text_encoder=text_encoder)
