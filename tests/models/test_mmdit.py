@@ -96,3 +96,22 @@ def test_flow_resume_is_exact(mmdit_train_kit, mds, tmp_path):
     assert len(trained) == 2  # it resumed at batch 2: only batches 3 and 4 were trained here
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_mmdit_trains_from_token_ids_on_a_mix_of_datasets(mmdit_train_kit, tiny_mmdit_kit, tmp_path):
+    """The frozen text encoder in the step and ``data.train.streams`` serve the MMDiT as they serve the UNet:
+    from ids, the step conditions on the encoder's output (losses equal to training on its stored embeddings)."""
+    ids = [write_latent_mds(str(tmp_path / f"ids{i}"), kit=mmdit_train_kit, n=16, seed=i, text="ids",
+                            text_encoder=tiny_mmdit_kit) for i in range(2)]
+    embeds = [write_latent_mds(str(tmp_path / f"embeds{i}"), kit=mmdit_train_kit, n=16, seed=i, text="embeds",
+                               text_encoder=tiny_mmdit_kit) for i in range(2)]
+    runs = {}
+    for name, paths in (("ids", ids), ("embeds", embeds)):
+        losses = _Losses()
+        streams = "[" + ", ".join(f"{{path: {p}, proportion: 0.5}}" for p in paths) + "]"
+        cfg = _cfg(mmdit_train_kit, paths[0], "model.objective=flow", "data.train.path=null",
+                   f"data.train.streams={streams}", f"model.text={name}", "data.train.shuffle=false", batches=3)
+        fit_in_process(cfg, callbacks=[losses])
+        runs[name] = losses.train
+    assert len(runs["ids"]) == 3
+    assert runs["ids"] == pytest.approx(runs["embeds"], rel=1e-3)

@@ -104,16 +104,23 @@ def test_each_sample_draws_its_own_noise_from_seed_epoch_and_key():
     assert u.min() >= 0 and u.max() < 1 and 0.35 < u.mean() < 0.65
 
 
-def test_the_training_forward_compiles_without_graph_breaks(train_kit):
-    """The noise path reads the batch's draws: no generator, no ``.item()``, nothing to break the graph."""
+@pytest.mark.parametrize("recipe", ["unet-v", "mmdit-flow"])
+def test_the_training_forward_compiles_without_graph_breaks(recipe, request):
+    """The noise path reads the batch's draws: no generator, no ``.item()``, nothing to break the graph,
+    for the UNet with every DDPM option and the MMDiT with rectified flow (σ table, SD3 weighting)."""
     import torch._dynamo
 
-    from diffusion.config import ModelConfig
+    from diffusion.config import FlowConfig, ModelConfig
     from diffusion.models.latent_diffusion import build_model
-    info = schema.DatasetInfo(model=train_kit, scaling_factor=0.18215, resolutions=[64],
-                              text_dim=kit_text_dim(train_kit))
-    model = build_model(ModelConfig(ref=train_kit, resolution=64, prediction_type="v_prediction",
-                                    offset_noise=0.1, input_perturbation=0.1, min_snr_gamma=5.0), info)
+    if recipe == "unet-v":
+        kit = request.getfixturevalue("train_kit")
+        model_cfg = ModelConfig(ref=kit, resolution=64, prediction_type="v_prediction", offset_noise=0.1,
+                                input_perturbation=0.1, min_snr_gamma=5.0)
+    else:
+        kit = request.getfixturevalue("mmdit_train_kit")
+        model_cfg = ModelConfig(ref=kit, resolution=64, objective="flow", flow=FlowConfig(shift=3.0, weighting="cosmap"))
+    info = schema.DatasetInfo(model=kit, scaling_factor=0.18215, resolutions=[64], text_dim=kit_text_dim(kit))
+    model = build_model(model_cfg, info)
     n, keys = 2, ["a", "b"]
     batch = {schema.BATCH_MOMENTS: torch.randn(n, 8, 8, 8), schema.BATCH_TEXT_EMBEDS: torch.randn(n, 77, model.text_dim),
              **NoiseDraws(seed=0, perturbation=True)(keys, 0, (4, 8, 8))}
