@@ -5,7 +5,12 @@
     python -m diffusion.cost --per node --throughput-256 1100 --throughput-512 290
     python -m diffusion.cost --from-run 256=runs/phase1/log.txt --gpus 128
     python -m diffusion.cost --text ids --stored-samples 2B   # shards of token ids: training encodes text
+    python -m diffusion.cost --flops sd3-medium               # another denoiser at MosaicML's MFU
+    python -m diffusion.cost --gflop-per-image 256=120 --gflop-per-image 512=480
 
+Any recipe's training FLOPs per image (``--flops`` a named denoiser, counted by torch;
+``--gflop-per-image RES=G`` any other) turn the default throughputs into that recipe's: MosaicML's
+measured SD2 rate scaled by SD2's FLOPs over the recipe's, i.e. the same MFU on the same GPUs.
 Throughputs are images/s **per GPU** unless ``--per node`` (then per node of ``--gpus-per-node``).
 Wall-clock time assumes perfect scaling over ``--gpus``: days = GPU-hours / gpus / 24.
 ``--from-run RES=PATH`` reads the per-GPU throughput a training run measured (the last
@@ -30,6 +35,7 @@ import os
 import re
 
 from diffusion import schema
+from diffusion.models.flops import RECIPES, recipe_gflop_per_image
 
 # MosaicML's published SD2-base recipe on one 8xA100 node (node totals: 1,100 and 290 img/s).
 RECIPE_SAMPLES = {256: 2048 * 550_000, 512: 2048 * 850_000}
@@ -358,9 +364,26 @@ def main(argv=None) -> CostProjection:
                    help="samples the shards hold, for TB stored and streamed (default: 2B, LAION-2B-en scale)")
     p.add_argument("--stored-resolutions", type=_positive(int), nargs="+", metavar="RES",
                    help="resolutions whose moments the shards hold (default: the phases with samples)")
+    p.add_argument("--flops", choices=RECIPES, default=None,
+                   help="the denoiser whose training FLOPs per image set the default throughputs (counted by "
+                        "torch; default: SD2's UNet, as MosaicML's row measured it)")
+    p.add_argument("--gflop-per-image", action="append", default=[], metavar="RES=G",
+                   help="training GFLOP per image at RES of any other recipe (forward + backward)")
     args = p.parse_args(argv)
 
     per_gpu, sources = dict(RECIPE_PER_GPU), {r: "MosaicML 8xA100" for r in RECIPE_PER_GPU}
+    gflop = {res: recipe_gflop_per_image(args.flops, res) for res in per_gpu} if args.flops else {}
+    for spec in args.gflop_per_image:
+        res, sep, value = spec.partition("=")
+        try:
+            gflop[int(res)] = float(value)
+        except ValueError:
+            p.error(f"--gflop-per-image takes RES=GFLOP, e.g. 256=539, got {spec!r}")
+        if int(res) not in per_gpu or not float(value) > 0:
+            p.error(f"--gflop-per-image {spec}: RES is 256 or 512 and GFLOP a positive number")
+    for res, g in gflop.items():  # the same MFU as MosaicML's SD2 row, at this recipe's FLOPs per image
+        per_gpu[res] = RECIPE_PER_GPU[res] * UNET_TRAIN_GFLOP[res] / g
+        sources[res] = f"MosaicML 8xA100 MFU at {g:,.0f} GFLOP/img" + (f" ({args.flops})" if args.flops else "")
     divisor = args.gpus_per_node if args.per == "node" else 1
     for res, value in ((256, args.throughput_256), (512, args.throughput_512)):
         if value is not None:

@@ -142,3 +142,17 @@ def test_text_ids_keeps_a_measured_throughput(tmp_path):
     rates = {p.resolution: p.samples_per_sec_per_gpu for p in projection.phases}
     assert rates[256] == 40.0  # the run measured whatever text encoding it did
     assert rates[512] == pytest.approx(cost.RECIPE_PER_GPU[512] / (1 + 45 / 2409))
+
+
+def test_any_recipes_flops_per_image_set_the_default_throughputs():
+    """The same MFU as MosaicML's SD2 row at another recipe's FLOPs: SD2's own FLOPs give MosaicML's row,
+    SD3-medium's MMDiT (counted by torch, ~4.7x SD2's UNet at 256 px) proportionally less."""
+    same = cost.main(["--gflop-per-image", "256=539", "--gflop-per-image", "512=2409"])
+    assert same.phases[0].samples_per_sec_per_gpu == pytest.approx(137.5)
+    assert same.dollars == pytest.approx(31_230, rel=1e-3)
+    from diffusion.models.flops import recipe_gflop_per_image
+    mmdit = recipe_gflop_per_image("sd3-medium", 256)
+    assert 4.0 < mmdit / recipe_gflop_per_image("sd2-unet", 256) < 5.5
+    projected = cost.main(["--flops", "sd3-medium"])
+    assert projected.phases[0].samples_per_sec_per_gpu == pytest.approx(137.5 * 539 / mmdit)
+    assert "sd3-medium" in projected.phases[0].source

@@ -91,8 +91,9 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
                    text_length: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
     config = json.loads(config_json)
+    model_class = adapter.model_class  # diffusers imported outside the meta device (its import runs torch ops)
     with torch.device("meta"):
-        module = adapter.model_class.from_config(config)
+        module = model_class.from_config(config)
         sample = torch.empty(1, config["in_channels"], latent_size, latent_size)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
