@@ -176,14 +176,18 @@ def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, s
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_training_completes(tiny_kit, sample_data, ray_local, tmp_path):
-    # With model.text=ids: the Ray pipeline runs no text encoder, each worker encodes its batches' ids
-    # (and gets its text encoder back when the group restarts).
+def test_a_killed_worker_is_restarted_and_training_completes(tiny_mmdit_kit, sample_data, ray_local, tmp_path):
+    # The MMDiT with rectified flow, from model.text=ids: the Ray pipeline runs no text encoder, each
+    # worker encodes its batches' ids (and gets its text encoder back when the group restarts).
     marker = tmp_path / "killed-once"
     injector = FaultInjector(at_batch=3, marker=str(marker), rank=1)
-    result = run_online(online_config(tiny_kit, sample_data, tmp_path, "model.text=ids"), extra_callbacks=[injector])
+    mmdit = ("model.text=ids", "model.prediction_type=null", "model.objective=flow")
+    result = run_online(online_config(tiny_mmdit_kit, sample_data, tmp_path, *mmdit), extra_callbacks=[injector])
     assert marker.exists()  # the fault happened...
     assert result.resumed_from == 2  # ...the new worker group resumed from the checkpoint before it...
     assert result.batch == 6 and [b for b, _ in result.losses] == [3, 4, 5, 6]  # ...and finished the run
-    again = run_online(online_config(tiny_kit, sample_data, tmp_path, "model.text=ids"))  # the same command again
+    from diffusion.models.checkpoint import load_denoiser
+    denoiser, description, _ = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"))
+    assert type(denoiser).__name__ == "SD3Transformer2DModel" and description.objective == "flow"
+    again = run_online(online_config(tiny_mmdit_kit, sample_data, tmp_path, *mmdit))  # the same command again
     assert again.finished and "already finished" in again.finished and again.batch == 6 and not again.losses
