@@ -162,3 +162,40 @@ def test_flops_per_batch_scales_with_batch(train_kit):
     model = _model(train_kit)
     assert model.flops_per_batch(_batch(n=4)) == pytest.approx(2 * model.flops_per_batch(_batch(n=2)))
     assert model.flops_per_batch(_batch(n=1)) > 0
+
+
+def test_min_snr_with_zero_terminal_snr_keeps_the_terminal_step_trained_with_a_floor(train_kit, capsys):
+    """min(SNR, γ)/(SNR+1) is 0 at the zero-terminal-SNR step: said when the config is read, and
+    ``model.min_snr_floor`` keeps that step's weight at the floor (issue 25, item 5)."""
+    from diffusion.config import load_config
+    import os
+    yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "yamls", "tiny-cpu.yaml")
+    load_config(yaml, ["model.zero_terminal_snr=true", "model.min_snr_gamma=5.0"])
+    assert "terminal step (SNR = 0) loss weight 0" in capsys.readouterr().out
+    load_config(yaml, ["model.zero_terminal_snr=true", "model.min_snr_gamma=5.0", "model.min_snr_floor=0.1"])
+    assert "terminal step" not in capsys.readouterr().out
+    last = torch.tensor([999])
+    plain = _model(train_kit, zero_terminal_snr=True, prediction_type="v_prediction", min_snr_gamma=5.0)
+    floored = _model(train_kit, zero_terminal_snr=True, prediction_type="v_prediction", min_snr_gamma=5.0,
+                     min_snr_floor=0.1)
+    assert plain.objective.weights(last).item() == 0.0
+    assert floored.objective.weights(last).item() == pytest.approx(0.1)
+    middle = torch.tensor([500])  # elsewhere the floor changes nothing
+    assert floored.objective.weights(middle).item() == plain.objective.weights(middle).item() > 0.1
+
+
+def test_zero_terminal_snr_without_a_prediction_type_trains_when_the_reference_predicts_v(train_kit, tmp_path):
+    """``prediction_type: null`` means the reference scheduler's: v there is accepted with zero terminal
+    SNR; epsilon there is refused in one line naming the fix."""
+    import json
+    import shutil
+    from diffusion.errors import ConfigError
+    kit = tmp_path / "kit"
+    shutil.copytree(train_kit, kit)
+    config_path = kit / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(dict(config, prediction_type="v_prediction")))
+    model = _model(str(kit), zero_terminal_snr=True)
+    assert model.objective.name == "v_prediction" and model.objective.zero_terminal_snr
+    with pytest.raises(ConfigError, match="needs v-prediction"):
+        _model(train_kit, zero_terminal_snr=True)
