@@ -3,8 +3,8 @@
     python bench/bench_loader.py DIR                  # converter output (index.json + dataset.json)
     python bench/bench_loader.py                      # synthetic MDS at SD2 shapes (256 px, D=1024)
 
-Reads through the training path (diffusion.train.mds_source's LatentDataset and the batch step of
-diffusion.train.batches, in the main process, so one reading thread) with a StreamingDataLoader
+Reads through the training path (diffusion.loader.mds_source's LatentDataset and the batch step of
+diffusion.loader.batches, in the main process, so one reading thread) with a StreamingDataLoader
 collating batches, after one warm-up pass that fills the page cache. Baseline, in the same run:
 streaming's own path, a plain StreamingDataset whose decoded samples the default collate stacks.
 Training consumes 137.5 img/s per A100 at 256 px (MosaicML), 1,100 per 8-GPU node; the headline is
@@ -77,8 +77,8 @@ MODES = ("baseline", "off", "on")  # streaming's path; ours without and with sha
 def _loader(directory: str, resolution: int, batch_size: int, mode: str):
     from streaming import StreamingDataLoader, StreamingDataset
 
-    from diffusion.train.batches import CaptionDropout, StackSamples, ToModelBatch
-    from diffusion.train.mds_source import LatentDataset
+    from diffusion.loader.batches import CaptionDropout, StackSamples, ToModelBatch
+    from diffusion.loader.mds_source import LatentDataset
     if mode == "baseline":
         dataset = StreamingDataset(local=directory, batch_size=batch_size, shuffle=True, shuffle_seed=0)
         collate_fn = _PlainSamples(schema.vae_moments_column(resolution))
@@ -95,7 +95,7 @@ def measure(directory: str, resolution: int, batch_size: int, passes: int,
     """(samples/s, CPU microseconds per sample, samples) of each pass of each of MODES: ``passes`` rounds
     of one pass per loader (the baseline in the first ``baseline_passes`` only), each pass reading every
     sample once and checking every shard again, after a warm-up pass."""
-    from diffusion.train.shared_memory import clean_shared_memory
+    from diffusion.loader.shared_memory import clean_shared_memory
     clean_shared_memory()
     for _ in _loader(directory, resolution, batch_size, "off"):  # warm-up: page cache
         pass
@@ -131,7 +131,7 @@ def main(argv=None):
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
 
-    from diffusion.train.shard_checks import pick_hash
+    from diffusion.loader.shard_checks import pick_hash
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.dir or write_synthetic(os.path.join(tmp, f"mds-{uuid.uuid4().hex[:8]}"), args.samples,
                                                 args.resolution or 256, hashes=tuple(args.hashes))

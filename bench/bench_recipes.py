@@ -54,8 +54,8 @@ def ensure_data(mds: str, kit: str) -> str:
 
 def adherence(checkpoint: str, grid: str) -> float:
     from diffusion.demo import IMAGES_PER_PROMPT, PROMPTS
-    from diffusion.evaluate import prompt_adherence
-    from diffusion.grid import read_grid
+    from diffusion.sample.evaluate import prompt_adherence
+    from diffusion.sample.grid import read_grid
     cmd = [sys.executable, "-m", "diffusion.generate", "--checkpoint", checkpoint, "--out", grid, "--seed", "0",
            "--images-per-prompt", str(IMAGES_PER_PROMPT), "--guidance-scale", "3"]
     for prompt in PROMPTS:

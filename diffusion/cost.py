@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
 
 from diffusion import schema
-from diffusion.models.flops import RECIPES, recipe_gflop_per_image
 
 # MosaicML's published SD2-base recipe on one 8xA100 node (node totals: 1,100 and 290 img/s).
 RECIPE_SAMPLES = {256: 2048 * 550_000, 512: 2048 * 850_000}
@@ -43,7 +43,7 @@ RECIPE_PER_GPU = {256: 1100 / 8, 512: 290 / 8}
 
 DEVICE_KEY = "throughput/device/samples_per_sec"  # SpeedMonitor, per device
 GLOBAL_KEY = "throughput/samples_per_sec"  # SpeedMonitor, all devices together
-OWN_KEY = "cost/samples_per_sec_per_gpu"  # what diffusion.callbacks.cost logs
+OWN_KEY = "cost/samples_per_sec_per_gpu"  # what diffusion.train.callbacks.cost logs
 
 
 @dataclasses.dataclass
@@ -106,6 +106,26 @@ def project_cost(samples: dict[int, int], samples_per_sec_per_gpu: dict[int, flo
     phases = [Phase(int(r), int(n), float(samples_per_sec_per_gpu[r]), (sources or {}).get(r, "given"))
               for r, n in sorted(samples.items())]
     return CostProjection(phases, int(gpus), float(price_per_gpu_hour))
+
+
+# ---- any recipe's FLOPs per image (issue 26) ---------------------------------------------------------
+RECIPES = ("sd2-unet", "sd3-medium")
+
+
+@functools.lru_cache(maxsize=16)
+def recipe_gflop_per_image(recipe: str, resolution: int) -> float:
+    """Training GFLOP per image of a published denoiser, counted by torch: ``sd2-unet`` (SD2-base's UNet,
+    4-channel latents, 77 CLIP tokens of 1024) or ``sd3-medium`` (SD3-medium's MMDiT: 24 joint blocks of
+    width 1536, 16-channel latents, 77 CLIP + 256 T5 tokens of 4096). The MMDiT's pooled text here is
+    its text states' mean, 4096 wide where SD3 pools two CLIPs' 2048: one linear layer, < 0.01%."""
+    from diffusion.kit.build import SD2_UNET, SD3_MEDIUM, SD3_TEXT_TOKENS
+    from diffusion.models.flops import training_gflop_per_image
+    recipes = {"sd2-unet": ("UNet2DConditionModel", SD2_UNET, 1024, 77),
+               "sd3-medium": ("SD3Transformer2DModel", dict(SD3_MEDIUM, pooled_projection_dim=4096),
+                              SD3_MEDIUM["joint_attention_dim"], SD3_TEXT_TOKENS)}
+    if recipe not in recipes:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(recipes)}")
+    return training_gflop_per_image(*recipes[recipe][:2], resolution, *recipes[recipe][2:])
 
 
 # ---- text storage: token ids vs embeddings (issue 16) -----------------------------------------------
@@ -287,7 +307,7 @@ def throughput_from_run(path: str, run_gpus: int | None = None) -> float:
                 raise ValueError(f"{file} logs only the global {GLOBAL_KEY}; pass --run-gpus (the run's GPU count)")
             return value / run_gpus
     raise ValueError(f"no {DEVICE_KEY}, {OWN_KEY} or {GLOBAL_KEY} value found in {path} "
-                     f"(add Composer's SpeedMonitor or diffusion.callbacks.cost.CostProjection to the run)")
+                     f"(add Composer's SpeedMonitor or diffusion.train.callbacks.cost.CostProjection to the run)")
 
 
 # ---- command line -----------------------------------------------------------------------------

@@ -85,8 +85,8 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
         gen += ["--prompt", prompt]
     _run(gen, log)
 
-    from diffusion.evaluate import prompt_adherence
-    from diffusion.grid import read_grid
+    from diffusion.sample.evaluate import prompt_adherence
+    from diffusion.sample.grid import read_grid
     images, prompts = read_grid(grid)
     adherence = prompt_adherence(images, prompts)
 

@@ -81,7 +81,7 @@ BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
 BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
-# Training batches also carry each sample's random draws (diffusion.train.batches.NoiseDraws), float32:
+# Training batches also carry each sample's random draws (diffusion.loader.batches.NoiseDraws), float32:
 BATCH_POSTERIOR_NOISE = "posterior_noise"  # (B, 4, h, w) ε of the latent's draw from its moments
 BATCH_NOISE = "noise"  # (B, 4, h, w) the diffusion noise ε
 BATCH_OFFSET_NOISE = "offset_noise"  # (B, 4) per-channel offset (used when model.offset_noise > 0)

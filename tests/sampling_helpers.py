@@ -21,7 +21,7 @@ def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3)
     with the product's trainer and return the path of its final Composer checkpoint."""
     import gc
 
-    from diffusion.config import load_config
+    from diffusion.train.config import load_config
     from diffusion.train.trainer import build_trainer
     from train_fixtures import tiny_overrides, write_latent_mds
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -150,7 +150,7 @@ def test_any_recipes_flops_per_image_set_the_default_throughputs():
     same = cost.main(["--gflop-per-image", "256=539", "--gflop-per-image", "512=2409"])
     assert same.phases[0].samples_per_sec_per_gpu == pytest.approx(137.5)
     assert same.dollars == pytest.approx(31_230, rel=1e-3)
-    from diffusion.models.flops import recipe_gflop_per_image
+    from diffusion.cost import recipe_gflop_per_image
     mmdit = recipe_gflop_per_image("sd3-medium", 256)
     assert 4.0 < mmdit / recipe_gflop_per_image("sd2-unet", 256) < 5.5
     projected = cost.main(["--flops", "sd3-medium"])

@@ -8,7 +8,7 @@ import pytest
 
 from diffusion.kit.sample import render_scene
 from diffusion.demo import PROMPTS, run_demo
-from diffusion.evaluate import prompt_adherence
+from diffusion.sample.evaluate import prompt_adherence
 
 PROMPT_COLORS = {p.split()[1] for p in PROMPTS}
 

@@ -258,7 +258,7 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
     arrow_schema = _parquet_schema(uri)
     names = arrow_schema.names
     if columns.where:
-        from diffusion.convert.filters import parse_where
+        from diffusion.where import parse_where
         row_filter = parse_where(columns.where)
         row_filter.check_columns(names, uri)
         row_filter.check_types(arrow_schema, uri)
@@ -281,7 +281,7 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
         names = set(pf.schema_arrow.names)
         row_filter = None
         if columns.where:
-            from diffusion.convert.filters import parse_where
+            from diffusion.where import parse_where
             row_filter = parse_where(columns.where)
         wanted = [c for c in {columns.image, columns.caption, columns.key, schema.WIDTH, schema.HEIGHT,
                               schema.RAW_STATUS, *(row_filter.columns if row_filter else ())} if c in names]

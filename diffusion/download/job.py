@@ -40,7 +40,7 @@ from diffusion.download.http import FetchConfig
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.download.image import RESIZE_MODES, ImageRules
 from diffusion.download.plan import InputColumns, ShardSpec, open_filesystem, plan_shards
-from diffusion.convert.filters import parse_where
+from diffusion.where import parse_where
 from diffusion.download.select import plan_drops
 from diffusion.download.shard import (OUTPUT_FIELDS, OUTPUT_FORMATS, ShardJob, ShardNaming, download_shard,
                                       read_stats)
@@ -62,7 +62,7 @@ class DownloadConfig:
     fetch: FetchConfig = FetchConfig()
     image: ImageRules = ImageRules()
     output_format: str = "parquet"  # parquet | webdataset (tar + metadata parquet), as img2dataset writes them
-    where: str | None = None  # --where: rows failing it are not fetched (diffusion.convert.filters' grammar)
+    where: str | None = None  # --where: rows failing it are not fetched (diffusion.where' grammar)
     dedupe_urls: bool = False  # a URL seen earlier in input order is not fetched again
 
 

@@ -1,5 +1,5 @@
 """Which input rows a download fetches: ``--where`` (the converter's filter grammar,
-:mod:`diffusion.convert.filters`) and ``--dedupe-urls``, decided once in the driver before any URL is fetched.
+:mod:`diffusion.where`) and ``--dedupe-urls``, decided once in the driver before any URL is fetched.
 
 :func:`plan_drops` reads each input file's URL column (``--dedupe-urls``) and the columns ``--where`` names,
 in the plan's order (files sorted, rows in file order), and returns for every shard the rows not to fetch
@@ -30,7 +30,7 @@ import pyarrow.fs as pa_fs
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from diffusion.convert.filters import RowFilter, parse_where
+from diffusion.where import RowFilter, parse_where
 from diffusion.download.plan import InputColumns, ShardSpec, read_input
 from diffusion.errors import ConfigError
 

@@ -95,6 +95,13 @@ TINY_UNET = dict(
     cross_attention_dim=TINY_TEXT["hidden_size"], attention_head_dim=(2, 4), use_linear_projection=True,
 )
 
+# SD3-medium's transformer as published (stabilityai/stable-diffusion-3-medium-diffusers,
+# transformer/config.json): for FLOP counts (diffusion.cost --flops sd3-medium), not a kit.
+SD3_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                  attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                  caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192)
+SD3_TEXT_TOKENS = 77 + 256  # CLIP tokens and T5 tokens, concatenated along the sequence
+
 # The MMDiT preset: SD3's transformer at the tiny UNet's scale (latent 8×8 at 64 px, patches of 2), the
 # tiny text encoder's width as its joint-attention and pooled widths, and a flow-matching scheduler.
 TINY_MMDIT = dict(

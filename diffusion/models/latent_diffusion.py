@@ -6,7 +6,7 @@ One training step, per sample: latent = (mean + σ·ε_z) · scaling_factor (the
 scaled), noise ε (+ optional offset, + optional input perturbation), a noise level from the loader's
 draw u, then the objective's noisy input and target, loss = (weighted) MSE(denoiser(x, level, text), target).
 The random numbers come with the batch, drawn per sample from (seed, epoch, key) by the loader
-(:class:`diffusion.train.batches.NoiseDraws`): the step is the same whatever the microbatch size or
+(:class:`diffusion.loader.batches.NoiseDraws`): the step is the same whatever the microbatch size or
 the number of ranks, and the forward has no generator or host sync for ``torch.compile`` to break on.
 Eval uses the same path with noise and levels pinned per held-out sample, so evals are comparable;
 with ``eval_bins`` it also reports the held-out loss at fixed noise levels (``loss_bin{k}``).
@@ -233,7 +233,7 @@ def build_denoiser(model_cfg, model_ref: str, seed: int = 0) -> torch.nn.Module:
 
 def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
                 text_encoder: FrozenTextEncoder | None = None) -> LatentDiffusion:
-    """The ComposerModel for ``model_cfg`` (a :class:`diffusion.config.ModelConfig`) on data ``info``;
+    """The ComposerModel for ``model_cfg`` (a :class:`diffusion.train.config.ModelConfig`) on data ``info``;
     ``text_encoder`` when it trains from token ids."""
     ref = model_cfg.ref
     if os.path.isdir(os.path.expanduser(ref)):  # checkpoints record a path that works from any directory

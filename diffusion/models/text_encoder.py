@@ -10,7 +10,7 @@ step sees what it would have read from a dataset of embeddings of the same rows.
 trained, so it stays out of the optimizer, the EMA, the checkpoints (it is loaded again from its
 reference) and FSDP's wrapping, and each rank holds a whole copy (OpenCLIP-H's text encoder is ≈0.7 GB
 in bf16). It times itself, so a run can show the text encoder's share of step time
-(:class:`diffusion.callbacks.text_encoder_share.TextEncoderShare`).
+(:class:`diffusion.train.callbacks.text_encoder_share.TextEncoderShare`).
 """
 
 from __future__ import annotations

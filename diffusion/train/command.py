@@ -13,7 +13,7 @@ import sys
 
 from composer.utils import dist
 
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from diffusion.train import ray_workers
 from diffusion.train.trainer import build_trainer, finished_message
 

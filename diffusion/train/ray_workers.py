@@ -29,9 +29,9 @@ from composer.loggers import Logger
 
 from diffusion import schema
 from diffusion.cluster import init_ray
-from diffusion.config import Config
+from diffusion.train.config import Config
 from diffusion.errors import ConfigError
-from diffusion.train.batches import CaptionDropout, ToModelBatch
+from diffusion.loader.batches import CaptionDropout, ToModelBatch
 from diffusion.train.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
 
 TRAIN_SPLIT = "train"  # the name of the dataset passed to TorchTrainer and fetched by each worker
@@ -54,7 +54,7 @@ class ShardBatches:
         shard: ``ray.train.get_dataset_shard(...)`` (a ``ray.data.DataIterator``).
         batch_size: rows per batch on this worker; the last partial batch of a pass is dropped.
         to_batch: ``to_batch(columns, epoch)`` turns a dict of numpy columns into the batch (of tensors)
-            the model consumes (:class:`~diffusion.train.batches.ToModelBatch`); the pass is its epoch.
+            the model consumes (:class:`~diffusion.loader.batches.ToModelBatch`); the pass is its epoch.
         max_passes: stop after this many passes (None: never stop).
     """
 
@@ -283,7 +283,7 @@ def placement(cfg: Config) -> TrainPlacement:
 
 def _init_ray_with_progress():
     """The converter's quiet Ray start (RAY_ADDRESS or a new local cluster; see its docstring), plus the
-    training workers' progress lines (:mod:`diffusion.callbacks.progress`) on this console.
+    training workers' progress lines (:mod:`diffusion.train.callbacks.progress`) on this console.
 
     Ray forwards the workers' output to the driver, and this driver prints only those lines, bare;
     everything else (Ray Data's progress bars, Ray Train's notes, Composer's console logger of every
@@ -292,7 +292,7 @@ def _init_ray_with_progress():
     """
     import ray
 
-    from diffusion.callbacks.progress import LINE_PREFIX
+    from diffusion.train.callbacks.progress import LINE_PREFIX
     if ray.is_initialized():
         return init_ray(None)  # joins nothing; quiets Ray Data's console as for a new start
     try:  # where Ray 2.60 hands forwarded worker output to printers (ray.init(log_to_driver=True) adds one)

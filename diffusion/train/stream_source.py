@@ -14,7 +14,7 @@ import collections
 
 import numpy as np
 
-from diffusion.config import Config
+from diffusion.train.config import Config
 from diffusion import schema
 from diffusion.convert import encoders
 from diffusion.convert.pipeline import ConvertConfig, PoolPlan, build_pipeline, plan_pools
@@ -57,7 +57,7 @@ def build_stream(cfg: Config, plan: PoolPlan, work_dir: str):
     """The Ray Dataset of encoded rows for training (lazy: Ray Train executes it, once per pass).
 
     Its rows also carry keys, captions, sizes and the per-row stage timings (``_*_seconds``, which the
-    workers sum to show where the time goes); :class:`~diffusion.train.batches.ToModelBatch` keeps what
+    workers sum to show where the time goes); :class:`~diffusion.loader.batches.ToModelBatch` keeps what
     the model needs.
     """
     return build_pipeline(convert_config(cfg, work_dir), work_dir, frozenset(), plan)

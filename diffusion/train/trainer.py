@@ -18,14 +18,14 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
                             LinearWithWarmupScheduler)
 from composer.utils import dist
 
-from diffusion import components
-from diffusion.algorithms.ema import EMA
-from diffusion.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
-from diffusion.config import Config
+from diffusion.train import components
+from diffusion.train.algorithms.ema import EMA
+from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
+from diffusion.train.config import Config
 from diffusion import schema
-from diffusion.train import dataset_info, mds_source, shared_memory
-from diffusion.train.batches import NoiseDraws
-from diffusion.callbacks.text_encoder_share import TextEncoderShare
+from diffusion.loader import dataset_info, mds_source, shared_memory
+from diffusion.loader.batches import NoiseDraws
+from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.models import objectives
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
 from diffusion.models.text_encoder import load_frozen_text_encoder

@@ -113,7 +113,7 @@ def test_corrupt_reject_files_are_removed_and_their_rows_redone(tmp_path):
 
 
 def test_shards_record_xxh3_64_which_the_loader_checks(tmp_path):
-    from diffusion.train.shard_checks import pick_hash
+    from diffusion.loader.shard_checks import pick_hash
     part = _sink(tmp_path).write([_block(["k1", "k2"])], ctx=None)["part"]
     for shard in json.loads((tmp_path / part / INDEX_JSON).read_text())["shards"]:
         for data in (shard["raw_data"], shard["zip_data"]):

@@ -27,7 +27,7 @@ RECIPES = {
 def run_recipe(kit: str, mds: str, extra: list[str]) -> dict:
     from composer.core import Callback
 
-    from diffusion.config import load_config
+    from diffusion.train.config import load_config
     from train_fixtures import fit_in_process, tiny_overrides
 
     class Losses(Callback):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from diffusion import schema
-from diffusion.config import FlowConfig, ModelConfig
+from diffusion.train.config import FlowConfig, ModelConfig
 from diffusion.models.objectives.flow import DensityDraw, FlowObjective, effective_shift
-from diffusion.train.batches import NoiseDraws
+from diffusion.loader.batches import NoiseDraws
 
 
 def _independent_sigma(u: torch.Tensor, shift: float, n: int = 1000) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from diffusion.config import ModelConfig
+from diffusion.train.config import ModelConfig
 from diffusion import schema
 from diffusion.models.latent_diffusion import build_model
 from train_fixtures import kit_text_dim
@@ -167,7 +167,7 @@ def test_flops_per_batch_scales_with_batch(train_kit):
 def test_min_snr_with_zero_terminal_snr_keeps_the_terminal_step_trained_with_a_floor(train_kit, capsys):
     """min(SNR, γ)/(SNR+1) is 0 at the zero-terminal-SNR step: said when the config is read, and
     ``model.min_snr_floor`` keeps that step's weight at the floor (issue 25, item 5)."""
-    from diffusion.config import load_config
+    from diffusion.train.config import load_config
     import os
     yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "yamls", "tiny-cpu.yaml")
     load_config(yaml, ["model.zero_terminal_snr=true", "model.min_snr_gamma=5.0"])

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

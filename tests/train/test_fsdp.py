@@ -33,9 +33,9 @@ from composer.core import Callback
 from composer.loggers import InMemoryLogger
 from composer.utils import dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from diffusion.algorithms.ema import EMA, parameter_name
-from diffusion.callbacks.nan_catcher import NonFiniteLossError
-from diffusion.config import load_config
+from diffusion.train.algorithms.ema import EMA, parameter_name
+from diffusion.train.callbacks.nan_catcher import NonFiniteLossError
+from diffusion.train.config import load_config
 from diffusion.train.command import parse_args
 from diffusion.train.trainer import build_trainer
 

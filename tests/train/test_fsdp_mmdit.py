@@ -8,15 +8,15 @@ import os
 import pytest
 import torch
 
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
 
 HARNESS = r'''
 import gc, json, os, sys
 import torch
 from composer.utils import dist
-from diffusion.algorithms.ema import EMA, parameter_name
-from diffusion.config import load_config
+from diffusion.train.algorithms.ema import EMA, parameter_name
+from diffusion.train.config import load_config
 from diffusion.train.command import parse_args
 from diffusion.train.trainer import build_trainer
 

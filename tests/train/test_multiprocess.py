@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HARNESS = '''
 import os, sys, torch
 from composer.core import Callback
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from diffusion import schema
 from diffusion.train.command import parse_args
 from diffusion.train.trainer import build_trainer

@@ -14,10 +14,10 @@ import torch
 
 import fault_injector
 from fault_injector import FaultInjector
-from diffusion.config import ConfigError, load_config
+from diffusion.train.config import ConfigError, load_config
 from diffusion import schema
 from diffusion.convert import transforms
-from diffusion.train.batches import CaptionDropout, ToModelBatch
+from diffusion.loader.batches import CaptionDropout, ToModelBatch
 from diffusion.train.stream_source import data_resources, plan_online_pools
 from diffusion.train.ray_workers import ShardBatches, TrainPlacement, check_online, run_online
 

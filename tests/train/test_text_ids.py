@@ -12,8 +12,8 @@ import torch
 from composer.core import Callback
 
 from diffusion import schema
-from diffusion.callbacks.text_encoder_share import TextEncoderShare
-from diffusion.config import load_config
+from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
+from diffusion.train.config import load_config
 from diffusion.errors import DatasetMismatchError, ModelReferenceError
 from diffusion.train.trainer import build_trainer
 from train_fixtures import close_trainer, fit_in_process, tiny_overrides, write_latent_mds

@@ -10,7 +10,7 @@ import pytest
 import torch
 from composer.core import Callback
 
-from diffusion.config import load_config
+from diffusion.train.config import load_config
 from diffusion import schema
 from diffusion.models.checkpoint import load_denoiser
 from diffusion.train.trainer import build_trainer
@@ -52,8 +52,8 @@ def _fit(kit, mds, *overrides, batches, save_folder=None):
 
 
 def _eval_loss(model, mds, kit):
-    from diffusion.config import EvalLoaderConfig
-    from diffusion.train import mds_source
+    from diffusion.train.config import EvalLoaderConfig
+    from diffusion.loader import mds_source
     from train_fixtures import kit_text_dim
     loader = mds_source.build_dataloader(EvalLoaderConfig(path=mds, batch_size=48, num_workers=0),
                                          resolution=64, text_dim=kit_text_dim(kit))

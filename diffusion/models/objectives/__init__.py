@@ -2,7 +2,7 @@
 
 An objective is named in the YAML (``model.objective``) and found here by that name: every module of
 this package lists the names it serves in ``OBJECTIVES = {name: class}``, so a new objective is one new
-file. Each class takes the :class:`~diffusion.config.ModelConfig` and the model reference it trains
+file. Each class takes the :class:`~diffusion.train.config.ModelConfig` and the model reference it trains
 against, and implements :class:`Objective`.
 """
 
@@ -39,7 +39,7 @@ def objective_class(name: str):
 
 
 def build_objective(name: str, model_cfg, model_ref: str) -> Objective:
-    """The objective ``name`` for ``model_cfg`` (a :class:`diffusion.config.ModelConfig`) on ``model_ref``."""
+    """The objective ``name`` for ``model_cfg`` (a :class:`diffusion.train.config.ModelConfig`) on ``model_ref``."""
     return objective_class(name).from_config(name, model_cfg, model_ref)
 
 

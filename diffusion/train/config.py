@@ -4,7 +4,7 @@
 
 Every key is checked against the dataclasses below before anything is built, so a misspelt key fails at
 start with its dotted path, the valid keys and the closest match. ``algorithms``, ``callbacks`` and
-``loggers`` are maps ``name → keyword arguments``; the names are looked up in :mod:`diffusion.components`
+``loggers`` are maps ``name → keyword arguments``; the names are looked up in :mod:`diffusion.train.components`
 and the arguments checked against the component's signature (``name: null`` switches one off).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 
-from diffusion import components
+from diffusion.train import components
 from diffusion.convert.settings import PipelineSettings
 from diffusion.errors import ConfigError
 

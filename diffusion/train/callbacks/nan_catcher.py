@@ -172,7 +172,7 @@ class NaNCatcher(Callback):
 
 def _named_state_tensors(state: State) -> list[tuple[str, torch.Tensor]]:
     """This rank's weights (local shards under FSDP) and EMA averages, by name."""
-    from diffusion.algorithms.ema import EMA, parameter_name
+    from diffusion.train.algorithms.ema import EMA, parameter_name
     named = [(parameter_name(n), p.detach()) for n, p in state.model.named_parameters()]
     for algorithm in state.algorithms:
         if isinstance(algorithm, EMA):

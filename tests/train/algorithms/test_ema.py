@@ -14,11 +14,11 @@ from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanSquaredError
 
-from diffusion.algorithms.ema import EMA, drop_gathered_parameters, parameter_name, smoothing_from_half_life
-from diffusion.config import load_config
+from diffusion.train.algorithms.ema import EMA, drop_gathered_parameters, parameter_name, smoothing_from_half_life
+from diffusion.train.config import load_config
 from diffusion.errors import ConfigError
 
-YAMLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "yamls")
+YAMLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "yamls")
 
 
 class TinyRegressor(ComposerModel):

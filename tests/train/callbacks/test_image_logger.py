@@ -12,9 +12,9 @@ from composer import Trainer
 from composer.loggers import LoggerDestination
 from composer.models import ComposerModel
 
-from diffusion.callbacks.image_logger import ImageLogger
-from diffusion import grid
-from diffusion.algorithms import ema
+from diffusion.train.callbacks.image_logger import ImageLogger
+from diffusion.sample import grid
+from diffusion.train.algorithms import ema
 from diffusion.models import sampling
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -185,7 +185,7 @@ def test_key_names_the_weights_that_drew_the_grid(half_res_model, tmp_path):
 
 
 def test_other_ranks_neither_sample_nor_log_without_fsdp(half_res_model, monkeypatch, tmp_path):
-    from diffusion.callbacks import image_logger
+    from diffusion.train.callbacks import image_logger
     monkeypatch.setattr(image_logger.dist, "get_global_rank", lambda: 1)
     callback, capture = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path)), ImageCapture()
     assert callback.log_grid(_state(half_res_model), capture) is None
@@ -195,7 +195,7 @@ def test_other_ranks_neither_sample_nor_log_without_fsdp(half_res_model, monkeyp
 
 def test_under_fsdp_other_ranks_sample_but_only_rank0_logs(half_res_model, monkeypatch, tmp_path):
     """Every FSDP forward all-gathers the shards: a rank that skipped sampling would hang rank 0."""
-    from diffusion.callbacks import image_logger
+    from diffusion.train.callbacks import image_logger
     monkeypatch.setattr(image_logger.dist, "get_global_rank", lambda: 1)
     monkeypatch.setattr(image_logger, "_sharded", lambda model: True)
     callback, capture = ImageLogger(PROMPTS, steps=2, save_folder=str(tmp_path)), ImageCapture()

@@ -9,7 +9,7 @@ from composer.loggers import InMemoryLogger
 from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 
-from diffusion.callbacks.cost import CostProjection
+from diffusion.train.callbacks.cost import CostProjection
 
 
 class SlowLinear(ComposerModel):

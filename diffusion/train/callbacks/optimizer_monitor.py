@@ -27,7 +27,7 @@ from composer.core import State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from diffusion.algorithms.ema import trainable_parameters
+from diffusion.train.algorithms.ema import trainable_parameters
 
 
 def gradient_replicas(model: torch.nn.Module) -> int | None:

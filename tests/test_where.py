@@ -7,9 +7,9 @@ import sys
 import pyarrow as pa
 import pytest
 
-from diffusion.convert.filters import FilterSyntaxError, parse_where
+from diffusion.where import FilterSyntaxError, parse_where
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _convert_cli(*args):

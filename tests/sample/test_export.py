@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion import export, generate
+from diffusion.sample import export, generate
 from diffusion.models import checkpoint as checkpoints, loading, sampling
 from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels, train_tiny_checkpoint
 

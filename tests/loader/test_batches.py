@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from diffusion import schema
-from diffusion.config import TrainLoaderConfig
-from diffusion.train import mds_source
-from diffusion.train.batches import CaptionDropout, NoiseDraws, ToModelBatch, unit_hash
+from diffusion.train.config import TrainLoaderConfig
+from diffusion.loader import mds_source
+from diffusion.loader.batches import CaptionDropout, NoiseDraws, ToModelBatch, unit_hash
 from diffusion.train.ray_workers import ShardBatches
 from train_fixtures import kit_text_dim, write_latent_mds
 
@@ -110,7 +110,7 @@ def test_the_training_forward_compiles_without_graph_breaks(recipe, request):
     for the UNet with every DDPM option and the MMDiT with rectified flow (σ table, SD3 weighting)."""
     import torch._dynamo
 
-    from diffusion.config import FlowConfig, ModelConfig
+    from diffusion.train.config import FlowConfig, ModelConfig
     from diffusion.models.latent_diffusion import build_model
     if recipe == "unet-v":
         kit = request.getfixturevalue("train_kit")

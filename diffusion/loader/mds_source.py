@@ -1,14 +1,14 @@
 """Training batches from MDS shards (local or remote) with mosaicml-streaming.
 
-What the datasets record beside their shards is read and checked first (:mod:`diffusion.train.dataset_info`);
-the shard checks themselves are :mod:`diffusion.train.shard_checks`.
+What the datasets record beside their shards is read and checked first (:mod:`diffusion.loader.dataset_info`);
+the shard checks themselves are :mod:`diffusion.loader.shard_checks`.
 
 Each rank reads a disjoint part of every epoch; the sample order is a function of the shuffle seed and
 the number of canonical nodes only, so a resumed run (Composer restores the dataset's state) continues
 mid-epoch in the same order. ``data.train.streams`` reads a weighted mix of datasets (streaming's
 ``Stream`` weights), each as one ``path`` is read; their ``dataset.json`` must agree on what training
 depends on, and a later stream's sample keys carry its index. Samples become batches through
-:mod:`diffusion.train.batches`, as the online stream's do: caption dropout substitutes the stored
+:mod:`diffusion.loader.batches`, as the online stream's do: caption dropout substitutes the stored
 empty-caption embedding, for a different, reproducible subset of sample keys every epoch.
 
 Reading is zero-copy where it can be: a sample's arrays are views into the memory-mapped shard, and
@@ -49,10 +49,10 @@ from streaming.base.format.mds.reader import MDSReader
 from diffusion import schema
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError
 from diffusion.storage import share_endpoint_with_streaming
-from diffusion.train.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
-from diffusion.train.dataset_info import (is_remote, load_empty_embedding, load_empty_input_ids, loader_streams,
+from diffusion.loader.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
+from diffusion.loader.dataset_info import (is_remote, load_empty_embedding, load_empty_input_ids, loader_streams,
                                           one_line, read_loader_info, section_name)
-from diffusion.train.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
+from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
                                           pick_hash, shared_flags, size_problem)
 
 
@@ -110,7 +110,7 @@ class LatentDataset(StreamingDataset):
     """MDS rows → samples: unscaled moments at one resolution, the text column (``text_embeds``, or
     ``input_ids`` when the model encodes them), the sample's key and index, and the epoch it is read in.
 
-    Samples hold numpy arrays (read-only views where possible); :class:`~diffusion.train.batches.StackSamples`
+    Samples hold numpy arrays (read-only views where possible); :class:`~diffusion.loader.batches.StackSamples`
     turns a list of them into the model's batch. Shards are checked against index.json as the module
     docstring says; ``verify_hashes=False`` keeps the size and header checks and skips the hashes.
     """

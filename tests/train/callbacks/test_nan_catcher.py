@@ -9,7 +9,7 @@ from composer import Trainer
 from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 
-from diffusion.callbacks.nan_catcher import NaNCatcher, NonFiniteLossError
+from diffusion.train.callbacks.nan_catcher import NaNCatcher, NonFiniteLossError
 from diffusion.train.ray_workers import LossHistory
 
 

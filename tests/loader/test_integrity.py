@@ -15,9 +15,9 @@ import pytest
 import streaming
 
 from diffusion import schema
-from diffusion.config import TrainLoaderConfig
+from diffusion.train.config import TrainLoaderConfig
 from diffusion.errors import ConfigError, DataIntegrityError, UserError
-from diffusion.train import mds_source, shard_checks, shared_memory
+from diffusion.loader import mds_source, shard_checks, shared_memory
 from train_fixtures import kit_text_dim, write_latent_mds
 
 N, PER_SHARD = 40, 8  # five shards
@@ -394,7 +394,7 @@ def test_the_fastest_recorded_hash_is_checked():
 
 _JOB = """
 import sys
-from diffusion.train.mds_source import LatentDataset
+from diffusion.loader.mds_source import LatentDataset
 dataset = LatentDataset(remote=None, local=sys.argv[1], resolution=64, batch_size=4)
 dataset[0]
 print(dataset._shm_prefix_int, flush=True)

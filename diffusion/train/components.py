@@ -14,21 +14,21 @@ from typing import Any
 from diffusion.errors import ConfigError
 
 ALGORITHMS = {
-    "ema": "diffusion.algorithms.ema:EMA",
+    "ema": "diffusion.train.algorithms.ema:EMA",
     "low_precision_groupnorm": "composer.algorithms:LowPrecisionGroupNorm",
     "low_precision_layernorm": "composer.algorithms:LowPrecisionLayerNorm",
 }
 CALLBACKS = {
     "speed_monitor": "composer.callbacks:SpeedMonitor",
     "lr_monitor": "composer.callbacks:LRMonitor",
-    "optimizer_monitor": "diffusion.callbacks.optimizer_monitor:OptimizerMonitor",
+    "optimizer_monitor": "diffusion.train.callbacks.optimizer_monitor:OptimizerMonitor",
     "memory_monitor": "composer.callbacks:MemoryMonitor",
     "runtime_estimator": "composer.callbacks:RuntimeEstimator",
-    "nan_catcher": "diffusion.callbacks.nan_catcher:NaNCatcher",
-    "cost_projection": "diffusion.callbacks.cost:CostProjection",
-    "image_logger": "diffusion.callbacks.image_logger:ImageLogger",
-    "progress": "diffusion.callbacks.progress:ProgressLine",
-    "text_encoder_share": "diffusion.callbacks.text_encoder_share:TextEncoderShare",
+    "nan_catcher": "diffusion.train.callbacks.nan_catcher:NaNCatcher",
+    "cost_projection": "diffusion.train.callbacks.cost:CostProjection",
+    "image_logger": "diffusion.train.callbacks.image_logger:ImageLogger",
+    "progress": "diffusion.train.callbacks.progress:ProgressLine",
+    "text_encoder_share": "diffusion.train.callbacks.text_encoder_share:TextEncoderShare",
 }
 LOGGERS = {
     "console": "composer.loggers:ConsoleLogger",

@@ -10,12 +10,12 @@ import types
 import pytest
 import torch
 
-from diffusion.callbacks.checkpoint_pruning import RemoteCheckpointPruner, remote_pruner
-from diffusion.config import load_config
+from diffusion.train.callbacks.checkpoint_pruning import RemoteCheckpointPruner, remote_pruner
+from diffusion.train.config import load_config
 from diffusion.train.trainer import build_trainer
 from train_fixtures import tiny_overrides, write_latent_mds
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "yamls",
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "yamls",
                     "tiny-cpu.yaml")
 
 

@@ -21,8 +21,8 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
 
-from diffusion import grid
-from diffusion.algorithms.ema import EMA
+from diffusion.sample import grid
+from diffusion.train.algorithms.ema import EMA
 from diffusion.models import sampling
 
 

@@ -24,7 +24,7 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
-from diffusion.callbacks.nan_catcher import loss_tensors
+from diffusion.train.callbacks.nan_catcher import loss_tensors
 
 LINE_PREFIX = "[progress] "  # every line starts so (diffusion.online picks them out of Ray workers' output)
 _UNIT_NAMES = {TimeUnit.BATCH: "batch", TimeUnit.EPOCH: "epoch", TimeUnit.SAMPLE: "sample",

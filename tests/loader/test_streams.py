@@ -20,9 +20,9 @@ import streaming
 import torch
 
 from diffusion import schema
-from diffusion.config import StreamConfig, TrainLoaderConfig, load_config
+from diffusion.train.config import StreamConfig, TrainLoaderConfig, load_config
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
-from diffusion.train import dataset_info, mds_source
+from diffusion.loader import dataset_info, mds_source
 from train_fixtures import fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

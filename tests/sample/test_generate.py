@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion import generate
-from diffusion import grid
+from diffusion.sample import generate
+from diffusion.sample import grid
 from diffusion.models import loading, sampling
 from sampling_helpers import PROMPTS, kit_unet as _kit_unet, pixels as _pixels
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from diffusion.config import ConfigError, load_config
+from diffusion.train.config import ConfigError, load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 
@@ -146,7 +146,7 @@ def test_streams_mix_datasets_with_streamings_weights():
                              "data.train.streams=[{path: s3://a, proportion: 0.7}, {path: s3://b, proportion: 0.3}]"])
     assert [(s.path, s.proportion) for s in cfg.data.train.streams] == [("s3://a", 0.7), ("s3://b", 0.3)]
     assert cfg.data.train.path is None
-    from diffusion.config import from_dict
+    from diffusion.train.config import from_dict
     assert from_dict({}).data.train.path == "out/demo/mds"  # neither path nor streams: the demo's dataset, as before
 
 

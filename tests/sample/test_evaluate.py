@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion import evaluate
+from diffusion.sample import evaluate
 from diffusion import schema
 from diffusion.kit.sample import COLORS
-from diffusion import grid
+from diffusion.sample import grid
 
 
 def _color_image(name, rng, size=32):

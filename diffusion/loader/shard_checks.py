@@ -1,6 +1,6 @@
 """Integrity of stored shards: each one checked against its ``index.json`` before a sample of it is read.
 
-The checks :class:`~diffusion.train.mds_source.LatentDataset` runs (see its module's docstring for when):
+The checks :class:`~diffusion.loader.mds_source.LatentDataset` runs (see its module's docstring for when):
 a file's size, an MDS shard's header (sample count, offset table) and its hash, the fastest the index
 records (:func:`pick_hash`); an index that cannot be used is named as it is loaded (:class:`CheckedStream`).
 A read-only compressed dataset is read through a decompression cache (:func:`needs_decompression_cache`).
@@ -26,7 +26,7 @@ from streaming.base.shared.prefix import _get_path
 from streaming.base.world import World
 
 from diffusion.errors import DataIntegrityError
-from diffusion.train.dataset_info import one_line
+from diffusion.loader.dataset_info import one_line
 
 
 # Hashes to check a shard with, fastest first (xxh3 ~3x xxh64 on one core); any other the index records

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion import export, generate
+from diffusion.sample import export, generate
 from diffusion.models import sampling
 from sampling_helpers import PROMPTS, pixels as _pixels, train_tiny_checkpoint
 

@@ -11,9 +11,9 @@ from composer import Trainer
 from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 
-from diffusion import components
-from diffusion.callbacks import progress
-from diffusion.callbacks.progress import ProgressLine, format_seconds
+from diffusion.train import components
+from diffusion.train.callbacks import progress
+from diffusion.train.callbacks.progress import ProgressLine, format_seconds
 
 BATCH = 4
 SECONDS_PER_BATCH = 4.0
@@ -103,5 +103,5 @@ def test_registered_and_enabled_in_the_cpu_yamls():
     components.check_kwargs("callbacks", "progress", {"every_seconds": 10})
     assert components.component_class("callbacks", "progress") is ProgressLine
     for name in ("yamls/tiny-cpu.yaml", "yamls/tiny-online-cpu.yaml"):
-        with open(pathlib.Path(__file__).resolve().parents[2] / name) as f:
+        with open(pathlib.Path(__file__).resolve().parents[3] / name) as f:
             assert "progress" in yaml.safe_load(f)["callbacks"], name

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion.config import EvalLoaderConfig, TrainLoaderConfig
+from diffusion.train.config import EvalLoaderConfig, TrainLoaderConfig
 from diffusion import schema
-from diffusion.train import dataset_info, mds_source
-from diffusion.train.batches import CaptionDropout
+from diffusion.loader import dataset_info, mds_source
+from diffusion.loader.batches import CaptionDropout
 from train_fixtures import kit_text_dim, write_latent_mds
 
 

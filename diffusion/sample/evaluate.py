@@ -1,0 +1,419 @@
+"""Score generated images: CLIP score against their prompts, FID against a reference set.
+
+    python -m diffusion.evaluate --images grid.png [DIR ...] --reference DATA [...] --clip-model REF
+    python -m diffusion.evaluate --checkpoint CKPT --prompts-file prompts.txt --reference DATA --clip-model REF
+
+Inputs (``--images`` and ``--reference``) may be prompt grids written by ``diffusion.generate`` (their
+prompts are stored in the PNG), images with an img2dataset-style sidecar caption (``0001.png`` +
+``0001.txt``), raw-data files the converter reads (parquet with the contract's image column and, if it has
+one, caption column: the sample data, download output; img2dataset webdataset tars), or directories of
+any of these. With ``--checkpoint`` the images are generated first
+(and kept with ``--save-images DIR``).
+
+``--clip-model`` is a local directory or hub id that ``transformers.CLIPModel.from_pretrained`` loads
+(``python -m diffusion.kit --preset tiny-clip --out DIR`` writes a tiny offline one). FID features
+are that model's L2-normalised image embeddings by default ("FID_CLIP": Inception weights cannot be
+downloaded everywhere, and CLIP features track human judgement at least as well); ``--fid-features
+inception --inception-weights FILE`` uses torchvision's Inception-v3 pool features from a local
+state dict instead. Neither number is comparable with published FIDs computed on other features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffusion import schema
+from diffusion.convert import readers
+from diffusion.errors import InputError
+from diffusion import cli
+from diffusion.sample import grid
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MIN_FID_IMAGES = 2  # a covariance needs two samples (a meaningful FID needs thousands)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+def iter_images(paths, skipped: collections.Counter | None = None):
+    """Yield ``(image, prompt or None)`` from grids, captioned image files, parquet shards or directories.
+
+    Unreadable images are skipped and counted in ``skipped`` under ``"<source>: <reason>"``.
+    """
+    skipped = skipped if skipped is not None else collections.Counter()
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            children = [os.path.join(path, n) for n in sorted(os.listdir(path))
+                        if n.lower().endswith(IMAGE_SUFFIXES + (".parquet", ".tar"))]
+            yield from iter_images(children, skipped)
+        elif path.endswith((".parquet", ".tar")):
+            yield from _raw_images(path, skipped)
+        elif os.path.isfile(path):
+            yield from _file_images(path, skipped)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+
+
+def _file_images(path: str, skipped: collections.Counter):
+    try:
+        if path.lower().endswith(".png") and grid.is_grid(path):
+            yield from zip(*grid.read_grid(path))
+            return
+        with Image.open(path) as im:
+            image = im.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        skipped[f"{path}: {type(e).__name__}"] += 1
+        return
+    caption = os.path.splitext(path)[0] + ".txt"
+    prompt = open(caption).read().strip() if os.path.exists(caption) else None
+    yield image, prompt
+
+
+def _raw_images(path: str, skipped: collections.Counter):
+    """Images of a raw-data file (parquet with the contract's columns, or a webdataset tar), read by
+    the converter's readers; a reference set for FID may have no captions."""
+    for row in readers.iter_rows(path, readers.RawColumns(caption_required=False)):
+        try:
+            with Image.open(io.BytesIO(row[schema.RAW_IMAGE])) as im:
+                image = im.convert("RGB")
+        except (OSError, ValueError, TypeError, Image.DecompressionBombError) as e:
+            skipped[f"{path}: unreadable image ({type(e).__name__})"] += 1
+            continue
+        if min(image.size) < 8:
+            skipped[f"{path}: image under 8 px"] += 1
+            continue
+        yield image, row[schema.RAW_CAPTION]
+
+
+def _batches(pairs, size: int):
+    batch = []
+    for pair in pairs:
+        batch.append(pair)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ---- feature models ---------------------------------------------------------------------------------
+
+class ClipScorer:
+    """A CLIP model: normalised image and text embeddings for CLIP score and FID_CLIP features."""
+
+    def __init__(self, ref: str, device=None):
+        from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
+        try:
+            self.model = CLIPModel.from_pretrained(ref).eval().requires_grad_(False)
+            self.tokenizer = AutoTokenizer.from_pretrained(ref)
+        except OSError as e:
+            raise ValueError(f"could not load CLIP model {ref!r} ({e}); pass a local directory, e.g. one "
+                             f"written by `python -m diffusion.kit --preset tiny-clip`") from e
+        size = self.model.config.vision_config.image_size
+        try:
+            self.processor = CLIPImageProcessor.from_pretrained(ref)
+        except OSError:  # no preprocessor_config.json: CLIP's standard resize, crop and normalisation
+            self.processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model.to(self.device)
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    @torch.no_grad()
+    def image_features(self, images) -> np.ndarray:
+        pixels = self.processor(images=list(images), return_tensors="pt")["pixel_values"].to(self.device)
+        return _normalise(self.model.get_image_features(pixel_values=pixels))
+
+    @torch.no_grad()
+    def text_features(self, prompts) -> np.ndarray:
+        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt").to(self.device)
+        return _normalise(self.model.get_text_features(input_ids=tokens["input_ids"],
+                                                       attention_mask=tokens["attention_mask"]))
+
+
+def _normalise(features: torch.Tensor) -> np.ndarray:
+    features = getattr(features, "pooler_output", features)  # transformers 5 may return a model output
+    return torch.nn.functional.normalize(features.float(), dim=-1).cpu().numpy().astype(np.float64)
+
+
+class InceptionFeatures:
+    """Inception-v3 2048-d pool features from a local torchvision state dict (no download here)."""
+
+    def __init__(self, weights: str, device=None):
+        import torchvision
+        if not weights or not os.path.exists(weights):
+            raise FileNotFoundError(f"--fid-features inception needs local weights: {weights!r} not found "
+                                    f"(torchvision's inception_v3 state dict, e.g. inception_v3_google-*.pth)")
+        model = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False,
+                                                transform_input=True)
+        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        model.fc = torch.nn.Identity()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.eval().requires_grad_(False).to(self.device)
+        self.transform = torchvision.transforms.Compose([
+            torchvision.transforms.Resize((299, 299), interpolation=torchvision.transforms.InterpolationMode.BILINEAR),
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
+    @torch.no_grad()
+    def __call__(self, images) -> np.ndarray:
+        batch = torch.stack([self.transform(im) for im in images]).to(self.device)
+        return self.model(batch).double().cpu().numpy()
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+
+def frechet_distance(features_a: np.ndarray, features_b: np.ndarray) -> float:
+    """Fréchet distance between Gaussians fitted to two feature sets (rows are samples).
+
+    ``|mu_a - mu_b|² + Tr(A) + Tr(B) - 2 Tr((A B)^½)``. The last trace equals the nuclear norm of
+    ``A^½ B^½``, or, with fewer samples than dimensions, of the centred data product ``X_a X_bᵀ`` scaled:
+    exact either way, real by construction, and far faster than ``scipy.linalg.sqrtm`` at 2048-d.
+    """
+    from scipy import linalg
+    for name, f in (("first", features_a), ("second", features_b)):
+        if len(f) < MIN_FID_IMAGES:
+            raise ValueError(f"FID needs at least {MIN_FID_IMAGES} images per set; the {name} set has {len(f)}")
+    xa = features_a - features_a.mean(0)
+    xb = features_b - features_b.mean(0)
+    (na, dim), nb = xa.shape, len(xb)
+    cov_a, cov_b = xa.T @ xa / (na - 1), xb.T @ xb / (nb - 1)
+    if min(na, nb) < dim:
+        trace_sqrt = linalg.svdvals(xa @ xb.T).sum() / np.sqrt((na - 1) * (nb - 1))
+    else:
+        trace_sqrt = linalg.svdvals(_psd_sqrt(cov_a) @ _psd_sqrt(cov_b)).sum()
+    diff = features_a.mean(0) - features_b.mean(0)
+    return float(max(0.0, diff @ diff + np.trace(cov_a) + np.trace(cov_b) - 2 * trace_sqrt))
+
+
+def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:
+    values, vectors = np.linalg.eigh(matrix)
+    return (vectors * np.sqrt(np.clip(values, 0, None))) @ vectors.T
+
+
+def clip_metrics(image_features: np.ndarray, prompts: list[str], scorer: ClipScorer) -> dict:
+    """CLIP score of each image against its prompt, a mismatched-prompt baseline, and retrieval accuracy.
+
+    ``clip_score`` is 100 × cosine similarity clipped at 0, averaged (the usual definition);
+    ``clip_score_mismatched`` averages each image against the other distinct prompts (chance level);
+    ``clip_accuracy`` is how often an image's own prompt is the most similar of the distinct prompts.
+    """
+    unique = sorted(set(prompts))
+    similarity = image_features @ scorer.text_features(unique).T  # (images, distinct prompts)
+    own = np.array([unique.index(p) for p in prompts])
+    matched = similarity[np.arange(len(prompts)), own]
+    result = {"clip_score": float(100 * np.clip(matched, 0, None).mean()),
+              "clip_cosine": float(matched.mean())}
+    if len(unique) > 1:
+        others = np.ones_like(similarity, dtype=bool)
+        others[np.arange(len(prompts)), own] = False
+        result["clip_score_mismatched"] = float(100 * np.clip(similarity[others], 0, None).mean())
+        result["clip_accuracy"] = float((similarity.argmax(1) == own).mean())
+    return result
+
+
+def evaluate(images, *, clip_model: str, reference=None, fid_features: str = "clip",
+             inception_weights: str | None = None, batch_size: int = 32, device=None) -> dict:
+    """Score ``images`` (paths, or a list of ``(PIL image, prompt)`` pairs) and return the metrics.
+
+    CLIP metrics need prompts (images without one are left out of them); FID needs ``reference``.
+    """
+    if fid_features not in ("clip", "inception"):
+        raise ValueError(f"unknown FID features {fid_features!r}; choose clip or inception")
+    scorer = ClipScorer(clip_model, device=device)
+    fid_model = (InceptionFeatures(inception_weights, device=device) if fid_features == "inception"
+                 else scorer.image_features)
+    skipped = collections.Counter()
+    pairs = iter_images(images, skipped) if _is_paths(images) else iter(images)
+    clip_feats, fid_feats, prompts = [], [], []
+    for batch in _batches(pairs, batch_size):
+        batch_images = [im for im, _ in batch]
+        clip_feats.append(scorer.image_features(batch_images))
+        fid_feats.append(clip_feats[-1] if fid_features == "clip" else fid_model(batch_images))
+        prompts.extend(p for _, p in batch)
+    if not prompts:
+        raise ValueError(f"no readable images in {images!r}")
+    result = {"num_images": len(prompts), "fid_features": fid_features}
+    prompted = [i for i, p in enumerate(prompts) if p]
+    if prompted:
+        result.update(clip_metrics(np.concatenate(clip_feats)[prompted], [prompts[i] for i in prompted], scorer))
+    if reference is not None and len(prompts) < MIN_FID_IMAGES:  # known before reading the reference
+        result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, got {len(prompts)}: "
+                                 f"generate more (e.g. --images-per-prompt 8) for a FID")
+    elif reference is not None:
+        pairs = iter_images(reference, skipped) if _is_paths(reference) else iter(reference)
+        ref_feats = [fid_model([im for im, _ in batch]) for batch in _batches(pairs, batch_size)]
+        if not ref_feats:
+            raise ValueError(f"no readable reference images in {reference!r}")
+        ref_feats = np.concatenate(ref_feats)
+        result.update(num_reference=len(ref_feats), fid=frechet_distance(np.concatenate(fid_feats), ref_feats))
+    if skipped:
+        result["skipped"] = dict(skipped)
+    return result
+
+
+# ---- prompt adherence on the procedural sample scenes (the demo's score) -----------------------------
+
+def dominant_color(image, palette: dict, background: dict) -> str:
+    """The ``palette`` colour covering most pixels of ``image``.
+
+    Each pixel goes to its nearest colour among ``palette`` and ``background``; background colours
+    absorb pixels but never win, and pixels far from everything don't vote.
+    """
+    pixels = np.asarray(image.convert("RGB"), dtype=np.float32).reshape(-1, 3)
+    names = list(palette) + list(background)
+    centres = np.array([{**palette, **background}[n] for n in names], dtype=np.float32)
+    distance = np.linalg.norm(pixels[:, None, :] - centres[None, :, :], axis=-1)
+    nearest = distance.argmin(1)[distance.min(1) < 90.0]
+    votes = np.bincount(nearest, minlength=len(names))[: len(palette)]
+    return names[int(votes.argmax())]
+
+
+def prompt_color(prompt: str) -> str:
+    """The sample-scene colour a prompt names ("an orange square" → "orange")."""
+    from diffusion.kit.sample import COLORS
+    named = [word for word in prompt.lower().split() if word in COLORS]
+    if not named:
+        raise ValueError(f"prompt {prompt!r} names none of the scene colours {sorted(COLORS)}")
+    return named[0]
+
+
+def prompt_adherence(images, prompts) -> float:
+    """Fraction of images whose dominant colour is the one their prompt names (chance: one over the
+    number of distinct colours the prompts name)."""
+    from diffusion.kit.sample import BACKGROUNDS, COLORS
+    palette = {c: COLORS[c] for c in sorted({prompt_color(p) for p in prompts})}
+    background = {f"bg-{n}": v for n, v in BACKGROUNDS.items()}
+    background.update({c: v for c, v in COLORS.items() if c not in palette})
+    hits = [dominant_color(image, palette, background) == prompt_color(prompt)
+            for image, prompt in zip(images, prompts)]
+    return sum(hits) / len(hits)
+
+
+def _is_paths(value) -> bool:
+    if isinstance(value, (str, os.PathLike)):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value)
+
+
+def save_images(images, prompts, directory: str) -> None:
+    """Write ``00000.png`` + ``00000.txt`` (its prompt) per image, the layout :func:`iter_images` reads."""
+    os.makedirs(directory, exist_ok=True)
+    for i, (image, prompt) in enumerate(zip(images, prompts)):
+        image.save(os.path.join(directory, f"{i:05d}.png"))
+        with open(os.path.join(directory, f"{i:05d}.txt"), "w") as f:
+            f.write(prompt)
+
+
+DESCRIPTION = """Score images: CLIP score against their prompts, and FID against a reference set.
+
+Input: images (--images: prompt grids from diffusion.generate, images with NAME.txt captions, raw-data
+parquet or webdataset tars, or directories of these), or a checkpoint and prompts to generate them
+(--checkpoint with --prompts-file, and the sampling flags of diffusion.generate); a CLIP model
+(--clip-model: local directory or hub id); for FID a reference set (--reference, the same forms).
+FID features are the CLIP model's image embeddings unless --fid-features inception.
+Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, ..."""
+EXAMPLES = """examples:
+  python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip   # an offline CLIP for trying it
+  python -m diffusion.evaluate --images grid.png --reference out/demo/raw --clip-model .cache/kit/tiny-clip
+  python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file prompts.txt \\
+      --images-per-prompt 8 --reference coco/ --clip-model openai/clip-vit-large-patch14 --out metrics.json"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffusion.sample import generate
+    parser = argparse.ArgumentParser(prog="python -m diffusion.evaluate", description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", nargs="+", default=None, metavar="PATH",
+                        help="images to score: grids, image files, parquet/tar files or directories")
+    parser.add_argument("--reference", nargs="+", default=None, metavar="PATH",
+                        help="reference images for FID (same forms; default: no FID)")
+    parser.add_argument("--clip-model", required=True, metavar="REF",
+                        help="CLIP model: local directory or hub id (transformers.CLIPModel)")
+    parser.add_argument("--fid-features", choices=("clip", "inception"), default="clip",
+                        help="features FID compares (default: %(default)s)")
+    parser.add_argument("--inception-weights", default=None, metavar="FILE",
+                        help="local torchvision Inception-v3 state dict, for --fid-features inception")
+    parser.add_argument("--eval-batch-size", type=cli.positive_int, default=32,
+                        help="images per feature batch (default: %(default)s)")
+    parser.add_argument("--prompts-file", default=None, metavar="FILE",
+                        help="with --checkpoint: prompts to generate, one a line")
+    parser.add_argument("--save-images", default=None, metavar="DIR",
+                        help="with --checkpoint: keep the generated images here (NNNNN.png + NNNNN.txt)")
+    parser.add_argument("--out", default=None, metavar="JSON", help="also write the metrics to this JSON file")
+    generate.add_sampling_args(parser)
+    return parser
+
+
+def _check_inputs(paths, flag: str) -> None:
+    for path in paths or ():
+        if "://" not in path and not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, f"no such file or directory (given as {flag})", path)
+
+
+def _check_clip_model(ref: str) -> None:
+    """A local CLIP directory must exist and hold a config; anything else must look like a hub id."""
+    if os.path.isdir(os.path.expanduser(ref)):
+        if not os.path.exists(os.path.join(os.path.expanduser(ref), "config.json")):
+            raise InputError(f"--clip-model {ref}: a directory without config.json, so no transformers "
+                             f"CLIPModel (`python -m diffusion.kit --preset tiny-clip --out DIR` writes one)")
+        return
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1 or os.path.exists(ref):
+        raise FileNotFoundError(errno.ENOENT, "no such directory, and not a hub id owner/name (given as "
+                                              "--clip-model)", ref)
+
+
+def main(argv=None) -> None:
+    from diffusion.sample import generate
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.images) == bool(args.checkpoint):
+        parser.error("give either --images or --checkpoint with --prompts-file")
+    if args.checkpoint and not args.prompts_file:
+        parser.error("--checkpoint needs --prompts-file")
+    if args.images and (args.prompts_file or args.save_images):
+        parser.error("--prompts-file and --save-images go with --checkpoint, not --images")
+    # Everything the user named is checked before a model loads or an image is generated.
+    if args.checkpoint:
+        generate.check_sampling_args(args)
+    _check_inputs(args.images, "--images")
+    _check_inputs(args.reference, "--reference")
+    _check_clip_model(args.clip_model)
+    if args.fid_features == "inception":
+        if not args.inception_weights:
+            parser.error("--fid-features inception needs --inception-weights FILE")
+        _check_inputs([args.inception_weights], "--inception-weights")
+    if args.out:
+        generate.check_output_file(args.out, None, "--out")
+    images = args.images
+    if args.checkpoint:
+        prompts = generate.read_prompts(args.prompts_file)
+        generated = generate.generate_images(args.checkpoint, prompts, **generate.sample_kwargs(args))
+        labels = [p for p in prompts for _ in range(args.images_per_prompt)]
+        if args.save_images:
+            save_images(generated, labels, args.save_images)
+        images = list(zip(generated, labels))
+    metrics = evaluate(images, clip_model=args.clip_model, reference=args.reference,
+                       fid_features=args.fid_features, inception_weights=args.inception_weights,
+                       batch_size=args.eval_batch_size, device=args.device)
+    text = json.dumps(metrics, indent=2, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    if "fid_skipped" in metrics:
+        print(f"evaluate: no FID: {metrics['fid_skipped']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    cli.run(main, "evaluate")

@@ -1,0 +1,169 @@
+"""Export a trained model as a diffusers pipeline directory.
+
+A UNet exports as a ``StableDiffusionPipeline``; an MMDiT (``SD3Transformer2DModel``, trained with flow
+matching) as a ``StableDiffusion3Pipeline`` with its flow-matching scheduler, its three text-encoder slots
+empty (load it with ``from_pretrained(DIR, text_encoder=None, ...)`` for each, as diffusers' docs do
+for SD3 without T5) and our one text encoder and tokenizer in ``text_encoder/`` and ``tokenizer/``
+beside them: call it with ``prompt_embeds`` from :func:`diffusion.models.denoisers.sd3_transformer.encode_prompts` (our
+``diffusion.generate --checkpoint DIR`` does), and it draws the images our sampler draws.
+
+    python -m diffusion.export --checkpoint CKPT --out DIR
+
+``DIR`` gets the diffusers layout (``unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json``)
+that ``diffusers.StableDiffusionPipeline.from_pretrained(DIR)`` loads: the UNet from the checkpoint (EMA
+weights unless ``--no-ema``), the VAE, text encoder, tokenizer and scheduler of the training run's model
+reference, with the VAE scaling factor, prediction type and noise schedule training used written into
+their configs. A model trained with zero terminal SNR gets ``rescale_betas_zero_snr: true`` and
+``timestep_spacing: "trailing"`` in ``scheduler/scheduler_config.json``, so diffusers' own pipeline
+samples it as ``diffusion.generate`` does (pass ``guidance_rescale=0.7`` to the pipeline call, as
+``diffusion.generate`` does by default for such models: it is a call argument, not a config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+
+import torch
+
+from diffusion.errors import UserError
+from diffusion.models import checkpoint as checkpoints, loading, sampling
+from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, ema: bool = True,
+                    scheduler: str | None = None, dtype: str = "float32", overwrite: bool = False) -> str:
+    """Write ``checkpoint`` as a diffusers pipeline to ``out`` and return ``out``.
+
+    ``scheduler`` (ddim, euler, dpm++) swaps the model reference's scheduler class for a sampler of the
+    same noise schedule; by default the reference's own scheduler class and config are kept, with the
+    checkpoint's noise schedule (zero terminal SNR and trailing spacing included) and prediction type
+    (a zero-terminal-SNR model whose reference class cannot rescale its betas gets DDIM). ``out`` must be new or
+    empty; with ``overwrite``, an earlier export there (a diffusers pipeline directory) is written over.
+    Everything the user gave is checked before a model loads.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    checkpoints.check_checkpoint(checkpoint)
+    _check_not_source(out, [checkpoint] + ([model_ref] if model_ref else []))
+    check_output_dir(out, overwrite)
+    if model_ref:  # a wrong reference fails here, in one line, before the checkpoint loads
+        loading.resolve_model(model_ref, components=("vae", "text_encoder", "tokenizer", "scheduler"))
+    trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
+    _check_not_source(out, [trained.model_ref])
+    sampler = sampling.Sampler(trained.description, scheduler=scheduler)
+    if scheduler is None and trained.prediction_type:  # DDPM objectives keep the reference's scheduler class
+        sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type,
+                                                 trained.noise_schedule)
+    pipe = sampler.pipeline(trained.denoiser)
+    pipe.to(dtype=DTYPES[dtype])
+    os.makedirs(out, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    conditioning = getattr(pipe, "conditioning", None)
+    if conditioning:  # SD3's pipeline leaves its three encoder slots empty: ours goes beside them
+        text_encoder, tokenizer = conditioning
+        text_encoder.to(dtype=DTYPES[dtype]).save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    return out
+
+
+def _check_not_source(out: str, sources: list[str]) -> None:
+    if any(os.path.abspath(out) == os.path.abspath(os.path.expanduser(src)) for src in sources):
+        raise UserError(f"--out {out!r} is where the model comes from; export to a new directory")
+
+
+def check_output_dir(out: str, overwrite: bool = False) -> None:
+    """``out`` is new, an empty directory, or (with ``overwrite``) an earlier export: never a file or a
+    directory holding anything else, which ``save_pretrained`` would silently mix with the pipeline."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise FileExistsError(errno.EEXIST, "--out exists and is not a directory", out)
+    if not os.listdir(out):
+        return
+    if not os.path.exists(os.path.join(out, "model_index.json")):
+        raise FileExistsError(errno.EEXIST, "--out exists and holds files that are not a pipeline; "
+                                            "export to a new or empty directory", out)
+    if not overwrite:
+        raise FileExistsError(errno.EEXIST, "--out already holds a pipeline; pass --overwrite to replace it, "
+                                            "or export to a new directory", out)
+
+
+def _reference_scheduler(model_ref: str, prediction_type: str | None, noise_schedule: dict | None = None):
+    """The model reference's scheduler, as its config names it, with the training noise schedule and
+    predicting what training predicted; DDIM when that class cannot sample a zero-terminal-SNR schedule."""
+    import diffusers
+    path = os.path.join(loading.resolve_model(model_ref, components=("scheduler",)), "scheduler")
+    with open(os.path.join(path, "scheduler_config.json")) as f:
+        config = json.load(f)
+    cls = getattr(diffusers, config["_class_name"])
+    zero_snr = (noise_schedule or config).get("rescale_betas_zero_snr")
+    if zero_snr and not sampling.supports_zero_terminal_snr(cls):
+        cls = diffusers.DDIMScheduler
+    return sampling.with_training_schedule(cls, config, noise_schedule, prediction_type)
+
+
+DESCRIPTION = """Export a trained model as a diffusers StableDiffusionPipeline directory.
+
+Input: a checkpoint (a Composer checkpoint written by run.py or diffusion.online, EMA weights unless
+--no-ema, or a diffusers pipeline directory) and, for the frozen parts, the model reference it was
+trained with (or --model). Output: a new directory in the diffusers layout (unet/ vae/ text_encoder/
+tokenizer/ scheduler/ model_index.json, safetensors weights) that
+diffusers.StableDiffusionPipeline.from_pretrained(DIR) loads, with the VAE scaling factor, the
+prediction type and the noise schedule training used written into its configs. A model trained with
+zero terminal SNR (model.zero_terminal_snr) gets a scheduler with rescale_betas_zero_snr=true and
+"trailing" timestep spacing; sample it with guidance_rescale=0.7 (diffusion.generate's default for
+such models; the pipeline's own default is 0)."""
+EXAMPLES = """examples:
+  python -m diffusion.export --checkpoint out/demo/checkpoints/latest-rank0.pt --out exported/
+  python -m diffusion.export --checkpoint ckpt/ep0-ba550000-rank0.pt --out sd2-256/ --dtype float16 \\
+      --scheduler dpm++ --model stabilityai/stable-diffusion-2-base"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion.export", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT",
+                        help="Composer checkpoint file (e.g. CKPT_FOLDER/latest-rank0.pt) or diffusers "
+                             "pipeline directory")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory (diffusers layout): new or empty, or an earlier export with "
+                             "--overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write over an earlier export in --out (never over other files)")
+    parser.add_argument("--model", default=None, metavar="REF",
+                        help="model reference for the VAE, text encoder, tokenizer and scheduler "
+                             "(default: the one the checkpoint was trained with)")
+    parser.add_argument("--no-ema", dest="ema", action="store_false", help="export the raw, not the EMA, weights")
+    parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default=None,
+                        help="save this sampler instead of the model reference's scheduler class")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="weight precision of the saved pipeline (default: %(default)s)")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    out = export_pipeline(args.checkpoint, args.out, model_ref=args.model, ema=args.ema,
+                          scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
+    with open(os.path.join(out, "model_index.json")) as f:
+        pipeline_class = json.load(f)["_class_name"]
+    empty = ", " + ", ".join(f"{slot}=None" for slot in EMPTY_SLOTS) if pipeline_class == "StableDiffusion3Pipeline" else ""
+    print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
+    if empty:
+        print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
+              "(the text encoder and tokenizer are in text_encoder/ and tokenizer/), or sample with "
+              f"python -m diffusion.generate --checkpoint {out}")
+    with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
+        if json.load(f).get("rescale_betas_zero_snr"):
+            print(f"zero terminal SNR: call the pipeline with guidance_rescale="
+                  f"{sampling.ZTSNR_GUIDANCE_RESCALE} to sample as diffusion.generate does")
+
+
+if __name__ == "__main__":
+    from diffusion import cli
+    cli.run(main, "export")
