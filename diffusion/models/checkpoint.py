@@ -16,6 +16,7 @@ import pickle
 import torch
 
 from diffusion.errors import InputError
+from diffusion.models import safe_checkpoint
 
 DENOISER_PREFIX = "denoiser."
 UNET_PREFIX = "unet."  # checkpoints written before the model wing
@@ -66,9 +67,9 @@ def read_state(checkpoint_path: str) -> dict:
         get_file(path, local, overwrite=True)
         path = local
     check_checkpoint(path)
-    # Composer checkpoints hold timestamps, RNG states and algorithm objects' state, not just tensors.
+    # Composer checkpoints hold timestamps, RNG states and algorithm state: read weights-only, never run code.
     try:
-        saved = torch.load(os.path.expanduser(path), map_location="cpu", weights_only=False)
+        saved = safe_checkpoint.load(path)
     except (pickle.UnpicklingError, EOFError, RuntimeError) as e:  # truncated or not a torch file
         raise InputError(f"{checkpoint_path}: not a readable checkpoint ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e

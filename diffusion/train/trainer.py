@@ -26,7 +26,7 @@ from diffusion import schema
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
-from diffusion.models import objectives
+from diffusion.models import objectives, safe_checkpoint
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
 from diffusion.models.text_encoder import load_frozen_text_encoder
 
@@ -159,6 +159,19 @@ def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
     return model
 
 
+def _local_checkpoints_to_load(cfg: Config) -> list[str]:
+    """The local files this run's Trainer will read: ``trainer.load_path`` and, with autoresume, the save
+    folder's latest checkpoint of this rank."""
+    t, paths = cfg.trainer, []
+    if t.load_path and "://" not in t.load_path and os.path.isfile(os.path.expanduser(t.load_path)):
+        paths.append(t.load_path)
+    if t.autoresume and t.save_folder and "://" not in t.save_folder:
+        latest = os.path.join(t.save_folder, f"latest-rank{dist.get_global_rank()}.pt")
+        if os.path.isfile(latest):
+            paths.append(latest)
+    return paths
+
+
 def _run_name(cfg: Config) -> str | None:
     t = cfg.trainer
     if t.run_name:
@@ -257,6 +270,9 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     loggers, console = _console_logging(cfg.loggers)
     if t.autoresume:
         forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy
+    safe_checkpoint.guard_composer_loads()  # load_path and autoresume read weights-only: no code runs
+    for path in _local_checkpoints_to_load(cfg):  # named as the user gave them, before Composer copies them
+        safe_checkpoint.check(path)
     with _fsdp_device(device, cfg):
         trainer = Trainer(
             model=model, train_dataloader=train_loader, eval_dataloader=build_evaluators(cfg, eval_loader, algorithms),
