@@ -1,12 +1,15 @@
-"""Training throughput of the UNet: images/s/GPU and MFU at 256 and 512, bf16, with/without channels_last/compile.
+"""Training throughput of the denoisers: images/s/GPU and MFU at 256 and 512, bf16, with/without channels_last/compile.
 
     python bench/bench_train.py                               # full SD2-base UNet, on the GPU
+    python bench/bench_train.py --denoisers unet mmdit        # and SD3-medium's MMDiT beside it (issue 26)
     torchrun --nproc_per_node 8 bench/bench_train.py --fsdp   # FSDP over the node
     python bench/bench_train.py --tiny --device cpu           # smoke run of the tiny UNet (CPU)
     python bench/bench_train.py --text embeds ids             # also: text encoded in the step (--text ids data)
 
-One step = UNet forward on noised latents + MSE on the noise + backward + AdamW, on synthetic
-latents and text embeddings (the data path has its own benchmark). MFU = training FLOPs per image
+One step = denoiser forward on noised latents + MSE on the noise + backward + AdamW, on synthetic
+latents and text embeddings (the data path has its own benchmark). ``--denoisers mmdit`` times SD3-medium's
+MMDiT at its published shapes (16-channel latents, 77 + 256 text tokens of 4096; FLOPs counted with torch's
+FlopCounterMode: 2,529 GFLOP at 256, 6,322 at 512), or with ``--tiny`` the tiny-mmdit kit's. MFU = training FLOPs per image
 (539 GFLOP at 256 and 2,409 at 512 for SD2-base, DESIGN.md; counted with torch's FlopCounterMode for
 other configs) x images/s / peak (--peak-tflops; default A100 312, H100 800 as measured, per DESIGN.md).
 Ends with the headline: best MFU at each resolution against the anchors (MosaicML 24% / 28%).
@@ -36,17 +39,34 @@ ANCHOR_MFU = {256: 0.24, 512: 0.28}  # MosaicML diffusion on A100
 PEAK_TFLOPS = {"A100": 312.0, "H100": 800.0, "H200": 800.0}  # dense bf16; H100 as measured
 
 
+DENOISERS = {"unet": "UNet2DConditionModel", "mmdit": "SD3Transformer2DModel"}
+
+
+def adapter_of(config: dict):
+    from diffusion.models import denoisers
+    return denoisers.adapter(config.get("_class_name") or "UNet2DConditionModel")
+
+
+def text_shape(config: dict) -> tuple[int, int]:
+    """(tokens, width) of the text states the denoiser of ``config`` attends to."""
+    if adapter_of(config).class_name == "SD3Transformer2DModel":
+        return config.get("_text_tokens", 77), config["joint_attention_dim"]
+    return 77, config["cross_attention_dim"]
+
+
 def build_unet(config: dict, device="cpu"):
-    from diffusers import UNet2DConditionModel
+    """The denoiser of ``config`` (a UNet, or an MMDiT with ``_class_name``), random weights."""
+    model_class = adapter_of(config).model_class
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device(device):
-        return UNet2DConditionModel.from_config(config)
+        return model_class.from_config(config)
 
 
 def synthetic_batch(config: dict, batch: int, resolution: int, device, factor: int = 8):
     h = resolution // factor
+    tokens, width = text_shape(config)
     latents = torch.randn(batch, config["in_channels"], h, h, device=device)
-    text = torch.randn(batch, 77, config["cross_attention_dim"], device=device)
+    text = torch.randn(batch, tokens, width, device=device)
     timesteps = torch.randint(0, 1000, (batch,), device=device)
     return latents, text, timesteps
 
@@ -67,7 +87,8 @@ def train_step(unet, optimizer, batch, autocast, text_encoder=None):
         text = text_encoder(text)
     noise = torch.randn_like(latents)
     with autocast:
-        pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+        pred = adapter_of({"_class_name": type(getattr(unet, "_orig_mod", unet)).__name__})(
+            unet, latents + noise, timesteps, text)
         loss = torch.nn.functional.mse_loss(pred.float(), noise)
     loss.backward()
     optimizer.step()
@@ -82,7 +103,7 @@ def count_gflop_per_image(config: dict, resolution: int) -> float:
     batch = synthetic_batch(config, 1, resolution, "meta")
     counter = FlopCounterMode(display=False)
     with counter:
-        pred = unet(batch[0], batch[2], encoder_hidden_states=batch[1]).sample
+        pred = adapter_of(config)(unet, batch[0], batch[2], batch[1])
         pred.float().pow(2).mean().backward()
     return counter.get_total_flops() / 1e9
 
@@ -113,10 +134,11 @@ def default_peak_tflops(device: torch.device) -> float | None:
 
 
 def wrap_fsdp(unet):
-    # FSDP2 per block, then the root: each rank keeps a shard, gathers per block in forward/backward.
+    # FSDP2 per block (the adapter's blocks, as training wraps them), then the root.
     from torch.distributed.fsdp import fully_shard
-    for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
-        fully_shard(block)
+    blocks = adapter_of({"_class_name": type(unet).__name__}).blocks
+    for module in [m for m in unet.modules() if type(m).__name__ in blocks]:
+        fully_shard(module)
     return fully_shard(unet)
 
 
@@ -131,6 +153,8 @@ def bench_one(config, resolution, batch_size, device, *, channels_last, compile_
     model = torch.compile(unet) if compile_ else unet
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = synthetic_batch(config, batch_size, resolution, device)
+    if text_encoder is not None and text_shape(config)[1] != text_encoder.model.config.hidden_size:
+        raise SystemExit("--text ids: the kit's text encoder is not this denoiser's text width")
     if text_encoder is not None:  # token ids in place of embeddings
         vocab = int(text_encoder.model.config.vocab_size)
         batch = (batch[0], torch.randint(0, vocab, (batch_size, 77), device=device), batch[2])
@@ -163,6 +187,9 @@ def main(argv=None):
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (run under torchrun)")
     p.add_argument("--text", nargs="+", default=["embeds"], choices=["embeds", "ids"],
                    help="conditioning: stored embeddings, and/or token ids encoded in the step (default embeds)")
+    p.add_argument("--denoisers", nargs="+", default=["unet"], choices=list(DENOISERS),
+                   help="unet: the kit's UNet (SD2-base); mmdit: SD3-medium's MMDiT (the tiny-mmdit kit's with "
+                        "--tiny), timed in the same run (default: unet)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: measured on a GPU with an "
@@ -183,7 +210,9 @@ def main(argv=None):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
     kit = args.kit or _default_kit("tiny" if args.tiny else "sd2-base")
-    config = load_unet_config(kit)
+    configs = {"unet": load_unet_config(kit)}
+    if "mmdit" in args.denoisers:
+        configs["mmdit"] = mmdit_config(args.tiny)
     batches = args.batch_size or ([2] * len(args.resolutions) if args.tiny else
                                   [64 if r <= 256 else 16 for r in args.resolutions])
     peak, peak_source = args.peak_tflops, "--peak-tflops"
@@ -195,21 +224,24 @@ def main(argv=None):
     rank0 = int(os.environ.get("RANK", "0")) == 0
     encoder = frozen_text_encoder(kit, device) if "ids" in args.text else None
     rows, best = [], {}
-    for resolution, batch_size in zip(args.resolutions, batches):
-        counted = count_gflop_per_image(config, resolution)  # on the meta device: instant
-        gflop = counted if args.tiny else SD2_GFLOP_PER_IMAGE.get(resolution, counted)
-        if rank0 and gflop != counted:
-            print(f"FLOP check {resolution}px: counted {counted:.1f} GFLOP/image, DESIGN.md {gflop:.0f}")
-        for variant in args.variants:
-            for text in args.text:
-                rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
-                                 compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps, warmup=args.warmup,
-                                 text_encoder=encoder if text == "ids" else None)
-                mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
-                if text == "embeds":
-                    best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
-                name = variant + (" +fsdp" if args.fsdp else "") + (" text=ids" if text == "ids" else "")
-                rows.append((resolution, name, batch_size, rate, gflop, mfu))
+    for name in args.denoisers:
+        config = configs[name]
+        for resolution, batch_size in zip(args.resolutions, batches):
+            counted = count_gflop_per_image(config, resolution)  # on the meta device: instant
+            gflop = SD2_GFLOP_PER_IMAGE.get(resolution, counted) if name == "unet" and not args.tiny else counted
+            if rank0 and gflop != counted:
+                print(f"FLOP check {resolution}px: counted {counted:.1f} GFLOP/image, DESIGN.md {gflop:.0f}")
+            for variant in args.variants:
+                for text in args.text:
+                    rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
+                                     compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps,
+                                     warmup=args.warmup, text_encoder=encoder if text == "ids" else None)
+                    mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
+                    if text == "embeds" and name == "unet":
+                        best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
+                    label = (f"{name} " if len(args.denoisers) > 1 else "") + variant
+                    label += (" +fsdp" if args.fsdp else "") + (" text=ids" if text == "ids" else "")
+                    rows.append((resolution, label, batch_size, rate, gflop, mfu))
     if rank0:
         print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, "
               f"kit: {kit}, peak: {f'{peak:.1f}' if peak else 'n/a'} TFLOP/s ({peak_source})")
@@ -228,6 +260,18 @@ def main(argv=None):
                 print(f"headline {res}px: best MFU {best[res]:.1%}" +
                       (f" vs MosaicML {anchor:.0%} ({best[res] / anchor:.2f}x)" if anchor else " (no anchor at this size)"))
     return rows
+
+
+def mmdit_config(tiny: bool) -> dict:
+    """SD3-medium's MMDiT at its published shapes (77 + 256 text tokens; pooled from the text states, so
+    4096 wide), or the tiny-mmdit kit's transformer."""
+    import json
+    if tiny:
+        with open(os.path.join(_default_kit("tiny-mmdit"), "transformer", "config.json")) as f:
+            return json.load(f)
+    from diffusion.kit.build import SD3_MEDIUM, SD3_TEXT_TOKENS
+    return dict(SD3_MEDIUM, pooled_projection_dim=SD3_MEDIUM["joint_attention_dim"],
+                _class_name="SD3Transformer2DModel", _text_tokens=SD3_TEXT_TOKENS)
 
 
 def _default_kit(preset: str) -> str:
