@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from diffusion import schema
+from diffusion.models.masking import PatchMask
 
 
 def mix64(*values: int) -> int:
@@ -76,6 +77,8 @@ class NoiseDraws:
     # The objective's draw for the noise level (``Objective.level_draw``: e.g. flow's logit-normal
     # density through diffusers' sampler); None: a uniform number in [0, 1), as the DDPM objectives take.
     level: typing.Callable | None = None
+    # With masked training (``model.masking``): which latent patches each sample keeps, drawn last.
+    mask: PatchMask | None = None
 
     def __call__(self, keys, epoch: int, latent_shape) -> dict[str, torch.Tensor]:
         n, shape = len(keys), tuple(int(d) for d in latent_shape)
@@ -83,6 +86,8 @@ class NoiseDraws:
                  schema.BATCH_OFFSET_NOISE: torch.empty(n, shape[0]), schema.BATCH_TIMESTEP_DRAW: torch.empty(n)}
         if self.perturbation:
             draws[schema.BATCH_PERTURBATION_NOISE] = torch.empty(n, *shape)
+        if self.mask is not None:
+            draws[schema.BATCH_PATCH_KEEP] = torch.empty(n, self.mask.kept(shape), dtype=torch.long)
         generator = torch.Generator()
         for i, key in enumerate(keys):
             generator.manual_seed(mix64(self.seed, _NOISE_STREAM, epoch, key_number(key)))
@@ -91,6 +96,8 @@ class NoiseDraws:
                     values[i:i + 1] = self.level(generator)
                 elif name == schema.BATCH_TIMESTEP_DRAW:
                     values[i:i + 1].uniform_(generator=generator)
+                elif name == schema.BATCH_PATCH_KEEP:
+                    values[i] = self.mask(shape, generator)
                 else:
                     values[i].normal_(generator=generator)
         return draws

@@ -39,7 +39,7 @@ class LatentDiffusion(ComposerModel):
     def __init__(self, denoiser: torch.nn.Module, objective: objectives.Objective, *, scaling_factor: float,
                  model_ref: str, resolution: int, downsample: int = 8, offset_noise: float = 0.0,
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
-                 text_encoder: FrozenTextEncoder | None = None):
+                 mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter(type(denoiser).__name__)
@@ -54,6 +54,10 @@ class LatentDiffusion(ComposerModel):
         self.input_perturbation = input_perturbation
         self.eval_seed = eval_seed
         self.eval_bins = int(eval_bins)
+        self.mask_ratio, self.mixer_blocks = float(mask_ratio), int(mixer_blocks)
+        if self.mask_ratio and not self.adapter.masking:
+            raise ConfigError(f"model.masking.ratio={mask_ratio}: {self.adapter.class_name} has no patches to mask; "
+                              f"masking needs a transformer denoiser (e.g. SD3Transformer2DModel)")
         self._register_load_state_dict_pre_hook(_upgrade_state_dict)
         self.loaded_extra_state: dict | None = None
 
@@ -88,7 +92,8 @@ class LatentDiffusion(ComposerModel):
         perturbed = noise
         if self.input_perturbation and self.training:
             perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
-        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch))
+        keep = batch.get(schema.BATCH_PATCH_KEEP) if self.training and self.mask_ratio else None
+        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch), keep=keep)
 
     def conditioning(self, batch: dict) -> torch.Tensor:
         """The batch's text embeddings: stored ones, or the frozen text encoder's output on its token ids."""
@@ -111,10 +116,14 @@ class LatentDiffusion(ComposerModel):
             return torch.randn(n, latent_channels, device=moments.device)
         return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
 
-    def _denoise(self, latents, noise, input_noise, levels, text_embeds) -> dict:
+    def _denoise(self, latents, noise, input_noise, levels, text_embeds, keep=None) -> dict:
         noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
-        prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds)
-        return {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
+        prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
+                                  mixer_blocks=self.mixer_blocks)
+        outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
+        if keep is not None:  # the loss is taken over the kept patches only
+            outputs["loss_mask"] = self.adapter.loss_mask(self.denoiser, keep.to(latents.device), latents.shape)
+        return outputs
 
     def loss(self, outputs: dict, batch: dict) -> torch.Tensor:
         per_sample = _per_sample_mse(outputs)
@@ -164,8 +173,9 @@ class LatentDiffusion(ComposerModel):
     # ---- throughput ------------------------------------------------------------------------------------
     def flops_per_batch(self, batch: dict) -> float:
         """Denoiser training FLOPs of ``batch``: forward + backward ≈ 3 × forward (for SpeedMonitor's MFU)."""
+        masked = self.mask_ratio if schema.BATCH_PATCH_KEEP in batch else 0.0  # what the step really computes
         per_image = self.adapter.forward_flops(dict(self.denoiser.config), self.latent_size, self.text_dim,
-                                               schema.MAX_TOKENS)
+                                               schema.MAX_TOKENS, mask_ratio=masked, mixer_blocks=self.mixer_blocks)
         return 3.0 * per_image * batch[schema.BATCH_MOMENTS].shape[0]
 
     # ---- self-description in checkpoints ---------------------------------------------------------------
@@ -209,7 +219,11 @@ def _randn(shape, generator, device) -> torch.Tensor:
 
 
 def _per_sample_mse(outputs: dict) -> torch.Tensor:
-    return F.mse_loss(outputs["prediction"].float(), outputs["target"].float(), reduction="none").mean(dim=(1, 2, 3))
+    squared = F.mse_loss(outputs["prediction"].float(), outputs["target"].float(), reduction="none")
+    mask = outputs.get("loss_mask")
+    if mask is None:
+        return squared.mean(dim=(1, 2, 3))
+    return (squared * mask).sum(dim=(1, 2, 3)) / (mask.sum(dim=(1, 2, 3)) * squared.shape[1])
 
 
 # ---- building ---------------------------------------------------------------------------------------
@@ -248,4 +262,5 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,
         downsample=info.downsample, offset_noise=model_cfg.offset_noise,
         input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
-        eval_bins=model_cfg.eval_bins, text_encoder=text_encoder)
+        eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
+        mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder)

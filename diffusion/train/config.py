@@ -41,6 +41,15 @@ class FlowConfig:
 
 
 @dataclasses.dataclass
+class MaskingConfig:
+    """Deferred patch masking (MicroDiT) for a transformer denoiser: the first ``mixer_blocks`` blocks see
+    every latent patch, the rest only ``1 - ratio`` of them, and the loss is taken over those."""
+
+    ratio: float = 0.0  # share of patches dropped per sample (0.75 in MicroDiT); 0: off
+    mixer_blocks: int = 1  # blocks that see all patches (the patch mixer)
+
+
+@dataclasses.dataclass
 class ModelConfig:
     ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (denoiser config, scheduler)
     # the diffusers denoiser class (UNet2DConditionModel, SD3Transformer2DModel); auto: the reference's
@@ -57,6 +66,7 @@ class ModelConfig:
     min_snr_floor: float = 0.0
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
     eval_bins: int = 0  # > 0: also the held-out loss at this many fixed noise levels (metrics loss_bin{k})
+    masking: MaskingConfig = dataclasses.field(default_factory=MaskingConfig)  # training only: eval never masks
     zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
     input_perturbation: float = 0.0  # extra noise on the UNet input only (0.1 in the paper)
     eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
@@ -425,6 +435,8 @@ def _check_model(m: ModelConfig) -> None:
               "weight 0, so the step zero terminal SNR adds is not trained; set model.min_snr_floor (e.g. 0.1) "
               "to keep it", flush=True)
     _require(m.eval_bins >= 0, f"model.eval_bins={m.eval_bins} must be >= 0 (0: off)")
+    _require(0.0 <= m.masking.ratio < 1.0, f"model.masking.ratio={m.masking.ratio} must be in [0, 1) (0: no masking)")
+    _require(m.masking.mixer_blocks >= 1, f"model.masking.mixer_blocks={m.masking.mixer_blocks} must be at least 1")
     f = m.flow
     _require(f.shift > 0, f"model.flow.shift={f.shift} must be positive")
     _require(f.logit_std > 0, f"model.flow.logit_std={f.logit_std} must be positive")

@@ -26,7 +26,8 @@ from diffusion import schema
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
-from diffusion.models import objectives, safe_checkpoint
+from diffusion.models import denoisers, objectives, safe_checkpoint
+from diffusion.models.masking import PatchMask
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
 from diffusion.models.text_encoder import load_frozen_text_encoder
 
@@ -36,8 +37,12 @@ def noise_draws(cfg: Config) -> NoiseDraws:
     """The loader's per-sample draws for this run's model: the objective says how its level is drawn."""
     ref = cfg.model.ref
     objective = objectives.build_objective(objective_name(cfg.model, ref), cfg.model, ref)
+    mask = None
+    if cfg.model.masking.ratio:
+        adapter = denoisers.adapter(denoisers.resolve_class(ref, cfg.model.denoiser))
+        mask = PatchMask(cfg.model.masking.ratio, adapter.patch_size(adapter.load_config(ref)))
     return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0,
-                      level=objective.level_draw())
+                      level=objective.level_draw(), mask=mask)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -23,6 +23,7 @@ class DenoiserAdapter:
     component: str
     blocks: frozenset = frozenset()
     channels_last: bool = False  # a convolutional network that gains from channels_last
+    masking: bool = False  # deferred patch masking (model.masking): transformers over patches
 
     @property
     def model_class(self):
@@ -59,14 +60,26 @@ class DenoiserAdapter:
         raise NotImplementedError
 
     # ---- the call ------------------------------------------------------------------------------------
-    def __call__(self, module, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text``."""
+    def __call__(self, module, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor, keep=None,
+                 mixer_blocks: int = 0) -> torch.Tensor:
+        """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text``; with
+        ``keep`` (adapters with :attr:`masking`) only the kept patches pass the blocks after the first
+        ``mixer_blocks``, and the prediction is zero on the others."""
         raise NotImplementedError
 
-    def forward_flops(self, config: dict, latent_size: int, text_dim: int, text_length: int) -> int:
-        """FLOPs of one image's forward, counted by torch on the meta device (no memory, no compute)."""
+    def patch_size(self, config: dict) -> int:
+        raise ValueError(f"{self.class_name} has no patches to mask")
+
+    def loss_mask(self, module, keep, shape) -> torch.Tensor:
+        """(B, 1, H, W): 1 where the masked step predicts (the kept patches)."""
+        raise ValueError(f"{self.class_name} has no patches to mask")
+
+    def forward_flops(self, config: dict, latent_size: int, text_dim: int, text_length: int,
+                      mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
+        """FLOPs of one image's forward, counted by torch on the meta device (no memory, no compute); with
+        ``mask_ratio`` the masked forward's, as a masked training step runs it."""
         return _forward_flops(self, json.dumps(config, sort_keys=True, default=str), latent_size, text_dim,
-                              text_length)
+                              text_length, float(mask_ratio), int(mixer_blocks))
 
     # ---- sampling ------------------------------------------------------------------------------------
     def sample_size(self, module) -> int:
@@ -88,7 +101,7 @@ def _is_block(blocks, module: torch.nn.Module) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int, text_dim: int,
-                   text_length: int) -> int:
+                   text_length: int, mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
     from torch.utils.flop_counter import FlopCounterMode
     config = json.loads(config_json)
     model_class = adapter.model_class  # diffusers imported outside the meta device (its import runs torch ops)
@@ -97,6 +110,11 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
         sample = torch.empty(1, config["in_channels"], latent_size, latent_size)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
+    keep = None
+    if mask_ratio:
+        from diffusion.models.masking import PatchMask
+        mask = PatchMask(mask_ratio, adapter.patch_size(config))
+        keep = torch.zeros(1, mask.kept((config["in_channels"], latent_size, latent_size)), dtype=torch.long)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        adapter(module, sample, timestep, text)
+        adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks)
     return counter.get_total_flops()

@@ -13,10 +13,13 @@ slots passed as None (:data:`EMPTY_SLOTS`), and :func:`encode_prompts` gives the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from diffusion.models.denoisers.base import DenoiserAdapter
 from diffusion import schema
+from diffusion.models.masking import patch_mask
 
 
 # SD3's three text-encoder slots, which our pipelines leave empty: diffusers loads such a directory when
@@ -39,6 +42,44 @@ def encode_prompts(text_encoder, tokenizer, prompts: list[str]) -> tuple[torch.T
     return states, pooled(states)
 
 
+@contextlib.contextmanager
+def _masked(module, keep, mixer_blocks: int, shape):
+    """Deferred patch masking (MicroDiT) inside the model's own forward: the first ``mixer_blocks`` joint
+    blocks (the patch mixer) see every patch; before the next one, each sample's image tokens are cut to
+    the patches ``keep`` lists; after the output projection the kept tokens are put back in place (the
+    dropped ones zero) so the model's own unpatchify runs. Hooks, not a copy of the forward: FSDP's
+    gathers, the blocks and the text stream are the model's; ``keep`` None is the plain forward."""
+    if keep is None:
+        yield
+        return
+    blocks = module.transformer_blocks
+    if not 0 < mixer_blocks < len(blocks):
+        raise ValueError(f"model.masking.mixer_blocks={mixer_blocks}: the MMDiT has {len(blocks)} blocks; the mixer "
+                         f"takes 1 to {len(blocks) - 1} of them, the rest see the kept patches")
+    patch = module.config.patch_size
+    patches = (shape[-2] // patch) * (shape[-1] // patch)
+    index = keep.to(torch.long)
+
+    def cut(block, args, kwargs):
+        tokens = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        kept = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": kept}
+        return (kept, *args[1:]), kwargs
+
+    def put_back(projection, args, output):
+        full = output.new_zeros(output.shape[0], patches, output.shape[-1])
+        return full.scatter(1, index[..., None].expand(-1, -1, output.shape[-1]), output)
+
+    handles = [blocks[mixer_blocks].register_forward_pre_hook(cut, with_kwargs=True),
+               module.proj_out.register_forward_hook(put_back)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class SD3TransformerAdapter(DenoiserAdapter):
     class_name = "SD3Transformer2DModel"
     component = "transformer"
@@ -47,10 +88,19 @@ class SD3TransformerAdapter(DenoiserAdapter):
     def text_dim(self, config):
         return int(config["joint_attention_dim"])
 
-    def __call__(self, module, noisy, timesteps, text):
+    def patch_size(self, config) -> int:
+        return int(config["patch_size"])
+
+    def loss_mask(self, module, keep, shape):
+        return patch_mask(keep, shape, int(module.config.patch_size))
+
+    masking = True
+
+    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0):
         text = text.to(noisy.dtype)
-        return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text),
-                      timestep=timesteps).sample
+        with _masked(module, keep, mixer_blocks, noisy.shape):
+            return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text),
+                          timestep=timesteps).sample
 
     def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
         from diffusers import StableDiffusion3Pipeline

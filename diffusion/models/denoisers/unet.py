@@ -14,7 +14,9 @@ class UNetAdapter(DenoiserAdapter):
     def text_dim(self, config):
         return int(config["cross_attention_dim"])
 
-    def __call__(self, module, noisy, timesteps, text):
+    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0):
+        if keep is not None:
+            raise ValueError("model.masking needs a transformer denoiser: the UNet has no patches to drop")
         return module(noisy, timesteps, text.to(noisy.dtype)).sample
 
     def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
