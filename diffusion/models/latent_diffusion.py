@@ -194,9 +194,22 @@ class LatentDiffusion(ComposerModel):
         mine = self.description
         if loaded.text_dim not in (None, mine.text_dim):
             raise ValueError(f"checkpoint was trained with text_dim {loaded.text_dim}, this model has {mine.text_dim}")
+        # A later phase (weights of an earlier one) must train the same network with the same objective:
+        # only the resolution, the masking and the schedule of training may change between phases.
         if loaded.denoiser != mine.denoiser:
-            raise ValueError(f"checkpoint holds a {loaded.denoiser}, this run trains a {mine.denoiser}")
-        for key in ("scaling_factor", "objective"):
+            raise ConfigError(f"the checkpoint holds a {loaded.denoiser}, this run trains a {mine.denoiser}")
+        differs = sorted(k for k in set(loaded.denoiser_config) | set(mine.denoiser_config)
+                         if not k.startswith("_") and k != "sample_size"
+                         and loaded.denoiser_config.get(k) != mine.denoiser_config.get(k))
+        if differs:
+            k = differs[0]
+            raise ConfigError(f"the checkpoint's {loaded.denoiser} has {k}={loaded.denoiser_config.get(k)!r}, this "
+                              f"run's {mine.denoiser_config.get(k)!r} ({len(differs)} setting(s) differ): the phase "
+                              f"must continue the same network")
+        if loaded.objective != mine.objective:
+            raise ConfigError(f"the checkpoint was trained with the {loaded.objective} objective, this run trains "
+                              f"{mine.objective}: a phase continues its predecessor's objective")
+        for key in ("scaling_factor",):
             if getattr(loaded, key) not in (None, getattr(mine, key)):
                 warnings.warn(f"checkpoint {key}={getattr(loaded, key)!r} differs from this run's {getattr(mine, key)!r}")
         if loaded.noise_schedule not in (None, mine.noise_schedule):

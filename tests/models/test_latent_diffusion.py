@@ -127,10 +127,10 @@ def test_a_checkpoint_written_before_the_description_is_read(train_kit):
     from diffusion.models.description import ModelDescription
     model = _model(train_kit)
     legacy_extra = {"model_ref": train_kit, "unet_config": dict(model.denoiser.config), "scaling_factor": SF,
-                    "prediction_type": "v_prediction", "resolution": 64, "text_dim": model.text_dim,
+                    "prediction_type": "epsilon", "resolution": 64, "text_dim": model.text_dim,
                     "noise_schedule": None}
     description = ModelDescription.from_extra_state(legacy_extra)
-    assert description.objective == "v_prediction" and description.denoiser == "UNet2DConditionModel"
+    assert description.objective == "epsilon" and description.denoiser == "UNet2DConditionModel"
     legacy = {"unet." + k: v + 1 for k, v in model.denoiser.state_dict().items()}
     fresh = _model(train_kit)
     fresh.load_state_dict({**legacy, "_extra_state": legacy_extra}, strict=True)
@@ -199,3 +199,20 @@ def test_zero_terminal_snr_without_a_prediction_type_trains_when_the_reference_p
     assert model.objective.name == "v_prediction" and model.objective.zero_terminal_snr
     with pytest.raises(ConfigError, match="needs v-prediction"):
         _model(train_kit, zero_terminal_snr=True)
+
+
+def test_a_later_phase_must_continue_the_same_network_and_objective(train_kit):
+    """Staged recipes hand weights from phase to phase: another objective or another network is refused
+    in one line (a ConfigError), another resolution is not."""
+    from diffusion.errors import ConfigError
+    from diffusion.models.description import ModelDescription
+    epsilon = _model(train_kit)
+    saved = epsilon.state_dict()["_extra_state"]
+    with pytest.raises(ConfigError, match="epsilon objective, this run trains v_prediction"):
+        _model(train_kit, prediction_type="v_prediction").set_extra_state(saved)
+    other = ModelDescription.from_extra_state(saved).to_dict()
+    other["denoiser_config"] = dict(other["denoiser_config"], layers_per_block=3)
+    with pytest.raises(ConfigError, match="layers_per_block=3"):
+        _model(train_kit).set_extra_state({"description": other})
+    other = dict(ModelDescription.from_extra_state(saved).to_dict(), resolution=128)
+    _model(train_kit).set_extra_state({"description": other})  # phase 2 at another resolution: fine

@@ -39,6 +39,7 @@ saved as full tensors only.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -138,6 +139,20 @@ def drop_gathered_parameters(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def _phase_ema(path: str) -> dict:
+    """The EMA state of the checkpoint ``path`` (an earlier phase), read weights-only."""
+    from diffusion.errors import ConfigError
+    from diffusion.models import safe_checkpoint
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise ConfigError(f"algorithms.ema.init_from={path}: no such checkpoint (the earlier phase's, e.g. "
+                          f"CKPT_FOLDER/latest-rank0.pt)")
+    state = safe_checkpoint.load(path)["state"]
+    for name, algorithm_state in state.get("algorithms") or []:
+        if name == "EMA" and isinstance(algorithm_state, dict) and algorithm_state.get("ema_params"):
+            return algorithm_state
+    raise ConfigError(f"algorithms.ema.init_from={path}: the checkpoint holds no EMA to continue from")
+
+
 class EMA(Algorithm):
     """Exponential moving average of the trainable weights (see the module docstring).
 
@@ -149,12 +164,14 @@ class EMA(Algorithm):
         update_interval: update every this many batches, counted from the start.
         warmup: diffusers' EMA warm-up: the decay of update ``n`` is ``min(smoothing, (1+n)/(10+n))``.
             False: ``smoothing`` from the first update.
+        init_from: a checkpoint of an earlier phase (a staged recipe): a run that does not resume starts
+            its average from that checkpoint's EMA (and update count), not from its own first weights.
     """
 
     eval_label = EVAL_LABEL
 
     def __init__(self, half_life: str | None = None, smoothing: float = 0.9999, start: str | int = 0,
-                 update_interval: int = 1, warmup: bool = True):
+                 update_interval: int = 1, warmup: bool = True, init_from: str | None = None):
         if update_interval < 1:
             raise ValueError(f"EMA update_interval must be >= 1, got {update_interval}")
         self.half_life = half_life
@@ -165,6 +182,7 @@ class EMA(Algorithm):
         self._start = _parse_start(start)  # resolved against max_duration at fit start
         self.update_interval = int(update_interval)
         self.warmup = bool(warmup)
+        self.init_from = init_from
         self.num_updates = 0  # updates since the start: the warm-up's n, checkpointed
         self.started_at_batch: int | None = None  # the batch count at the start (update_interval counts from it)
         self._resolved_start: Time | None = None  # ``start`` in batches or samples, set at fit start
@@ -221,6 +239,8 @@ class EMA(Algorithm):
                 raise NotImplementedError("EMA with FSDP1 sharded checkpoints is not supported: use "
                                           "state_dict_type 'full' (trainer.fsdp.state_dict_type=full)")
             self._resolved_start = resolve_start(self._start, state.max_duration)
+            if self.init_from and not self.started and int(state.timestamp.batch) == 0:
+                self._restore(dict(_phase_ema(self.init_from), started_at_batch=0))
             self._maybe_start(state)
         elif event == Event.BATCH_END:
             batch = int(state.timestamp.batch)
