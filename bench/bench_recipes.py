@@ -1,6 +1,11 @@
-"""Prompt adherence against CPU-seconds for the two tiny recipes, side by side in one run.
+"""Prompt adherence against CPU-seconds for the tiny recipes, side by side in one run, with a plot.
 
     python bench/bench_recipes.py [--batches 4000] [--every 1000] [--out out/bench-recipes]
+    python bench/bench_recipes.py --recipes unet-v mmdit-flow mmdit-masked   # + the micro-budget recipe
+
+``mmdit-masked`` is the micro-budget recipe (issue 28) in two phases, 3/4 of the batches with 75% of the
+patches masked (yamls/tiny-mmdit-masked-cpu.yaml), then 1/4 unmasked from its weights and EMA
+(yamls/tiny-mmdit-finetune-cpu.yaml); its CPU-seconds add up over both phases.
 
 The UNet recipe (yamls/tiny-cpu.yaml: v-prediction, offset noise, DDIM) and the MMDiT recipe
 (yamls/tiny-mmdit-flow-cpu.yaml: SD3's transformer, rectified flow, flow-matching Euler) train on the
@@ -28,7 +33,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RECIPES = {"unet-v": ("yamls/tiny-cpu.yaml", "tiny"), "mmdit-flow": ("yamls/tiny-mmdit-flow-cpu.yaml", "tiny-mmdit")}
+# name: (kit preset, [(yaml, share of the batches), ...]): phases run in order, each from the last one's weights
+RECIPES = {"unet-v": ("tiny", [("yamls/tiny-cpu.yaml", 1.0)]),
+           "mmdit-flow": ("tiny-mmdit", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)]),
+           "mmdit-masked": ("tiny-mmdit", [("yamls/tiny-mmdit-masked-cpu.yaml", 0.75),
+                                           ("yamls/tiny-mmdit-finetune-cpu.yaml", 0.25)])}
 
 
 def _run(cmd: list[str]) -> float:
@@ -75,50 +84,81 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from diffusion.kit.build import ensure_kit
     kits = {name: str(ensure_kit(preset, ROOT / ".cache" / "kit" / preset, progress=False))
-            for name, (_, preset) in RECIPES.items()}
+            for name, (preset, _) in RECIPES.items() if name in args.recipes or preset == "tiny"}
     mds = ensure_data(args.data, kits["unet-v"])
     curves = {}
     for name in args.recipes:
-        yaml, _ = RECIPES[name]
-        folder = os.path.join(args.out, name)
-        start = time.time()
-        cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={mds}",
-                    f"trainer.save_folder={folder}", f"trainer.max_duration={args.batches}ba",
-                    f"trainer.save_interval={args.every}ba", "trainer.save_num_checkpoints_to_keep=-1",
-                    "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null"])
-        wall = time.time() - start
-        points = []
-        for batch in range(args.every, args.batches + 1, args.every):
-            checkpoint = os.path.join(folder, f"ep0-ba{batch}-rank0.pt")
-            if not os.path.exists(checkpoint):
+        _, phases = RECIPES[name]
+        start, cpu_before, points, previous = time.time(), 0.0, [], None
+        for phase, (yaml, share) in enumerate(phases):
+            batches = int(round(args.batches * share))
+            folder = os.path.join(args.out, name if len(phases) == 1 else f"{name}-{phase + 1}")
+            extra = []
+            if previous:  # the next phase starts from the last one's weights and EMA
+                extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
+                         f"algorithms.ema.init_from={previous}"]
+            cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={mds}",
+                        f"trainer.save_folder={folder}", f"trainer.max_duration={batches}ba",
+                        f"trainer.save_interval={args.every}ba", "trainer.save_num_checkpoints_to_keep=-1",
+                        "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
+            done = sum(int(round(args.batches * s)) for _, s in phases[:phase])
+            for batch in range(args.every, batches + 1, args.every):
                 checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
-            score = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"))
-            points.append({"batch": batch, "cpu_seconds": cpu * batch / args.batches, "adherence": score})
-            print(f"{name:>11} batch {batch:>5}: {score:.0%} at {cpu * batch / args.batches:,.0f} CPU-s", flush=True)
-        curves[name] = {"cpu_seconds": cpu, "wall_seconds": wall, "points": points}
+                score = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"))
+                cpu_at = cpu_before + cpu * batch / batches
+                points.append({"batch": done + batch, "cpu_seconds": cpu_at, "adherence": score, "phase": phase + 1})
+                print(f"{name:>12} batch {done + batch:>5}: {score:.0%} at {cpu_at:,.0f} CPU-s", flush=True)
+                previous = checkpoint
+            cpu_before += cpu
+        curves[name] = {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
 
     print(f"\n{'recipe':>11} {'batch':>6} {'CPU-s':>8} {'adherence':>10}")
     for name, curve in curves.items():
         for point in curve["points"]:
             print(f"{name:>11} {point['batch']:>6} {point['cpu_seconds']:>8,.0f} {point['adherence']:>10.0%}")
-        print(f"{name:>11} trained {args.batches} batches in {curve['cpu_seconds']:,.0f} CPU-s "
+        print(f"{name:>11} trained {curve['points'][-1]['batch']} batches in {curve['cpu_seconds']:,.0f} CPU-s "
               f"({curve['wall_seconds']:,.0f} s wall)")
-    if {"unet-v", "mmdit-flow"} <= set(curves):
+    if "unet-v" in curves and len(curves) > 1:
         target = curves["unet-v"]["points"][-1]["adherence"]
         reach = {name: next((pt["cpu_seconds"] for pt in curve["points"] if pt["adherence"] >= target), None)
                  for name, curve in curves.items()}
-        unet, mmdit = reach["unet-v"], reach["mmdit-flow"]
-        best = max(pt["adherence"] for pt in curves["mmdit-flow"]["points"])
-        if mmdit is None:
-            print(f"headline: the MMDiT never reached the UNet's final {target:.0%} (best {best:.0%}) in "
-                  f"{curves['mmdit-flow']['cpu_seconds']:,.0f} CPU-s")
-        else:
-            print(f"headline: the UNet's final adherence {target:.0%}: UNet at {unet:,.0f} CPU-s, MMDiT at "
-                  f"{mmdit:,.0f} CPU-s ({mmdit / unet:.2f}x)")
+        unet = reach["unet-v"]
+        for name, curve in curves.items():
+            if name == "unet-v":
+                continue
+            best = max(pt["adherence"] for pt in curve["points"])
+            if reach[name] is None:
+                print(f"headline {name}: never reached the UNet's final {target:.0%} (best {best:.0%}) in "
+                      f"{curve['cpu_seconds']:,.0f} CPU-s")
+            else:
+                print(f"headline {name}: the UNet's final adherence {target:.0%} at {reach[name]:,.0f} CPU-s, the "
+                      f"UNet at {unet:,.0f} ({reach[name] / unet:.2f}x); best {best:.0%}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "curves.json"), "w") as f:
         json.dump(curves, f, indent=1)
+    plot(curves, os.path.join(args.out, "adherence-vs-cpu.png"))
     return curves
+
+
+def plot(curves: dict, path: str) -> str:
+    """The curves as a PNG: adherence against training CPU-seconds, one line per recipe."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for name, curve in curves.items():
+        xs = [p["cpu_seconds"] for p in curve["points"]]
+        axes.plot(xs, [100 * p["adherence"] for p in curve["points"]], marker="o", label=name)
+    axes.axhline(100 / 6, color="grey", linestyle=":", label="chance")
+    axes.set_xlabel("training CPU-seconds (2-core VM)")
+    axes.set_ylabel("prompt adherence, % of 96 images")
+    axes.set_ylim(0, 100)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    print(f"plot: {path}")
+    return path
 
 
 if __name__ == "__main__":
