@@ -52,6 +52,7 @@ class Phase:
     samples: int
     samples_per_sec_per_gpu: float
     source: str = "given"  # where the throughput came from
+    name: str | None = None  # a recipe's phase label (default: the resolution)
 
     @property
     def gpu_hours(self) -> float:
@@ -81,18 +82,39 @@ class CostProjection:
 
     def table(self) -> str:
         """The projection as a fixed-width table, one row per phase and a total."""
-        head = f"{'phase':>7} {'samples':>15} {'img/s/GPU':>10} {'img/s total':>12} {'GPU-hours':>11} {'days':>8} {'$':>12}  throughput from"
+        head = f"{'phase':>16} {'samples':>15} {'img/s/GPU':>10} {'img/s total':>12} {'GPU-hours':>11} {'days':>8} {'$':>12}  throughput from"
         rows = [head, "-" * len(head)]
         for p in self.phases:
-            rows.append(f"{p.resolution:>5}px {p.samples:>15,} {p.samples_per_sec_per_gpu:>10.2f} "
+            label = (p.name or f"{p.resolution}px")[:16]
+            rows.append(f"{label:>16} {p.samples:>15,} {p.samples_per_sec_per_gpu:>10.2f} "
                         f"{p.samples_per_sec_per_gpu * self.gpus:>12,.1f} {p.gpu_hours:>11,.1f} "
                         f"{p.gpu_hours / self.gpus / 24:>8.2f} {p.gpu_hours * self.price_per_gpu_hour:>12,.0f}  {p.source}")
         total = sum(p.samples for p in self.phases)
-        rows.append(f"{'total':>7} {total:>15,} {'':>10} {'':>12} {self.gpu_hours:>11,.1f} {self.days:>8.2f} "
+        rows.append(f"{'total':>16} {total:>15,} {'':>10} {'':>12} {self.gpu_hours:>11,.1f} {self.days:>8.2f} "
                     f"{self.dollars:>12,.0f}")
         rows.append(f"{self.gpus} GPUs at ${self.price_per_gpu_hour:g}/GPU-hour: {self.days:.2f} days, "
                     f"{self.gpu_hours:,.0f} GPU-hours, ${self.dollars:,.0f}")
         return "\n".join(rows)
+
+
+def project_recipe(path: str) -> CostProjection:
+    """A recipe file's projection: ``name``, ``gpus``, ``price_per_gpu_hour`` and ``phases``, each with
+    ``resolution``, ``samples`` and ``samples_per_sec_per_gpu`` (and a ``name``); see yamls/cost/."""
+    import yaml
+    from diffusion.errors import InputError
+    with open(path) as f:
+        recipe = yaml.safe_load(f) or {}
+    phases = []
+    for i, phase in enumerate(recipe.get("phases") or []):
+        missing = [k for k in ("resolution", "samples", "samples_per_sec_per_gpu") if k not in phase]
+        if missing:
+            raise InputError(f"{path}: phases[{i}] lacks {', '.join(missing)}")
+        phases.append(Phase(int(phase["resolution"]), int(phase["samples"]), float(phase["samples_per_sec_per_gpu"]),
+                            source=str(phase.get("source", recipe.get("name", path))),
+                            name=str(phase["name"]) if phase.get("name") is not None else None))
+    if not phases:
+        raise InputError(f"{path}: no phases (a list of {{resolution, samples, samples_per_sec_per_gpu}})")
+    return CostProjection(phases, int(recipe.get("gpus", 8)), float(recipe.get("price_per_gpu_hour", 2.0)))
 
 
 def project_cost(samples: dict[int, int], samples_per_sec_per_gpu: dict[int, float], gpus: int = 8,
@@ -389,7 +411,13 @@ def main(argv=None) -> CostProjection:
                         "torch; default: SD2's UNet, as MosaicML's row measured it)")
     p.add_argument("--gflop-per-image", action="append", default=[], metavar="RES=G",
                    help="training GFLOP per image at RES of any other recipe (forward + backward)")
+    p.add_argument("--recipe", metavar="YAML", default=None,
+                   help="project a recipe file's phases instead (yamls/cost/microdit.yaml, sd2-mosaicml.yaml)")
     args = p.parse_args(argv)
+    if args.recipe:
+        projection = project_recipe(args.recipe)
+        print(projection.table())
+        return projection
 
     per_gpu, sources = dict(RECIPE_PER_GPU), {r: "MosaicML 8xA100" for r in RECIPE_PER_GPU}
     gflop = {res: recipe_gflop_per_image(args.flops, res) for res in per_gpu} if args.flops else {}

@@ -1,6 +1,7 @@
 """The cost model reproduces published rows and reads a run's measured throughput."""
 
 import json
+import os
 
 import pytest
 
@@ -156,3 +157,14 @@ def test_any_recipes_flops_per_image_set_the_default_throughputs():
     projected = cost.main(["--flops", "sd3-medium"])
     assert projected.phases[0].samples_per_sec_per_gpu == pytest.approx(137.5 * 539 / mmdit)
     assert "sd3-medium" in projected.phases[0].source
+
+
+def test_a_recipe_file_reproduces_the_published_totals():
+    """MicroDiT's published schedule (4 phases, batch 2,048) at its published average throughput gives its
+    published 2.6 days on 8 H100s and $1,890; the SD2 recipe file gives MosaicML's row."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    micro = cost.main(["--recipe", os.path.join(root, "yamls", "cost", "microdit.yaml")])
+    assert [p.samples for p in micro.phases] == [2048 * n for n in (250_000, 30_000, 50_000, 5_000)]
+    assert micro.days == pytest.approx(2.6, abs=0.01) and micro.dollars == pytest.approx(1890, rel=0.005)
+    sd2 = cost.main(["--recipe", os.path.join(root, "yamls", "cost", "sd2-mosaicml.yaml")])
+    assert sd2.dollars == pytest.approx(31_230, rel=1e-3) and sd2.days == pytest.approx(81.33, abs=0.01)
