@@ -10,6 +10,8 @@
   builds in seconds; ``--refit-vae`` fits it again instead (a few minutes on CPU).
 - ``tiny-mmdit``: the tiny kit with an MMDiT (SD3's ``SD3Transformer2DModel``, random, seeded) in
   ``transformer/`` for its denoiser and a flow-matching scheduler, for the flow recipe.
+- ``mmdit-base``: configs only (as ``sd2-base``): the micro-budget recipe's ~1.3B MMDiT over SD2's VAE
+  and text encoder, with a flow-matching scheduler (yamls/micro-budget/).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 
@@ -45,7 +47,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
-PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit")
+PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -53,6 +55,7 @@ LEGACY_TOP_LEVEL = {
     "sd2-base": _DIFFUSERS_LAYOUT,
     "tiny": _DIFFUSERS_LAYOUT,
     "tiny-mmdit": frozenset({"transformer", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP}),
+    "mmdit-base": frozenset({"transformer", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP}),
     "tiny-clip": frozenset({  # CLIPModel, the CLIP tokenizer and image processor's save_pretrained
         STAMP, "config.json", "model.safetensors", "pytorch_model.bin", "generation_config.json",
         "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
@@ -110,6 +113,12 @@ TINY_MMDIT = dict(
     pooled_projection_dim=TINY_TEXT["hidden_size"], pos_embed_max_size=32,
 )
 FLOW_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0)
+# The micro-budget recipe's MMDiT (yamls/micro-budget/): DiT-XL's width (1152, 18 heads) and depth (28),
+# joint attention over SD2's text encoder (1024) and VAE (4 channels), patches of 2: ~1.3B parameters,
+# the size of MicroDiT-XL/2 (1.16B).
+MMDIT_BASE = dict(sample_size=64, patch_size=2, in_channels=4, out_channels=4, num_layers=28, attention_head_dim=64,
+                  num_attention_heads=18, joint_attention_dim=SD2_TEXT["hidden_size"], caption_projection_dim=1152,
+                  pooled_projection_dim=SD2_TEXT["hidden_size"], pos_embed_max_size=96)
 
 
 def model_index() -> dict:
@@ -204,12 +213,33 @@ def build_tiny_mmdit(out: pathlib.Path) -> dict:
     fit = copy_tiny_vae(out / "vae")
     write_clip_tokenizer(out / "tokenizer")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
-    _write_json(out / "model_index.json", {
-        "_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
-        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]})
+    _write_json(out / "model_index.json", _mmdit_index())
     return {"vae": "shipped", "vae_fit": fit}
+
+
+def _mmdit_index() -> dict:
+    import diffusers
+    return {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
+            "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+            "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+
+
+def build_mmdit_base(out: pathlib.Path) -> dict:
+    """Configs only (as sd2-base): the micro-budget MMDiT, SD2's VAE and text encoder, a flow scheduler."""
+    import diffusers
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig
+    with torch.device("meta"):
+        SD3Transformer2DModel(**MMDIT_BASE).save_config(out / "transformer")
+        AutoencoderKL(**SD2_VAE).save_config(out / "vae")
+    config = CLIPTextConfig(**SD2_TEXT)
+    config.architectures = ["CLIPTextModel"]
+    config.save_pretrained(out / "text_encoder")
+    write_clip_tokenizer(out / "tokenizer")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
+    _write_json(out / "model_index.json", _mmdit_index())
+    return {}
 
 
 def build_tiny_clip(out: pathlib.Path) -> dict:
@@ -237,6 +267,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny(out, progress=progress, refit_vae=refit_vae)
     elif preset == "tiny-mmdit":
         info = build_tiny_mmdit(out)
+    elif preset == "mmdit-base":
+        info = build_mmdit_base(out)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -384,7 +416,8 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny --out .cache/kit/tiny          # what make demo and the tests use
   python -m diffusion.kit --preset sd2-base --out kits/sd2-base        # model.ref for yamls/sd2-base-256.yaml
   python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip
-  python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml"""
+  python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml
+  python -m diffusion.kit --preset mmdit-base --out kits/mmdit-base       # yamls/micro-budget/"""
 
 
 def build_parser() -> argparse.ArgumentParser:

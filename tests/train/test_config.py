@@ -14,7 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "yamls", "*.yaml"))))
+SHIPPED = glob.glob(os.path.join(ROOT, "yamls", "*.yaml")) + glob.glob(os.path.join(ROOT, "yamls", "micro-budget", "*.yaml"))
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED))
 def test_shipped_yamls_validate(path):
     cfg = load_config(path)
     assert cfg.trainer.max_duration.endswith("ba")
@@ -28,6 +31,20 @@ def test_recipe_numbers():
         assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.scheduler.t_warmup) == (1e-4, 0.01, "10000ba")
         assert cfg.trainer.fsdp.sharding_strategy == "SHARD_GRAD_OP"
     assert p2.algorithms["ema"] == {"smoothing": 0.9999, "start": "800000ba", "warmup": True}
+
+
+def test_micro_budget_recipe_is_microdits_published_schedule():
+    """Four phases, batch 2048: 250k masked + 30k unmasked at 256, 50k masked + 5k unmasked at 512; each
+    later phase loads the last one's final checkpoint (weights, and EMA through ema.init_from)."""
+    names = ["1-masked-256", "2-unmasked-256", "3-masked-512", "4-unmasked-512"]
+    phases = [load_config(f"{ROOT}/yamls/micro-budget/{n}.yaml") for n in names]
+    assert [(p.model.resolution, p.model.masking.ratio, p.trainer.max_duration) for p in phases] == [
+        (256, 0.75, "250000ba"), (256, 0.0, "30000ba"), (512, 0.75, "50000ba"), (512, 0.0, "5000ba")]
+    assert {p.data.train.batch_size for p in phases} == {2048} and {p.model.objective for p in phases} == {"flow"}
+    for before, after in zip(phases, phases[1:]):
+        handed = f"{before.trainer.save_folder}/latest-rank0.pt"
+        assert after.trainer.load_path == handed and after.trainer.load_weights_only
+        assert after.algorithms["ema"]["init_from"] == handed
     assert p2.trainer.load_weights_only and p2.trainer.load_strict  # strict: a key mismatch fails
 
 
