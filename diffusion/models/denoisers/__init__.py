@@ -9,12 +9,11 @@ adapter}``, so another diffusers transformer (PixArt, DiT, SANA) is one new file
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import os
-import pkgutil
 
 from diffusion.models import loading
+from diffusion.models import registry
 from diffusion.models.denoisers.base import DenoiserAdapter
 
 __all__ = ["DenoiserAdapter", "adapter", "names", "resolve_class"]
@@ -22,12 +21,7 @@ __all__ = ["DenoiserAdapter", "adapter", "names", "resolve_class"]
 
 @functools.lru_cache(maxsize=1)
 def _registry() -> dict:
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        if module.name == "base":
-            continue
-        found.update(getattr(importlib.import_module(f"{__name__}.{module.name}"), "DENOISERS", {}))
-    return found
+    return registry.collect(__name__, __path__, "DENOISERS")
 
 
 def names() -> list[str]:
@@ -35,11 +29,11 @@ def names() -> list[str]:
 
 
 def adapter(class_name: str) -> DenoiserAdapter:
-    registry = _registry()
-    if class_name not in registry:
+    found = _registry()
+    if class_name not in found:
         raise ValueError(f"model.denoiser={class_name!r}: no adapter for it; choose one of "
-                         f"{', '.join(sorted(registry))} (or auto)")
-    return registry[class_name]
+                         f"{', '.join(sorted(found))} (or auto)")
+    return found[class_name]
 
 
 def resolve_class(model_ref: str, denoiser: str = "auto") -> str:

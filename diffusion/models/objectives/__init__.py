@@ -9,9 +9,8 @@ against, and implements :class:`Objective`.
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 
+from diffusion.models import registry
 from diffusion.models.objectives.base import Objective
 
 __all__ = ["Objective", "names", "build_objective", "objective_class"]
@@ -19,12 +18,7 @@ __all__ = ["Objective", "names", "build_objective", "objective_class"]
 
 @functools.lru_cache(maxsize=1)
 def _registry() -> dict:
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        if module.name == "base":
-            continue
-        found.update(getattr(importlib.import_module(f"{__name__}.{module.name}"), "OBJECTIVES", {}))
-    return found
+    return registry.collect(__name__, __path__, "OBJECTIVES")
 
 
 def names() -> list[str]:
@@ -32,10 +26,10 @@ def names() -> list[str]:
 
 
 def objective_class(name: str):
-    registry = _registry()
-    if name not in registry:
-        raise ValueError(f"model.objective={name!r}: no such objective; choose one of {', '.join(sorted(registry))}")
-    return registry[name]
+    found = _registry()
+    if name not in found:
+        raise ValueError(f"model.objective={name!r}: no such objective; choose one of {', '.join(sorted(found))}")
+    return found[name]
 
 
 def build_objective(name: str, model_cfg, model_ref: str) -> Objective:
