@@ -70,6 +70,14 @@ def sample_data(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def manifest(sample_data) -> dict:
+    """What the sample data's generator wrote: rows, bad rows by kind."""
+    import json
+    with open(os.path.join(sample_data, "manifest.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the session, sized like this machine (2 CPUs)."""
     import ray

@@ -42,7 +42,7 @@ class LatentDiffusion(ComposerModel):
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None):
         super().__init__()
         self.denoiser = denoiser
-        self.adapter = denoisers.adapter(type(denoiser).__name__)
+        self.adapter = denoisers.adapter_for(denoiser)
         self.objective = objective
         self.text_encoder = text_encoder  # not a submodule: see diffusion.models.text_encoder
         self.model_ref = model_ref
@@ -63,9 +63,9 @@ class LatentDiffusion(ComposerModel):
 
     @property
     def description(self) -> ModelDescription:
-        return ModelDescription(model_ref=self.model_ref, denoiser=type(self.denoiser).__name__,
+        return ModelDescription(model_ref=self.model_ref, denoiser=self.adapter.class_name,
                                 denoiser_config=dict(self.denoiser.config), objective=self.objective.name,
-                                objective_params=self.objective.params(), scaling_factor=self.scaling_factor,
+                                objective_params=self.objective.settings(), scaling_factor=self.scaling_factor,
                                 resolution=self.resolution, text_dim=self.text_dim)
 
     # ---- the one place latents are scaled ------------------------------------------------------------

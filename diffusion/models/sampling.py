@@ -134,7 +134,7 @@ def _scheduler_config(ref: str) -> dict | None:
 
 def default_size(denoiser, model_ref: str) -> int:
     """Pixels per side the denoiser was built for: its latent ``sample_size`` times the VAE downsampling."""
-    adapter = denoisers.adapter(type(denoiser).__name__)
+    adapter = denoisers.adapter_for(denoiser)
     return adapter.sample_size(denoiser) * loading.vae_downsample(loading.load_vae_config(model_ref))
 
 
@@ -171,7 +171,7 @@ class Sampler:
 
     def pipeline(self, denoiser):
         """The diffusers pipeline of ``denoiser``'s class around it (safety checker off)."""
-        adapter = denoisers.adapter(type(denoiser).__name__)
+        adapter = denoisers.adapter_for(denoiser)
         return adapter.pipeline(denoiser, vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
                                 scheduler=self.scheduler)
 
@@ -199,7 +199,7 @@ class Sampler:
             if (frozen.device, frozen.dtype) != (device, first.dtype):
                 frozen.to(device=device, dtype=first.dtype)
         pipe = self.pipeline(denoiser)
-        adapter = denoisers.adapter(type(denoiser).__name__)
+        adapter = denoisers.adapter_for(denoiser)
         pipe.set_progress_bar_config(disable=not progress)
         expanded = [p for p in prompts for _ in range(images_per_prompt)]
         images = []

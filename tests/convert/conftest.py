@@ -1,17 +1,9 @@
 """Data fixtures: one conversion of the sample data, made once per session and shared by the tests."""
 
-import json
-import os
 
 import pytest
 
 RESOLUTIONS = (32, 64)  # small, but two of them: one decode must feed every resolution
-
-
-@pytest.fixture(scope="session")
-def manifest(sample_data) -> dict:
-    with open(os.path.join(sample_data, "manifest.json")) as f:
-        return json.load(f)
 
 
 @pytest.fixture(scope="session")

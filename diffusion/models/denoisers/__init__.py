@@ -16,7 +16,7 @@ from diffusion.models import loading
 from diffusion.models import registry
 from diffusion.models.denoisers.base import DenoiserAdapter
 
-__all__ = ["DenoiserAdapter", "adapter", "names", "resolve_class"]
+__all__ = ["DenoiserAdapter", "adapter", "adapter_for", "names", "resolve_class"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,6 +34,16 @@ def adapter(class_name: str) -> DenoiserAdapter:
         raise ValueError(f"model.denoiser={class_name!r}: no adapter for it; choose one of "
                          f"{', '.join(sorted(found))} (or auto)")
     return found[class_name]
+
+
+def adapter_for(module) -> DenoiserAdapter:
+    """The adapter of a denoiser module, also once FSDP2 has wrapped it (its class is then a subclass
+    named ``FSDP<class>``): the first class in its ancestry with an adapter."""
+    found = _registry()
+    for cls in type(module).__mro__:
+        if cls.__name__ in found:
+            return found[cls.__name__]
+    return adapter(type(module).__name__)  # one line naming it
 
 
 def resolve_class(model_ref: str, denoiser: str = "auto") -> str:

@@ -14,7 +14,7 @@ class Objective(torch.nn.Module):
     comes with the batch.
 
     A module, so its tables (schedules as buffers) follow the model to its device; its buffers are not
-    persistent: checkpoints carry :meth:`params`, not tensors.
+    persistent: checkpoints carry :meth:`settings`, not tensors.
     """
 
     name: str
@@ -47,7 +47,7 @@ class Objective(torch.nn.Module):
         raise NotImplementedError
 
     # ---- description and sampling ----------------------------------------------------------------------
-    def params(self) -> dict:
+    def settings(self) -> dict:
         """What a checkpoint records to rebuild this objective for sampling (JSON-able)."""
         raise NotImplementedError
 

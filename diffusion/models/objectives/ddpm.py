@@ -60,7 +60,7 @@ class DDPMObjective(Objective):
         return cls(name, params["noise_schedule"], min_snr_gamma=params.get("min_snr_gamma"),
                    min_snr_floor=params.get("min_snr_floor") or 0.0)
 
-    def params(self) -> dict:
+    def settings(self) -> dict:
         return {"noise_schedule": dict(self.noise_schedule), "min_snr_gamma": self.min_snr_gamma,
                 "min_snr_floor": self.min_snr_floor}
 

@@ -73,7 +73,7 @@ class FlowObjective(Objective):
         return cls(name, shift=params["shift"], num_train_timesteps=params["num_train_timesteps"],
                    weighting=params.get("weighting", "none"), density=DensityDraw(**params.get("density", {})))
 
-    def params(self) -> dict:
+    def settings(self) -> dict:
         return {"shift": self.shift, "num_train_timesteps": self.num_timesteps, "weighting": self.weighting,
                 "density": dataclasses.asdict(self.density)}
 
