@@ -72,3 +72,35 @@ def test_images_land_in_the_bucket_nearest_their_aspect(bucketed, manifest):
                 centred = (max(b[size], round(row[side] * scale)) - b[size]) / 2  # ±1: JPEGs decode at a draft scale
                 assert abs(row[corner] - centred) <= 1
             assert row[schema.INPUT_IDS].shape == (schema.MAX_TOKENS,)
+
+
+def _bucket_keys(out):
+    from streaming import StreamingDataset
+    keys = {}
+    for b in schema.DatasetInfo.load(out).buckets:
+        ds = StreamingDataset(local=os.path.join(out, b["name"]), shuffle=False, batch_size=1)
+        keys[b["name"]] = sorted(ds[i][schema.KEY] for i in range(ds.num_samples))
+    return keys
+
+
+@pytest.mark.slow
+def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_config, tmp_path):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.convert.sink import TMP_PREFIX
+    out = tmp_path / "resumed"
+    first = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", limit=40))
+    assert 0 < first.written < bucketed[1].written
+    stale = out / "bucket-64x64" / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
+    second = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both"))
+    assert _bucket_keys(str(out)) == _bucket_keys(bucketed[0])
+    assert second.written_this_run == bucketed[1].written - first.written and not stale.exists()
+    assert schema.DatasetInfo.load(str(out)).buckets == schema.DatasetInfo.load(bucketed[0]).buckets
+
+
+def test_rerun_with_other_buckets_is_refused(bucketed, convert_config):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import OutputMismatchError
+    with pytest.raises(OutputMismatchError, match="buckets"):
+        run_conversion(convert_config(bucketed[0], resolutions=(64,), buckets="64x64", text="both"))
