@@ -11,6 +11,11 @@ MDS columns (one row per image-caption pair):
 | ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
+| ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
+
+With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
+each with its own ``dataset.json``) and a root ``dataset.json`` whose ``buckets`` lists them with their
+counts; there ``vae_moments_{R}`` is ``8,H/f,W/f`` of the bucket, R naming the pixel budget R x R.
 
 ``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
 *text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
