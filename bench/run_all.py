@@ -30,6 +30,7 @@ def plan(tmp: str) -> list[tuple[str, list[str]]]:
     return [
         ("transform", [py, str(BENCH / "bench_transform.py"), "--n", "300"]),
         ("filter", [py, str(BENCH / "bench_filter.py"), "--n", "256"]),
+        ("buckets", [py, str(BENCH / "bench_buckets.py"), "--n", "256", "--resolution", "64"]),
         ("storage", [py, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import bench_loader; "
                                f"bench_loader.write_synthetic({synthetic!r}, 256)",
                      "&&", py, str(BENCH / "bench_storage.py"), "--dataset", synthetic]),

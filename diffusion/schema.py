@@ -11,6 +11,11 @@ MDS columns (one row per image-caption pair):
 | ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
+| ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
+
+With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
+each with its own ``dataset.json``) and a root ``dataset.json`` whose ``buckets`` lists them with their
+counts; there ``vae_moments_{R}`` is ``8,H/f,W/f`` of the bucket, R naming the pixel budget R x R.
 
 ``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
 *text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
@@ -35,6 +40,12 @@ KEY = "key"
 WIDTH = "width"
 HEIGHT = "height"
 _VAE_MOMENTS_PREFIX = "vae_moments_"
+# Aspect-ratio buckets (``--buckets``): where the bucket's crop starts in the resized image (SDXL's
+# crop micro-conditioning; ``width``/``height`` are the original size).
+CROP_TOP = "crop_top"
+CROP_LEFT = "crop_left"
+BUCKET = "bucket"  # between the transform and the sink only: the bucket's directory name
+BUCKET_PREFIX = "bucket-"  # one MDS dataset per bucket below the output root: bucket-<W>x<H>
 
 MAX_TOKENS = 77  # CLIP context length
 
@@ -100,14 +111,30 @@ def resolutions_in(columns) -> list[int]:
     return sorted(int(c[len(_VAE_MOMENTS_PREFIX):]) for c in columns if c.startswith(_VAE_MOMENTS_PREFIX))
 
 
-def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY) -> dict[str, str]:
-    """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage)."""
+def bucket_name(width: int, height: int) -> str:
+    """The directory of one aspect-ratio bucket below a bucketed output root, e.g. ``bucket-320x192``."""
+    return f"{BUCKET_PREFIX}{int(width)}x{int(height)}"
+
+
+def bucket_size(name: str) -> tuple[int, int]:
+    """(width, height) of a bucket's directory name (``bucket-320x192``)."""
+    w, h = str(name)[len(BUCKET_PREFIX):].split("x")
+    return int(w), int(h)
+
+
+def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
+                bucket: tuple[int, int] | None = None) -> dict[str, str]:
+    """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
+    ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
+    the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left."""
     columns = {}
+    if bucket is not None and len(resolutions) != 1:
+        raise ValueError(f"a bucket dataset holds one resolution (its pixel budget), got {list(resolutions)}")
     for r in resolutions:
-        if r % downsample:
-            raise ValueError(f"resolution {r} is not a multiple of the VAE downsampling factor {downsample}")
-        h = r // downsample
-        columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h},{h}"
+        w, h = bucket if bucket is not None else (r, r)
+        if r % downsample or w % downsample or h % downsample:
+            raise ValueError(f"resolution {w}x{h} is not a multiple of the VAE downsampling factor {downsample}")
+        columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h // downsample},{w // downsample}"
     stored = text_columns(text)
     if TEXT_EMBEDS in stored:
         columns[TEXT_EMBEDS] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
@@ -117,6 +144,9 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
     columns[KEY] = "str"
     columns[WIDTH] = "int"
     columns[HEIGHT] = "int"
+    if bucket is not None:
+        columns[CROP_TOP] = "int"
+        columns[CROP_LEFT] = "int"
     return columns
 
 
@@ -135,6 +165,9 @@ class DatasetInfo:
     count: int = 0  # samples written
     rows_in: int = 0  # rows read from the input
     rejects: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
+    # Aspect-ratio buckets (``--buckets``), each {"name", "width", "height", "count"}: one MDS dataset per
+    # bucket in the directory ``name`` below this one (with its own dataset.json); None: a square dataset.
+    buckets: list[dict] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property

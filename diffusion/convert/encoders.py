@@ -97,13 +97,33 @@ class LatentTextEncoder:
         self.resolutions = sorted({int(r) for r in resolutions})
         self.record_timing = record_timing
 
+    def bucket_moments(self, buckets, images) -> np.ndarray:
+        """Moments of crops that travel as uint8 HWC bytes, each of its bucket's shape; out as bytes
+        too (float16, C x H/f x W/f), in the batch's order."""
+        out = np.empty(len(buckets), dtype=object)
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(buckets):
+            groups.setdefault(str(name), []).append(i)
+        for name, rows in groups.items():
+            w, h = schema.bucket_size(name)
+            stacked = np.stack([np.frombuffer(images[i], np.uint8).reshape(h, w, 3) for i in rows])
+            for i, m in zip(rows, self.vae.moments(stacked)):
+                out[i] = m.tobytes()
+        return out
+
     def __call__(self, batch: dict) -> dict:
         start = time.perf_counter()
         out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
         ids = np.asarray(batch[schema.INPUT_IDS], dtype=np.int32)
         n = len(out[schema.KEY])
-        for r in self.resolutions:
-            out[schema.vae_moments_column(r)] = self.vae.moments(batch[schema.image_column(r)])
+        if schema.BUCKET in batch:  # aspect-ratio buckets: one VAE call per bucket in the batch
+            for c in (schema.BUCKET, schema.CROP_TOP, schema.CROP_LEFT):
+                out[c] = batch[c]
+            r = self.resolutions[0]
+            out[schema.vae_moments_column(r)] = self.bucket_moments(batch[schema.BUCKET], batch[schema.image_column(r)])
+        else:
+            for r in self.resolutions:
+                out[schema.vae_moments_column(r)] = self.vae.moments(batch[schema.image_column(r)])
         if schema.INPUT_IDS in self.text_columns:
             out[schema.INPUT_IDS] = ids
         if self.text is not None:

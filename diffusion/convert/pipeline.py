@@ -25,10 +25,10 @@ from diffusion import schema
 from diffusion.cli import flag
 from diffusion.cluster import init_ray
 from diffusion.errors import ConfigError, OutputMismatchError
-from diffusion.convert.summary import ConversionSummary, done_keys, summarize
+from diffusion.convert.summary import ConversionSummary, bucket_counts, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.settings import PipelineSettings
-from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts,
+from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPartSink, committed_parts, part_roots,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
 from diffusion.convert.readers import RawColumns, check_inputs, input_files, read_raw
 from diffusion.convert.rows import KEY_SCHEME
@@ -81,6 +81,10 @@ class ConvertConfig(PipelineSettings):
     dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
                                "as duplicate_image rejects: a pass over the input before converting",
                        choices=DEDUPE_MODES)
+    buckets: str | None = flag(None, "aspect-ratio buckets: 'preset' (sides multiples of 64 at the pixel budget of the "
+                                     "one --resolutions value, within --max-aspect) or WxH,WxH,...; each image is cropped "
+                                     "minimally to the bucket nearest its aspect ratio, one MDS dataset per bucket "
+                                     "under --output", metavar="preset|WxH,...")
 
     def __post_init__(self):
         if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
@@ -100,6 +104,15 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--text must be one of {', '.join(schema.TEXT_STORAGE)}, got {self.text!r}")
         if self.dedupe not in DEDUPE_MODES:
             raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
+        if self.buckets is not None:
+            self.bucket_sizes()  # a malformed list fails here, naming it
+            if self.visualize:
+                raise ConfigError("--visualize is for square outputs: leave it out with --buckets")
+
+    def bucket_sizes(self) -> list[tuple[int, int]] | None:
+        """The (width, height) buckets ``--buckets`` names, or None for square crops."""
+        from diffusion.convert.buckets import parse_buckets
+        return parse_buckets(self.buckets, self.resolutions, self.max_aspect) if self.buckets else None
 
     def raw_columns(self) -> RawColumns:
         return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
@@ -113,7 +126,8 @@ class ConvertConfig(PipelineSettings):
                 "caption_column": self.caption_column, "key_column": self.key_column,
                 "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
-                "dedupe": self.dedupe, "text": self.text}
+                "dedupe": self.dedupe, "text": self.text,
+                "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None}
 
     @property
     def is_remote(self) -> bool:
@@ -179,7 +193,22 @@ class _DatasetInfoWriter:
                       "dedupe": self.cfg.dedupe}
         if summary.failed_inputs:  # skipped input files: the dataset lacks their unread rows
             info.extra["failed_inputs"] = dict(summary.failed_inputs)
+        if self.cfg.buckets:
+            self._describe_buckets(out, info, empty)
         info.save(out)
+
+    def _describe_buckets(self, out: str, info: schema.DatasetInfo, empty: np.ndarray) -> None:
+        """Each bucket is a dataset of its own (dataset.json, empty_text_embeds.npy); the root lists them."""
+        counts = bucket_counts(out)
+        info.buckets = []
+        for w, h in self.cfg.bucket_sizes():
+            name = schema.bucket_name(w, h)
+            info.buckets.append({"name": name, "width": w, "height": h, "count": counts.get(name, 0)})
+            if name in counts:
+                np.save(os.path.join(out, name, schema.EMPTY_TEXT_EMBEDS), empty)
+                part = dataclasses.replace(info, buckets=None, count=counts[name], rows_in=counts[name], rejects={},
+                                           extra={**info.extra, "bucket": [w, h]})
+                part.save(os.path.join(out, name))
 
 
 def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, duplicates_dir: str | None = None):
@@ -192,7 +221,8 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     ds = ds.map_batches(
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
-                                   rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True),
+                                   rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True,
+                                   buckets=cfg.bucket_sizes()),
         compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
     if plan.gpus_per_encoder:
@@ -240,7 +270,7 @@ def check_output_settings(out: str, settings: dict) -> None:
     """Refuse to add to an output made with other settings, before anything in it is touched."""
     recorded = recorded_settings(out)
     if recorded:  # recorded before these settings existed: made without them
-        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, **recorded}
+        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
@@ -275,21 +305,32 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     return summary
 
 
+def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, name: str) -> dict[str, str]:
+    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name))
+
+
 def _holds_progress(out: str) -> bool:
     """Whether ``out`` holds work a re-run would keep: committed parts or recorded rejects."""
     rejects = os.path.join(out, REJECTS_DIR)
-    return bool(committed_parts(out)) or (os.path.isdir(rejects) and bool(os.listdir(rejects)))
+    return (any(committed_parts(root) for root in part_roots(out))
+            or (os.path.isdir(rejects) and bool(os.listdir(rejects))))
 
 
 def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -> ConversionSummary:
     if not os.path.exists(os.path.join(out, SETTINGS_JSON)):
         write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
     migrate_records(out)  # an output of the old layout: its records renamed before anything reads them
-    remove_temporary_parts(out)
+    for root in part_roots(out):
+        remove_temporary_parts(root)
     written, rejected = done_keys(out)
     before = summarize(out).written
+    bucket_columns = None
+    if cfg.buckets:
+        text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+        downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
+        bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, downsample, cfg.text)
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
-                       on_complete=_DatasetInfoWriter(cfg))
+                       on_complete=_DatasetInfoWriter(cfg), bucket_columns=bucket_columns)
 
     ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
@@ -331,6 +372,7 @@ CONVERT_EXAMPLES = """examples:
   python convert/laion_to_mds.py --input raw/ --output mds/ --model stabilityai/stable-diffusion-2-base \\
       --resolutions 256 512
   python convert/laion_to_mds.py --input s3://bucket/raw/ --output s3://bucket/mds --model DIR --address auto
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --resolutions 512 --buckets preset
   python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --dedupe bytes \\
       --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8"   # LAION metadata filter
 

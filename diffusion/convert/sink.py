@@ -44,6 +44,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 from ray.data import Datasink
+from streaming import MDSWriter
 
 from diffusion import schema
 from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR
@@ -218,6 +219,19 @@ def merge_index(out: str) -> int:
     return sum(s["samples"] for s in shards)
 
 
+def bucket_dirs(out: str) -> list[str]:
+    """Names of the bucket datasets below a bucketed output root (``bucket-WxH``), sorted."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(d for d in os.listdir(out) if d.startswith(schema.BUCKET_PREFIX)
+                  and os.path.isdir(os.path.join(out, d)))
+
+
+def part_roots(out: str) -> list[str]:
+    """The directories parts are written in: the output, and each of its buckets."""
+    return [out] + [os.path.join(out, b) for b in bucket_dirs(out)]
+
+
 def part_name(keys: list[str]) -> str:
     """A part's directory name: a hash of its keys in order (so parts sort the same on every run)."""
     digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:16]
@@ -244,8 +258,10 @@ class MDSPartSink(Datasink):
 
     def __init__(self, out: str, columns: dict[str, str], compression: str | None = "zstd",
                  hashes=("sha1", "xxh3_64"), size_limit: int | str = SHARD_SIZE,
-                 on_complete: Callable[[str], None] | None = None):
+                 on_complete: Callable[[str], None] | None = None,
+                 bucket_columns: Callable[[str], dict[str, str]] | None = None):
         self.out = os.path.abspath(out)
+        self.bucket_columns = bucket_columns  # bucket directory name -> its MDS columns (rows carry BUCKET)
         self.columns = dict(columns)
         self.compression = compression
         self.hashes = list(hashes)
@@ -256,42 +272,57 @@ class MDSPartSink(Datasink):
     def on_write_start(self, schema=None) -> None:
         os.makedirs(self.out, exist_ok=True)
 
+    def _open_part(self, root: str) -> dict:
+        tmp = os.path.join(root, f"{TMP_PREFIX}{PART_PREFIX}{uuid.uuid4().hex[:16]}")
+        columns = self.columns if self.bucket_columns is None else self.bucket_columns(os.path.basename(root))
+        return {"root": root, "tmp": tmp, "keys": [], "seconds": {}, "columns": columns,
+                "writer": MDSWriter(out=tmp, columns=columns, compression=self.compression,
+                                    hashes=self.hashes, size_limit=self.size_limit)}
+
+    def _commit(self, part: dict, start: float) -> str:
+        part["writer"].finish()
+        part["seconds"]["write_seconds"] = time.perf_counter() - start
+        tmp, keys = part["tmp"], part["keys"]
+        write_json_atomic(os.path.join(tmp, STATS_RECORD), {"count": len(keys), **part["seconds"]})
+        write_json_atomic(os.path.join(tmp, KEYS_RECORD), keys)
+        name = part_name(keys)
+        target = os.path.join(part["root"], name)
+        try:
+            os.rename(tmp, target)  # the commit point
+        except OSError:
+            if read_part(target) is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # a retry of a task that had committed
+            else:  # a damaged part of the same rows (a record lost on disk): this copy replaces it
+                shutil.rmtree(target)
+                os.rename(tmp, target)
+        return os.path.relpath(target, self.out)
+
     def write(self, blocks, ctx) -> dict:
-        from streaming import MDSWriter
-        tmp = os.path.join(self.out, f"{TMP_PREFIX}{PART_PREFIX}{uuid.uuid4().hex[:16]}")
+        """One part per write task (with buckets: one per bucket the task's rows fall in)."""
         start = time.perf_counter()
-        keys, seconds, writer = [], {}, None
+        parts: dict[str, dict] = {}  # root directory -> the part being written there
         try:
             for block in blocks:
                 for row in _rows(block):
-                    if writer is None:
-                        writer = MDSWriter(out=tmp, columns=self.columns, compression=self.compression,
-                                           hashes=self.hashes, size_limit=self.size_limit)
+                    bucket = row.get(schema.BUCKET)
+                    root = self.out if bucket is None else os.path.join(self.out, str(bucket))
+                    if root not in parts:
+                        os.makedirs(root, exist_ok=True)
+                        parts[root] = self._open_part(root)
+                    part = parts[root]
                     for c, v in row.items():
                         if c.startswith("_") and c.endswith("_seconds"):
-                            seconds[c.strip("_")] = seconds.get(c.strip("_"), 0.0) + float(v)
-                    writer.write({c: _as_mds_value(row[c]) for c in self.columns})
-                    keys.append(str(row[schema.KEY]))
-            if writer is None:  # an empty task writes no part
-                return {"part": None, "count": 0}
-            writer.finish()
-            seconds["write_seconds"] = time.perf_counter() - start
-            write_json_atomic(os.path.join(tmp, STATS_RECORD), {"count": len(keys), **seconds})
-            write_json_atomic(os.path.join(tmp, KEYS_RECORD), keys)
-            name = part_name(keys)
-            target = os.path.join(self.out, name)
-            try:
-                os.rename(tmp, target)  # the commit point
-            except OSError:
-                if read_part(target) is not None:
-                    shutil.rmtree(tmp, ignore_errors=True)  # a retry of a task that had committed
-                else:  # a damaged part of the same rows (a record lost on disk): this copy replaces it
-                    shutil.rmtree(target)
-                    os.rename(tmp, target)
+                            part["seconds"][c.strip("_")] = part["seconds"].get(c.strip("_"), 0.0) + float(v)
+                    part["writer"].write({c: _as_mds_value(row[c], part["columns"][c]) for c in part["columns"]})
+                    part["keys"].append(str(row[schema.KEY]))
+            names = [self._commit(part, start) for part in parts.values()]
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for part in parts.values():
+                shutil.rmtree(part["tmp"], ignore_errors=True)
             raise
-        return {"part": name, "count": len(keys)}
+        if not names:  # an empty task writes no part
+            return {"part": None, "count": 0}
+        return {"part": names[0] if len(names) == 1 else names, "count": sum(len(p["keys"]) for p in parts.values())}
 
     def on_write_complete(self, write_result) -> None:
         self.finalize()
@@ -299,14 +330,20 @@ class MDSPartSink(Datasink):
     def finalize(self) -> int:
         """Merge the index over all committed parts (this run's and earlier ones) and run on_complete."""
         os.makedirs(self.out, exist_ok=True)
-        count = merge_index(self.out)
+        if self.bucket_columns is None:
+            count = merge_index(self.out)
+        else:
+            count = sum(merge_index(os.path.join(self.out, b)) for b in bucket_dirs(self.out))
         if self.on_complete is not None:
             self.on_complete(self.out)
         self.completed = True
         return count
 
 
-def _as_mds_value(value):
+def _as_mds_value(value, encoding: str = ""):
+    if isinstance(value, (bytes, bytearray)) and encoding.startswith("ndarray:"):  # bucketed moments
+        _, dtype, shape = encoding.split(":")
+        return np.frombuffer(value, dtype).reshape(tuple(int(d) for d in shape.split(",")))
     if isinstance(value, np.generic):
         return value.item()
     return value

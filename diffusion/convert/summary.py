@@ -14,7 +14,8 @@ import json
 import os
 
 from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR, read_failed_inputs
-from diffusion.convert.sink import KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, read_rejects
+from diffusion.convert.sink import (KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, part_roots,
+                                    read_rejects)
 
 
 FAILED_SHOWN = 10  # failed input files listed by name in the table
@@ -59,11 +60,27 @@ class ConversionSummary:
         return "\n".join(["-" * width, *lines, "-" * width, *failed])
 
 
+def _parts(out: str) -> list[str]:
+    """Paths of the committed parts of an output (of every bucket, for a bucketed one)."""
+    return [os.path.join(root, part) for root in part_roots(out) for part in committed_parts(root)]
+
+
+def bucket_counts(out: str) -> dict[str, int]:
+    """Samples per bucket of a bucketed output (bucket directory name -> count)."""
+    counts = {}
+    for root in part_roots(out)[1:]:
+        counts[os.path.basename(root)] = 0
+        for part in committed_parts(root):
+            with open(os.path.join(root, part, STATS_RECORD)) as f:
+                counts[os.path.basename(root)] += int(json.load(f).get("count", 0))
+    return counts
+
+
 def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
     """(keys held by committed parts, {rejected key: reason}) under a local output directory."""
     written = set()
-    for part in committed_parts(out):
-        with open(os.path.join(out, part, KEYS_RECORD)) as f:
+    for part in _parts(out):
+        with open(os.path.join(part, KEYS_RECORD)) as f:
             written.update(json.load(f))
     rejected = {}
     rejects = os.path.join(out, REJECTS_DIR)
@@ -78,12 +95,12 @@ def done_keys(out: str) -> tuple[set[str], dict[str, str]]:
 def summarize(out: str) -> ConversionSummary:
     """Counts of a local output; ``written`` is the samples its parts hold, what a reader sees."""
     _, rejected = done_keys(out)
-    summary = ConversionSummary(parts=len(committed_parts(out)),
+    summary = ConversionSummary(parts=len(_parts(out)),
                                 failed_inputs=read_failed_inputs(os.path.join(out, FAILED_INPUTS_DIR)))
     for reason in rejected.values():
         summary.rejects[reason] = summary.rejects.get(reason, 0) + 1
-    for part in committed_parts(out):
-        with open(os.path.join(out, part, STATS_RECORD)) as f:
+    for part in _parts(out):
+        with open(os.path.join(part, STATS_RECORD)) as f:
             for name, value in json.load(f).items():
                 if name == "count":
                     summary.written += int(value)

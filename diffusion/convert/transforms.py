@@ -257,10 +257,12 @@ class ImageCaptionTransform:
     """
 
     def __init__(self, model: str, resolutions, checks: ImageChecks = ImageChecks(),
-                 rejects_dir: str | None = None, record_timing: bool = False):
+                 rejects_dir: str | None = None, record_timing: bool = False, buckets=None):
         from diffusion.models.loading import load_tokenizer
         self.tokenizer = load_tokenizer(model)
         self.resolutions = sorted({int(r) for r in resolutions}, reverse=True)
+        # Aspect-ratio buckets [(w, h)]: each image is cropped to its nearest one (one resolution only).
+        self.buckets = [tuple(int(v) for v in b) for b in buckets] if buckets else None
         self.checks = checks
         self.rejects_dir = rejects_dir
         self.record_timing = record_timing
@@ -276,8 +278,48 @@ class ImageCaptionTransform:
         image, width, height = decode_image(data, self.resolutions[0], self.checks)
         return center_square_crops(image, self.resolutions), width, height
 
+    def bucket_one(self, data: bytes) -> tuple[np.ndarray, int, int, tuple[int, int], int, int]:
+        """(crop, width, height, bucket, crop top, crop left) of one image with buckets."""
+        from diffusion.convert.buckets import bucket_crop, nearest_bucket
+        image, width, height = decode_image(data, max(max(b) for b in self.buckets), self.checks)
+        bucket = nearest_bucket(width, height, self.buckets)
+        crop, top, left = bucket_crop(image, bucket)
+        return crop, width, height, bucket, top, left
+
+    def _call_buckets(self, batch: dict, start: float) -> dict:
+        """Bucketed rows: the crop travels as its uint8 HWC bytes (shapes differ between rows), with the
+        bucket's name and the crop's corner."""
+        names = (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT, schema.BUCKET, schema.CROP_TOP,
+                 schema.CROP_LEFT, schema.image_column(self.resolutions[0]))
+        out, rejected = {c: [] for c in names}, {}
+        for key, caption, data in zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION], batch[schema.RAW_IMAGE]):
+            key = str(key)
+            try:
+                caption = clean_caption(caption)
+                crop, width, height, bucket, top, left = self.bucket_one(data)
+            except Rejected as e:
+                rejected[key] = e.reason
+                self.rejects[e.reason] = self.rejects.get(e.reason, 0) + 1
+                continue
+            for c, v in zip(names, (key, caption, width, height, schema.bucket_name(*bucket), top, left,
+                                    crop.tobytes())):
+                out[c].append(v)
+        if rejected and self.rejects_dir:
+            write_rejects(self.rejects_dir, rejected)
+        n = len(out[schema.KEY])
+        result = {c: np.array(out[c], dtype=object) for c in names}
+        for c in (schema.WIDTH, schema.HEIGHT, schema.CROP_TOP, schema.CROP_LEFT):
+            result[c] = np.array(out[c], dtype=np.int64)
+        result[schema.INPUT_IDS] = (self.tokenize(out[schema.CAPTION]) if n
+                                    else np.zeros((0, schema.MAX_TOKENS), np.int32))
+        if self.record_timing:
+            result[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
+        return result
+
     def __call__(self, batch: dict) -> dict:
         start = time.perf_counter()
+        if self.buckets:
+            return self._call_buckets(batch, start)
         out = {c: [] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
         crops = {r: [] for r in self.resolutions}
         rejected = {}

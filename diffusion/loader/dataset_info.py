@@ -9,6 +9,7 @@ resolution and the text column the run reads (:func:`text_column`), and agree on
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import types
@@ -77,13 +78,56 @@ def section_name(loader_cfg) -> str:
 
 def loader_streams(loader_cfg) -> list[tuple[str, Any]]:
     """The datasets a loader section reads, each as (its name in errors, its entry): ``data.train.streams``
-    (entries with path, local, proportion, repeat, choose), or the section's one ``path``."""
+    (entries with path, local, proportion, repeat, choose), or the section's one ``path``; a bucketed
+    ``path`` (converted with ``--buckets``) is one stream per bucket that can fill a global batch
+    (:func:`bucket_streams`)."""
     streams = getattr(loader_cfg, "streams", None)
     if not streams:
+        buckets = bucket_streams(loader_cfg)
+        if buckets:
+            return buckets
         one = types.SimpleNamespace(path=loader_cfg.path, local=loader_cfg.local, proportion=None, repeat=None,
                                     choose=None)
         return [(loader_cfg.path, one)]
+    for i, s in enumerate(streams):
+        if read_dataset_info(s.path, loader_cfg.download_timeout).buckets:
+            raise DatasetMismatchError(
+                f"{section_name(loader_cfg)}.streams[{i}] ({s.path}) is a bucketed dataset (converted with --buckets): "
+                f"give it as {section_name(loader_cfg)}.path, whose batches each come from one bucket")
     return [(f"{section_name(loader_cfg)}.streams[{i}] ({s.path})", s) for i, s in enumerate(streams)]
+
+
+def is_bucketed(loader_cfg) -> bool:
+    """Whether the section reads a bucketed dataset (every global batch then comes from one bucket)."""
+    return not getattr(loader_cfg, "streams", None) and bool(bucket_streams(loader_cfg))
+
+
+def bucket_streams(loader_cfg) -> list[tuple[str, Any]]:
+    """The buckets of a bucketed ``path`` as streams, each drawing the most whole global batches it holds
+    per epoch (streaming's ``choose``: a different subset of a bucket's remainder left out each epoch), so
+    each bucket's share of the batches is its share of the samples and no bucket is padded with repeated
+    samples, which would depend on the rank count (the unit is the least common multiple of the global
+    batch and ``num_canonical_nodes``). A bucket smaller than one unit is left out; a dataset none of whose
+    buckets fills one is refused. [] for a square dataset."""
+    try:
+        info = read_dataset_info(loader_cfg.path, loader_cfg.download_timeout) if loader_cfg.path else None
+    except (FileNotFoundError, DataIntegrityError):
+        return []  # reading the section's dataset.json again names the problem
+    if info is None or not info.buckets:
+        return []
+    join = (lambda b: loader_cfg.path.rstrip("/") + "/" + b) if is_remote(loader_cfg.path) else (
+        lambda b: os.path.join(loader_cfg.path, b))
+    unit = math.lcm(loader_cfg.batch_size, loader_cfg.num_canonical_nodes or 1)
+    kept = [b for b in info.buckets if b["count"] >= unit]
+    if not kept:
+        sizes = ", ".join(f"{b['name']}: {b['count']}" for b in info.buckets)
+        raise DatasetMismatchError(
+            f"{section_name(loader_cfg)}.path {loader_cfg.path}: no bucket holds a global batch of "
+            f"{unit} samples ({sizes}): lower {section_name(loader_cfg)}.batch_size")
+    local = loader_cfg.local
+    return [(f"{loader_cfg.path} ({b['name']})",
+             types.SimpleNamespace(path=join(b["name"]), local=os.path.join(local, b["name"]) if local else None,
+                                   proportion=None, repeat=None, choose=b["count"] // unit * unit)) for b in kept]
 
 
 # What training depends on in dataset.json: every stream of a mix must record the same.

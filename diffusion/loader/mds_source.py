@@ -50,10 +50,11 @@ from diffusion import schema
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.loader.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
-from diffusion.loader.dataset_info import (is_remote, load_empty_embedding, load_empty_input_ids, loader_streams,
-                                          one_line, read_loader_info, section_name)
+from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_embedding, load_empty_input_ids,
+                                           loader_streams,
+                                           one_line, read_loader_info, section_name)
 from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
-                                          pick_hash, shared_flags, size_problem)
+                                           pick_hash, shared_flags, size_problem)
 
 
 class _ShardLayout:
@@ -416,12 +417,13 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     stream read (and its shards checked) as a single ``path`` would be."""
     read_loader_info(loader_cfg, resolution, text_dim)
     streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
+    bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
     return LatentDataset(
         streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
         verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
-        download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples)
+        download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
 
 
 def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) -> None:

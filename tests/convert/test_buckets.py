@@ -1,0 +1,106 @@
+"""Aspect-ratio buckets: geometry, and a real bucketed conversion of the sample data."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusion import schema
+from diffusion.convert.buckets import bucket_crop, nearest_bucket, parse_buckets, preset_buckets
+from diffusion.errors import ConfigError
+
+BUCKETS = "48x80,64x64,80x48"  # at the 64 px budget of the test conversions
+
+
+def test_preset_buckets_keep_the_pixel_budget_and_mirror():
+    buckets = preset_buckets(512, 3.0)
+    assert (512, 512) in buckets and len(buckets) % 2 == 1
+    assert all(w % 64 == 0 and h % 64 == 0 and abs(w * h - 512 ** 2) <= 0.25 * 512 ** 2 for w, h in buckets)
+    assert {(h, w) for w, h in buckets} == set(buckets)
+    assert all(max(w, h) / min(w, h) <= 3.0 for w, h in buckets)
+
+
+def test_nearest_bucket_and_minimal_crop():
+    buckets = parse_buckets(BUCKETS, [64], 3.0)
+    assert nearest_bucket(300, 500, buckets) == (48, 80)
+    assert nearest_bucket(500, 300, buckets) == (80, 48)
+    assert nearest_bucket(510, 500, buckets) == (64, 64)
+    image = Image.new("RGB", (200, 100))
+    crop, top, left = bucket_crop(image, (80, 48))
+    assert crop.shape == (48, 80, 3)
+    assert (top, left) == (0, (96 - 80) // 2)  # scaled to 96x48: 16 columns cropped, centred
+
+
+def test_bad_bucket_lists_are_one_line():
+    with pytest.raises(ConfigError, match="'64by64' is not WIDTHxHEIGHT"):
+        parse_buckets("64by64", [64], 3.0)
+    with pytest.raises(ConfigError, match="one --resolutions value"):
+        parse_buckets("preset", [32, 64], 3.0)
+
+
+@pytest.fixture(scope="session")
+def bucketed(convert_config, ray_local, tmp_path_factory):
+    from diffusion.convert.pipeline import run_conversion
+    out = tmp_path_factory.mktemp("bucketed")
+    summary = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both"))
+    return str(out), summary
+
+
+def test_images_land_in_the_bucket_nearest_their_aspect(bucketed, manifest):
+    from streaming import StreamingDataset
+    out, summary = bucketed
+    info = schema.DatasetInfo.load(out)
+    assert [b["name"] for b in info.buckets] == ["bucket-48x80", "bucket-64x64", "bucket-80x48"]
+    assert sum(b["count"] for b in info.buckets) == info.count == summary.written > 0
+    assert all(b["count"] > 0 for b in info.buckets)  # the sample holds portraits, landscapes and squares
+    assert not os.path.exists(os.path.join(out, "index.json"))  # the root is a list of datasets, not one
+    buckets = parse_buckets(BUCKETS, [64], 3.0)
+    for b in info.buckets:
+        ds = StreamingDataset(local=os.path.join(out, b["name"]), shuffle=False, batch_size=1)
+        assert ds.num_samples == b["count"] == schema.DatasetInfo.load(os.path.join(out, b["name"])).count
+        for i in range(ds.num_samples):
+            row = ds[i]
+            assert row[schema.vae_moments_column(64)].shape == (8, b["height"] // 8, b["width"] // 8)
+            assert nearest_bucket(row[schema.WIDTH], row[schema.HEIGHT], buckets) == (b["width"], b["height"])
+            scale = max(b["width"] / row[schema.WIDTH], b["height"] / row[schema.HEIGHT])
+            # minimal crop: one side is cropped only by rounding, the other centred
+            assert min(row[schema.CROP_TOP], row[schema.CROP_LEFT]) == 0
+            for corner, side, size in ((schema.CROP_LEFT, schema.WIDTH, "width"), (schema.CROP_TOP, schema.HEIGHT, "height")):
+                centred = (max(b[size], round(row[side] * scale)) - b[size]) / 2  # ±1: JPEGs decode at a draft scale
+                assert abs(row[corner] - centred) <= 1
+            assert row[schema.INPUT_IDS].shape == (schema.MAX_TOKENS,)
+
+
+def _bucket_keys(out):
+    from streaming import StreamingDataset
+    keys = {}
+    for b in schema.DatasetInfo.load(out).buckets:
+        ds = StreamingDataset(local=os.path.join(out, b["name"]), shuffle=False, batch_size=1)
+        keys[b["name"]] = sorted(ds[i][schema.KEY] for i in range(ds.num_samples))
+    return keys
+
+
+@pytest.mark.slow
+def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_config, tmp_path):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.convert.sink import TMP_PREFIX
+    out = tmp_path / "resumed"
+    first = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", limit=40))
+    assert 0 < first.written < bucketed[1].written
+    stale = out / "bucket-64x64" / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
+    second = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both"))
+    assert _bucket_keys(str(out)) == _bucket_keys(bucketed[0])
+    assert second.written_this_run == bucketed[1].written - first.written and not stale.exists()
+    assert schema.DatasetInfo.load(str(out)).buckets == schema.DatasetInfo.load(bucketed[0]).buckets
+
+
+def test_rerun_with_other_buckets_is_refused(bucketed, convert_config):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import OutputMismatchError
+    with pytest.raises(OutputMismatchError, match="buckets"):
+        run_conversion(convert_config(bucketed[0], resolutions=(64,), buckets="64x64", text="both"))

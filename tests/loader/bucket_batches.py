@@ -1,0 +1,46 @@
+"""Run as a process (one rank of a world from RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE): the training
+loader over a bucketed dataset; writes each batch's keys and moments shape as JSON.
+
+    python bucket_batches.py DATASET TEXT_DIM GLOBAL_BATCH OUT.json [SKIP_BATCHES]
+
+With SKIP_BATCHES, the loader's state after that many batches is saved and a new loader resumes from it
+(what Composer does after a restart): the batches written are the resumed loader's.
+"""
+
+import json
+import os
+import sys
+
+from diffusion import schema
+from diffusion.train.config import TrainLoaderConfig
+from diffusion.loader import mds_source
+
+
+def batches(loader, limit=None):
+    out = []
+    for batch in loader:
+        out.append({"keys": batch[schema.KEY] if schema.KEY in batch else None,
+                    "index": batch[schema.BATCH_SAMPLE_INDEX].tolist(),
+                    "shape": list(batch[schema.BATCH_MOMENTS].shape[1:])})
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def main(path, text_dim, global_batch, out, skip=None):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = TrainLoaderConfig(path=path, batch_size=int(global_batch), num_workers=0, persistent_workers=False,
+                            num_canonical_nodes=1, caption_dropout=0.0)
+    loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=int(text_dim), world_size=world, seed=5)
+    if skip is not None:
+        batches(loader, int(skip))
+        state = loader.state_dict()
+        del loader
+        loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=int(text_dim), world_size=world, seed=5)
+        loader.load_state_dict(state)
+    with open(out, "w") as f:
+        json.dump(batches(loader), f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
