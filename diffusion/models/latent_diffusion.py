@@ -72,9 +72,12 @@ class LatentDiffusion(ComposerModel):
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
         """Draw a latent from the stored posterior moments (with ``eps`` as the standard normal draw
         when given) and scale it for the denoiser."""
-        if moments.shape[1:] != (2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size):
+        # Square at the model's resolution, or an aspect-ratio bucket's H/8 x W/8 at about its pixel count.
+        channels, height, width = moments.shape[1:]
+        if channels != 2 * schema.LATENT_CHANNELS or not 0.5 <= height * width / self.latent_size ** 2 <= 2.0:
             raise ValueError(f"moments of shape {tuple(moments.shape[1:])} do not fit a {self.resolution}px model "
-                             f"(expected {(2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size)})")
+                             f"(expected {(2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size)}, or a "
+                             f"bucket of about that many pixels)")
         mean, logvar = moments.float().chunk(2, dim=1)
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
         if eps is None:
@@ -174,9 +177,10 @@ class LatentDiffusion(ComposerModel):
     def flops_per_batch(self, batch: dict) -> float:
         """Denoiser training FLOPs of ``batch``: forward + backward ≈ 3 × forward (for SpeedMonitor's MFU)."""
         masked = self.mask_ratio if schema.BATCH_PATCH_KEEP in batch else 0.0  # what the step really computes
-        per_image = self.adapter.forward_flops(dict(self.denoiser.config), self.latent_size, self.text_dim,
+        moments = batch[schema.BATCH_MOMENTS]
+        per_image = self.adapter.forward_flops(dict(self.denoiser.config), tuple(moments.shape[2:]), self.text_dim,
                                                schema.MAX_TOKENS, mask_ratio=masked, mixer_blocks=self.mixer_blocks)
-        return 3.0 * per_image * batch[schema.BATCH_MOMENTS].shape[0]
+        return 3.0 * per_image * moments.shape[0]
 
     # ---- self-description in checkpoints ---------------------------------------------------------------
     def get_extra_state(self) -> dict:

@@ -89,6 +89,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="noise seed: same seed, same images (default: 0)")
     parser.add_argument("--size", type=cli.positive_int, default=None,
                         help="pixels per side (default: the training resolution)")
+    parser.add_argument("--width", type=cli.positive_int, default=None,
+                        help="image width in pixels, with --height: an aspect-ratio bucket's (default: --size)")
+    parser.add_argument("--height", type=cli.positive_int, default=None, help="image height in pixels, with --width")
     parser.add_argument("--images-per-prompt", type=cli.positive_int, default=1,
                         help="images drawn for each prompt (default: %(default)s)")
     parser.add_argument("--batch-size", type=cli.positive_int, default=8,
@@ -125,10 +128,14 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 
 def sample_kwargs(args: argparse.Namespace) -> dict:
+    width, height = getattr(args, "width", None), getattr(args, "height", None)
+    if (width is None) != (height is None):
+        raise UserError("give --width and --height together (or --size for a square)")
+    size = (height, width) if width else args.size
     return dict(model_ref=args.model, ema=args.ema, scheduler=args.scheduler, steps=args.steps,
                 guidance_scale=args.guidance_scale, guidance_rescale=args.guidance_rescale,
                 negative_prompt=args.negative_prompt, seed=args.seed,
-                size=args.size, images_per_prompt=args.images_per_prompt, batch_size=args.batch_size,
+                size=size, images_per_prompt=args.images_per_prompt, batch_size=args.batch_size,
                 device=args.device)
 
 

@@ -115,3 +115,32 @@ def test_the_mmdit_trains_from_token_ids_on_a_mix_of_datasets(mmdit_train_kit, t
         runs[name] = losses.train
     assert len(runs["ids"]) == 3
     assert runs["ids"] == pytest.approx(runs["embeds"], rel=1e-3)
+
+
+@pytest.mark.parametrize("kit_name", ["train_kit", "mmdit_train_kit"])
+def test_both_denoisers_train_on_an_aspect_ratio_bucket(kit_name, request):
+    """A bucket's latents are H/8 x W/8 at about the model's pixel count (issue 27): the UNet and the MMDiT
+    (masked too) take them, and the FLOPs counted are the bucket's."""
+    from diffusion import schema
+    from diffusion.train.config import MaskingConfig, ModelConfig
+    from diffusion.loader.batches import NoiseDraws
+    from diffusion.models.latent_diffusion import build_model
+    from diffusion.models.masking import PatchMask
+    from train_fixtures import kit_text_dim
+    kit = request.getfixturevalue(kit_name)
+    mmdit = kit_name == "mmdit_train_kit"
+    info = schema.DatasetInfo(model=kit, scaling_factor=0.18215, resolutions=[64], text_dim=kit_text_dim(kit))
+    model = build_model(ModelConfig(ref=kit, resolution=64, objective="flow" if mmdit else "epsilon",
+                                    masking=MaskingConfig(ratio=0.5 if mmdit else 0.0)), info).train()
+    keys = ["a", "b"]
+    moments = torch.cat([torch.randn(2, 4, 6, 10), torch.full((2, 4, 6, 10), -8.0)], dim=1)  # a 48x80 bucket
+    batch = {schema.BATCH_MOMENTS: moments, schema.BATCH_TEXT_EMBEDS: torch.randn(2, 77, model.text_dim),
+             **NoiseDraws(seed=0, mask=PatchMask(0.5, 2) if mmdit else None)(keys, 0, (4, 6, 10))}
+    out = model(batch)
+    assert out["prediction"].shape == (2, 4, 6, 10)
+    loss = model.loss(out, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and any(p.grad is not None for p in model.denoiser.parameters())
+    square = {**batch, schema.BATCH_MOMENTS: torch.cat([torch.randn(2, 4, 8, 8), torch.full((2, 4, 8, 8), -8.0)], 1)}
+    square.pop(schema.BATCH_PATCH_KEEP, None)
+    assert model.flops_per_batch(batch) < model.flops_per_batch(square)  # 60 latent pixels, not 64

@@ -66,3 +66,15 @@ def test_export_loads_as_sd3_pipeline_and_draws_what_generate_draws(flow_checkpo
     again = generate.generate_images(flow_export, PROMPTS[:1], steps=4, guidance_scale=4.0, seed=11, size=64)[0]
     assert np.abs(_pixels(again) - _pixels(ours)).max() <= 1
     assert os.path.isdir(os.path.join(flow_export, "transformer"))
+
+
+def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tmp_path):
+    from diffusion.sample import generate as gen
+    from diffusion.sample.grid import read_grid
+    out = tmp_path / "wide.png"
+    gen.main(["--checkpoint", flow_checkpoint, "--prompt", "a red circle", "--width", "80", "--height", "48",
+              "--steps", "2", "--out", str(out)])
+    images, _ = read_grid(str(out))
+    assert images[0].size == (80, 48)
+    with pytest.raises(Exception, match="--width and --height together"):
+        gen.main(["--checkpoint", flow_checkpoint, "--prompt", "x", "--width", "80", "--out", str(out)])

@@ -74,10 +74,11 @@ class DenoiserAdapter:
         """(B, 1, H, W): 1 where the masked step predicts (the kept patches)."""
         raise ValueError(f"{self.class_name} has no patches to mask")
 
-    def forward_flops(self, config: dict, latent_size: int, text_dim: int, text_length: int,
+    def forward_flops(self, config: dict, latent_size, text_dim: int, text_length: int,
                       mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
         """FLOPs of one image's forward, counted by torch on the meta device (no memory, no compute); with
-        ``mask_ratio`` the masked forward's, as a masked training step runs it."""
+        ``mask_ratio`` the masked forward's, as a masked training step runs it. ``latent_size``: a side, or
+        (height, width) for an aspect-ratio bucket."""
         return _forward_flops(self, json.dumps(config, sort_keys=True, default=str), latent_size, text_dim,
                               text_length, float(mask_ratio), int(mixer_blocks))
 
@@ -105,16 +106,17 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
     from torch.utils.flop_counter import FlopCounterMode
     config = json.loads(config_json)
     model_class = adapter.model_class  # diffusers imported outside the meta device (its import runs torch ops)
+    height, width = (latent_size, latent_size) if isinstance(latent_size, int) else latent_size
     with torch.device("meta"):
         module = model_class.from_config(config)
-        sample = torch.empty(1, config["in_channels"], latent_size, latent_size)
+        sample = torch.empty(1, config["in_channels"], height, width)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
     keep = None
     if mask_ratio:
         from diffusion.models.masking import PatchMask
         mask = PatchMask(mask_ratio, adapter.patch_size(config))
-        keep = torch.zeros(1, mask.kept((config["in_channels"], latent_size, latent_size)), dtype=torch.long)
+        keep = torch.zeros(1, mask.kept((config["in_channels"], height, width)), dtype=torch.long)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks)
     return counter.get_total_flops()
