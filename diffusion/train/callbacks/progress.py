@@ -68,6 +68,8 @@ class ProgressLine(Callback):
         self._fit_start_fraction = _fraction_done(state) if state is not None else 0.0
         self._loss_sum: Optional[torch.Tensor] = None  # summed on the device: no host sync per batch
         self._loss_batches = 0
+        self._batch_sum: Optional[torch.Tensor] = None  # this batch's microbatch losses x their sizes
+        self._batch_samples = 0
         self._fit_loss_sum = 0.0
         self._fit_loss_batches = 0
 
@@ -76,12 +78,22 @@ class ProgressLine(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         self._reset(state)
 
-    def batch_end(self, state: State, logger: Logger) -> None:
+    def after_loss(self, state: State, logger: Logger) -> None:
+        # Once per microbatch, before Composer scales the loss in place for its backward: the batch's loss
+        # is the mean over its microbatches weighted by their sizes, as loss/train/total is logged.
         values = loss_tensors(state.loss)
         if values:
-            loss = torch.stack([v.float().mean() for v in values]).sum()
+            size = _samples(state.batch)
+            loss = torch.stack([v.detach().float().mean() for v in values]).sum() * size
+            self._batch_sum = loss if self._batch_sum is None else self._batch_sum + loss
+            self._batch_samples += size
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self._batch_samples:
+            loss = self._batch_sum / self._batch_samples
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
             self._loss_batches += 1
+        self._batch_sum, self._batch_samples = None, 0
         if self.clock() - self._last_time >= self.every_seconds:
             self._print(state, final=False)
 
@@ -157,3 +169,10 @@ def _fraction_done(state: State) -> float:
         if length is not None and int(length) > 0:
             done += min(int(ts.batch_in_epoch) / int(length), 1.0)
     return min(max(done / max_duration.value, 0.0), 1.0)
+
+
+def _samples(batch) -> int:
+    """Samples in a (micro)batch: the first dimension of its first tensor."""
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+    return next((int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), 1)
+

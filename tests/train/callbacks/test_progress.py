@@ -105,3 +105,29 @@ def test_registered_and_enabled_in_the_cpu_yamls():
     for name in ("yamls/tiny-cpu.yaml", "yamls/tiny-online-cpu.yaml"):
         with open(pathlib.Path(__file__).resolve().parents[3] / name) as f:
             assert "progress" in yaml.safe_load(f)["callbacks"], name
+
+
+def test_the_loss_shown_is_the_batch_mean_over_microbatches(train_kit, tmp_path):
+    """With 4 microbatches per batch the line shows the mean of the logged loss/train/total, not the last
+    microbatch's loss (issue 25, item 4)."""
+    import os
+    from composer.core import Callback
+
+    from diffusion.train.config import load_config
+    from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
+
+    class Totals(Callback):
+        def __init__(self):
+            self.values = []
+
+        def batch_end(self, state, logger):
+            self.values.append(state.total_loss_dict["loss/train/total"])
+
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=16)
+    root = pathlib.Path(__file__).resolve().parents[3]
+    cfg = load_config(os.path.join(root, "yamls", "tiny-cpu.yaml"), tiny_overrides(
+        train_kit, mds, batches=3, batch_size=8, extra=("trainer.device_train_microbatch_size=2",)))
+    out, totals = io.StringIO(), Totals()
+    fit_in_process(cfg, callbacks=[ProgressLine(every_seconds=1e9, stream=out), totals])
+    shown = float(re.search(r"loss (\d+\.\d+)", out.getvalue().strip().splitlines()[-1]).group(1))
+    assert shown == pytest.approx(sum(totals.values) / len(totals.values), abs=1e-4)
