@@ -12,7 +12,6 @@ from unittest import mock
 
 import torch
 from composer import Trainer
-from composer.algorithms import GradientClipping
 from composer.core import Evaluator
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
                             LinearWithWarmupScheduler)
@@ -20,6 +19,7 @@ from composer.utils import dist
 
 from diffusion.train import components
 from diffusion.train.algorithms.ema import EMA
+from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
 from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
 from diffusion.train.config import Config
 from diffusion import schema
@@ -267,7 +267,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     optimizer = build_optimizer(cfg, model)
     algorithms = components.build_components("algorithms", cfg.algorithms)
     if t.grad_clip_norm:
-        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=t.grad_clip_norm))
+        algorithms.append(LoggedGradientClipping(t.grad_clip_norm))  # Composer's, logging the pre-clip norm
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
     if model.text_encoder is not None and not any(isinstance(c, TextEncoderShare) for c in callbacks):

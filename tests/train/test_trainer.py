@@ -167,3 +167,24 @@ def test_eval_reports_raw_and_ema_loss_apart_and_the_grad_norm_is_logged(train_k
     assert [int(t.batch) for t, _ in norms] == [1, 2, 3, 4]
     assert all(0 < value < float("inf") for _, value in norms)
     assert logged.data["l2_norm/grad/denoiser.conv_in.weight"][0][1] > 0
+
+
+def test_the_gradient_norm_before_clipping_and_the_clip_ratio_are_logged(train_kit, mds):
+    """With trainer.grad_clip_norm the monitor's norm is the clipped one; the spikes users watch for are the
+    norm before clipping, logged every batch with the ratio clipping applied (issue 25, item 3)."""
+    from composer.loggers import InMemoryLogger
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=3, extra=(
+        "trainer.grad_clip_norm=0.001", "callbacks={optimizer_monitor: {batch_log_interval: 1}}")))
+    trainer = build_trainer(cfg)
+    logged = InMemoryLogger()
+    logged.init(trainer.state, trainer.logger)
+    trainer.logger.destinations = (*trainer.logger.destinations, logged)
+    trainer.fit()
+    trainer.close()
+    before = [v for _, v in logged.data["l2_norm/grad/global_before_clip"]]
+    after = [v for _, v in logged.data["l2_norm/grad/global"]]
+    ratio = [v for _, v in logged.data["l2_norm/grad/clip_ratio"]]
+    assert len(before) == len(after) == len(ratio) == 3
+    for b, a, r in zip(before, after, ratio):
+        assert b > 0.01 and a == pytest.approx(0.001, rel=1e-3)  # clipped to the threshold...
+        assert r == pytest.approx(0.001 / b, rel=1e-4)  # ...by this factor

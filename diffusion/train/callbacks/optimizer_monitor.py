@@ -22,6 +22,7 @@ global norm is at most the threshold. An optimizer with Composer's ``report_per_
 from __future__ import annotations
 
 import torch
+from composer.algorithms import GradientClipping
 from composer.callbacks import OptimizerMonitor as ComposerOptimizerMonitor
 from composer.core import State
 from composer.loggers import Logger
@@ -87,3 +88,19 @@ class OptimizerMonitor(ComposerOptimizerMonitor):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LoggedGradientClipping(GradientClipping):
+    """Composer's norm clipping, logging what it clipped (issue 25, item 3): every batch,
+    ``l2_norm/grad/global_before_clip`` (the whole gradient's norm, FSDP-aware as above: the spikes users
+    watch for) and ``l2_norm/grad/clip_ratio`` (the factor clipping scaled the gradient by, 1 when it did
+    not clip). ``l2_norm/grad/global`` (the monitor's) stays the norm after clipping, as applied."""
+
+    def __init__(self, clipping_threshold: float):
+        super().__init__(clipping_type="norm", clipping_threshold=clipping_threshold)
+
+    def apply(self, event, state, logger):
+        before = OptimizerMonitor.gradient_norms(state.model)["l2_norm/grad/global"]
+        ratio = min(1.0, self.clipping_threshold / before) if before > 0 else 1.0
+        logger.log_metrics({"l2_norm/grad/global_before_clip": before, "l2_norm/grad/clip_ratio": ratio})
+        return super().apply(event, state, logger)
