@@ -164,6 +164,22 @@ def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
     return model
 
 
+def check_weights_for(model: LatentDiffusion, path: str) -> None:
+    """``trainer.load_path`` must hold weights for this model: a file without them (another model, an
+    empty state) is refused in one line naming what it holds, instead of training from scratch."""
+    from diffusion.errors import ConfigError
+    from diffusion.models.latent_diffusion import LEGACY_PREFIX, PREFIX
+    state = safe_checkpoint.load(path).get("state") or {}
+    held = {k.replace(LEGACY_PREFIX, PREFIX, 1) if k.startswith(LEGACY_PREFIX) else k
+            for k in (state.get("model") or {}) if k != "_extra_state"}
+    wanted = [k for k in model.state_dict() if k.startswith(PREFIX)]
+    found = sum(k in held for k in wanted)
+    if found < len(wanted):
+        prefixes = sorted({k.split(".")[0] for k in held}) or ["no weights"]
+        raise ConfigError(f"trainer.load_path={path}: holds {len(held)} tensors ({', '.join(prefixes)}), and {found} of "
+                          f"the {len(wanted)} this {model.adapter.class_name} needs; give a checkpoint of this model")
+
+
 def _local_checkpoints_to_load(cfg: Config) -> list[str]:
     """The local files this run's Trainer will read: ``trainer.load_path`` and, with autoresume, the save
     folder's latest checkpoint of this rank."""
@@ -278,6 +294,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     safe_checkpoint.guard_composer_loads()  # load_path and autoresume read weights-only: no code runs
     for path in _local_checkpoints_to_load(cfg):  # named as the user gave them, before Composer copies them
         safe_checkpoint.check(path)
+    if t.load_path and t.load_path in _local_checkpoints_to_load(cfg):
+        check_weights_for(model, t.load_path)
     with _fsdp_device(device, cfg):
         trainer = Trainer(
             model=model, train_dataloader=train_loader, eval_dataloader=build_evaluators(cfg, eval_loader, algorithms),

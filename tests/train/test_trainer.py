@@ -188,3 +188,14 @@ def test_the_gradient_norm_before_clipping_and_the_clip_ratio_are_logged(train_k
     for b, a, r in zip(before, after, ratio):
         assert b > 0.01 and a == pytest.approx(0.001, rel=1e-3)  # clipped to the threshold...
         assert r == pytest.approx(0.001 / b, rel=1e-4)  # ...by this factor
+
+
+def test_a_load_path_without_this_models_weights_is_refused(train_kit, mds, tmp_path):
+    """trainer.load_path at a checkpoint holding no weights of this model used to train from scratch, exit
+    0 (issue 24, item 5): it is refused in one line naming what the file holds and what was needed."""
+    from diffusion.errors import ConfigError
+    path = tmp_path / "other.pt"
+    torch.save({"state": {"model": {"encoder.weight": torch.zeros(2)}, "timestamp": {}}}, path)
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=1, extra=(f"trainer.load_path={path}",)))
+    with pytest.raises(ConfigError, match=r"holds 1 tensors \(encoder\), and 0 of the \d+ this UNet2DConditionModel"):
+        build_trainer(cfg)
