@@ -4,7 +4,7 @@ Also ``python run.py ...`` for one process; with no YAML, the embedded CPU defau
 """
 
 from diffusion import cli
-from diffusion.train.command import main
+from diffusion.launch import main
 
 if __name__ == "__main__":
     cli.run(main, "run.py")

@@ -57,7 +57,7 @@ def common_overrides(args, work: str) -> list[str]:
 def run_offline(args, raw: str, work: str) -> dict:
     from diffusion.train.config import load_config
     from diffusion.convert.pipeline import ConvertConfig, run_conversion
-    from diffusion.train.ray_workers import LossHistory
+    from diffusion.stream.ray_workers import LossHistory
     from diffusion.train.trainer import build_trainer
 
     mds = os.path.join(work, "mds")
@@ -83,7 +83,7 @@ def run_offline(args, raw: str, work: str) -> dict:
 
 def run_online(args, raw: str, work: str) -> dict:
     from diffusion.train.config import load_config
-    from diffusion.train.ray_workers import run_online as train_online
+    from diffusion.stream.ray_workers import run_online as train_online
 
     overrides = common_overrides(args, work) + [
         f"data.online.input={raw}", f"data.online.work_dir={os.path.join(work, 'online')}",

@@ -71,7 +71,7 @@ def _command(module: str, prog: str, resumable: bool = False) -> Callable[[], No
 # `pip install .` puts these on PATH (setup.py's console_scripts); each is also `python -m <module>`.
 sd_download = _command("diffusion.download.job", "sd-download", resumable=True)
 sd_convert = _command("diffusion.convert.pipeline", "sd-convert", resumable=True)
-sd_train = _command("diffusion.train.command", "sd-train")
+sd_train = _command("diffusion.launch", "sd-train")
 sd_online = _command("diffusion.online", "sd-online")
 sd_generate = _command("diffusion.sample.generate", "sd-generate")
 sd_export = _command("diffusion.sample.export", "sd-export")

@@ -8,7 +8,7 @@ own GPUs, or CPUs) feeds Ray Train workers, each running the Composer trainer th
 batches of the same data contract. No MDS is written. A worker that dies takes the group down; Ray Train
 restarts it (``data.online.max_failures``) and Composer's ``autoresume`` resumes from the last
 checkpoint in ``trainer.save_folder``, which ``run.py`` can also load for further offline training.
-See :mod:`diffusion.train.ray_workers`.
+See :mod:`diffusion.stream.ray_workers`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ DEFAULT_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def main(argv: list[str] | None = None):
-    from diffusion.train import command
+    from diffusion import launch as command
     path, overrides = command.parse_args(sys.argv[1:] if argv is None else argv, prog="python -m diffusion.online",
                                          description=ONLINE_HELP, examples=ONLINE_EXAMPLES, default_yaml=DEFAULT_YAML)
     return command.main_with(path, [*overrides, "data.train.source=stream"])

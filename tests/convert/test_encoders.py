@@ -44,7 +44,7 @@ def test_output_columns_shapes_and_dtypes(encoder):
 def test_text_ids_passes_the_ids_through_and_runs_no_text_encoder(tiny_kit):
     # What --text ids, and online mode with model.text=ids, run in the encode stage.
     from diffusion.train.config import load_config
-    from diffusion.train.stream_source import convert_config
+    from diffusion.stream.stream_source import convert_config
     encoder = LatentTextEncoder(tiny_kit, [32], device="cpu", text="ids")
     assert encoder.text is None
     batch = _batch(3, np.random.default_rng(0))

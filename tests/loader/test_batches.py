@@ -9,7 +9,7 @@ from diffusion import schema
 from diffusion.train.config import TrainLoaderConfig
 from diffusion.loader import mds_source
 from diffusion.loader.batches import CaptionDropout, NoiseDraws, ToModelBatch, unit_hash
-from diffusion.train.ray_workers import ShardBatches
+from diffusion.stream.ray_workers import ShardBatches
 from train_fixtures import kit_text_dim, write_latent_mds
 
 N = 32

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from diffusion.train.algorithms.ema import EMA, parameter_name
 from diffusion.train.callbacks.nan_catcher import NonFiniteLossError
 from diffusion.train.config import load_config
-from diffusion.train.command import parse_args
+from diffusion.launch import parse_args
 from diffusion.train.trainer import build_trainer
 
 class Recorder(Callback):

@@ -17,7 +17,7 @@ import torch
 from composer.utils import dist
 from diffusion.train.algorithms.ema import EMA, parameter_name
 from diffusion.train.config import load_config
-from diffusion.train.command import parse_args
+from diffusion.launch import parse_args
 from diffusion.train.trainer import build_trainer
 
 path, overrides = parse_args(sys.argv[1:])

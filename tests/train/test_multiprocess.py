@@ -21,7 +21,7 @@ import os, sys, torch
 from composer.core import Callback
 from diffusion.train.config import load_config
 from diffusion import schema
-from diffusion.train.command import parse_args
+from diffusion.launch import parse_args
 from diffusion.train.trainer import build_trainer
 
 class Record(Callback):

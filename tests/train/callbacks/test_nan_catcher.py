@@ -10,7 +10,7 @@ from composer.models import ComposerModel
 from torch.utils.data import DataLoader, TensorDataset
 
 from diffusion.train.callbacks.nan_catcher import NaNCatcher, NonFiniteLossError
-from diffusion.train.ray_workers import LossHistory
+from diffusion.stream.ray_workers import LossHistory
 
 
 class BreaksAtBatch(ComposerModel):

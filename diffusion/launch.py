@@ -2,7 +2,7 @@
 
 Parses ``[config.yaml] [key=value ...]``, loads the config and trains from the batch source it names:
 stored MDS shards in this process (:mod:`diffusion.train.trainer`), or the stream through Ray Train
-ranks (:mod:`diffusion.train.ray_workers`).
+ranks (:mod:`diffusion.stream.ray_workers`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 from composer.utils import dist
 
 from diffusion.train.config import load_config
-from diffusion.train import ray_workers
+from diffusion.stream import ray_workers
 from diffusion.train.trainer import build_trainer, finished_message
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 TRAIN_HELP = """Train the Stable Diffusion UNet with Composer on MDS shards written by convert/laion_to_mds.py.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None):
 def main_with(path: str, overrides: list[str]):
     """Train with the config at ``path`` plus ``overrides``, from the batch source it names:
     ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
-    launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.train.ray_workers.run_online`)."""
+    launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.stream.ray_workers.run_online`)."""
     cfg = load_config(path, overrides)
     if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
         print(f"# config: {path} {' '.join(overrides)}", flush=True)

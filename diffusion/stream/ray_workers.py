@@ -32,7 +32,7 @@ from diffusion.cluster import init_ray
 from diffusion.train.config import Config
 from diffusion.errors import ConfigError
 from diffusion.loader.batches import CaptionDropout, ToModelBatch
-from diffusion.train.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
+from diffusion.stream.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
 
 TRAIN_SPLIT = "train"  # the name of the dataset passed to TorchTrainer and fetched by each worker
 DEFAULT_RUN_NAME = "online"

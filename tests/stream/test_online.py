@@ -18,8 +18,8 @@ from diffusion.train.config import ConfigError, load_config
 from diffusion import schema
 from diffusion.convert import transforms
 from diffusion.loader.batches import CaptionDropout, ToModelBatch
-from diffusion.train.stream_source import data_resources, plan_online_pools
-from diffusion.train.ray_workers import ShardBatches, TrainPlacement, check_online, run_online
+from diffusion.stream.stream_source import data_resources, plan_online_pools
+from diffusion.stream.ray_workers import ShardBatches, TrainPlacement, check_online, run_online
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
