@@ -33,7 +33,8 @@ from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, SHARD_SIZE, MDSPart
 from diffusion.convert.readers import RawColumns, check_inputs, input_files, read_raw
 from diffusion.convert.rows import KEY_SCHEME
 from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates, later_copies
-from diffusion.where import check_where, parse_where
+from diffusion.convert.where_check import check_where
+from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
 from diffusion.models import loading
 
