@@ -168,6 +168,7 @@ def check_weights_for(model: LatentDiffusion, path: str) -> None:
     """``trainer.load_path`` must hold weights for this model: a file without them (another model, an
     empty state) is refused in one line naming what it holds, instead of training from scratch."""
     from diffusion.errors import ConfigError
+    from diffusion.models.description import ModelDescription
     from diffusion.models.latent_diffusion import LEGACY_PREFIX, PREFIX
     state = safe_checkpoint.load(path).get("state") or {}
     held = {k.replace(LEGACY_PREFIX, PREFIX, 1) if k.startswith(LEGACY_PREFIX) else k
@@ -176,8 +177,14 @@ def check_weights_for(model: LatentDiffusion, path: str) -> None:
     found = sum(k in held for k in wanted)
     if found < len(wanted):
         prefixes = sorted({k.split(".")[0] for k in held}) or ["no weights"]
-        raise ConfigError(f"trainer.load_path={path}: holds {len(held)} tensors ({', '.join(prefixes)}), and {found} of "
-                          f"the {len(wanted)} this {model.adapter.class_name} needs; give a checkpoint of this model")
+        extra = (state.get("model") or {}).get("_extra_state")
+        try:  # what the checkpoint says it is, where it says
+            what = f"a {ModelDescription.from_extra_state(extra).denoiser}: " if isinstance(extra, dict) else ""
+        except KeyError:
+            what = ""
+        raise ConfigError(f"trainer.load_path={path}: holds {what}{len(held)} tensors ({', '.join(prefixes)}), and "
+                          f"{found} of the {len(wanted)} this {model.adapter.class_name} needs; give a checkpoint "
+                          f"of this model")
 
 
 def _local_checkpoints_to_load(cfg: Config) -> list[str]:

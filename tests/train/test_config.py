@@ -32,19 +32,6 @@ def test_recipe_numbers():
         assert cfg.trainer.fsdp.sharding_strategy == "SHARD_GRAD_OP"
     assert p2.algorithms["ema"] == {"smoothing": 0.9999, "start": "800000ba", "warmup": True}
 
-
-def test_micro_budget_recipe_is_microdits_published_schedule():
-    """Four phases, batch 2048: 250k masked + 30k unmasked at 256, 50k masked + 5k unmasked at 512; each
-    later phase loads the last one's final checkpoint (weights, and EMA through ema.init_from)."""
-    names = ["1-masked-256", "2-unmasked-256", "3-masked-512", "4-unmasked-512"]
-    phases = [load_config(f"{ROOT}/yamls/micro-budget/{n}.yaml") for n in names]
-    assert [(p.model.resolution, p.model.masking.ratio, p.trainer.max_duration) for p in phases] == [
-        (256, 0.75, "250000ba"), (256, 0.0, "30000ba"), (512, 0.75, "50000ba"), (512, 0.0, "5000ba")]
-    assert {p.data.train.batch_size for p in phases} == {2048} and {p.model.objective for p in phases} == {"flow"}
-    for before, after in zip(phases, phases[1:]):
-        handed = f"{before.trainer.save_folder}/latest-rank0.pt"
-        assert after.trainer.load_path == handed and after.trainer.load_weights_only
-        assert after.algorithms["ema"]["init_from"] == handed
     assert p2.trainer.load_weights_only and p2.trainer.load_strict  # strict: a key mismatch fails
 
 
@@ -196,3 +183,17 @@ def test_run_py_refuses_path_and_streams_in_one_line():
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("run.py: error: data.train.path=out/demo/mds and "
                                                              "data.train.streams are both set")
+
+
+def test_micro_budget_recipe_is_microdits_published_schedule():
+    """Four phases, batch 2048: 250k masked + 30k unmasked at 256, 50k masked + 5k unmasked at 512; each
+    later phase loads the last one's final checkpoint (weights, and EMA through ema.init_from)."""
+    names = ["1-masked-256", "2-unmasked-256", "3-masked-512", "4-unmasked-512"]
+    phases = [load_config(f"{ROOT}/yamls/micro-budget/{n}.yaml") for n in names]
+    assert [(p.model.resolution, p.model.masking.ratio, p.trainer.max_duration) for p in phases] == [
+        (256, 0.75, "250000ba"), (256, 0.0, "30000ba"), (512, 0.75, "50000ba"), (512, 0.0, "5000ba")]
+    assert {p.data.train.batch_size for p in phases} == {2048} and {p.model.objective for p in phases} == {"flow"}
+    for before, after in zip(phases, phases[1:]):
+        handed = f"{before.trainer.save_folder}/latest-rank0.pt"
+        assert after.trainer.load_path == handed and after.trainer.load_weights_only
+        assert after.algorithms["ema"]["init_from"] == handed
