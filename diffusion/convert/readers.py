@@ -65,7 +65,7 @@ from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_inp
                                              record_failed_input)
 from diffusion.convert.transforms import BAD_METADATA, Rejected, write_rejects
 from diffusion.convert.rows import DUPLICATE_IMAGE, REJECT, ROWS_PER_BATCH, derived_key, row_batches, row_key
-from diffusion.convert.tfrecord import example_features
+from diffusion.tfrecord import example_features
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
 
@@ -429,7 +429,7 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
     yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
 
 
-# ---- tfrecord (the wire format: diffusion.convert.tfrecord) ------------------------------------
+# ---- tfrecord (the wire format: diffusion.tfrecord) ------------------------------------
 
 def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
     """Samples of an img2dataset tfrecord file; a record cut short, or one that is not a

@@ -12,13 +12,12 @@ import math
 from typing import Iterator
 
 from diffusion import schema
-from diffusion.convert.transforms import BAD_CAPTION, BAD_KEY, BAD_SIZE, UNDECODABLE, Rejected
+from diffusion.rejects import (  # noqa: F401 (also for this module's importers)
+    BAD_CAPTION, BAD_KEY, BAD_SIZE, DUPLICATE_IMAGE, DUPLICATE_KEY, REJECT, UNDECODABLE, Rejected)
 
 RAW_COLUMNS = (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH, schema.HEIGHT)
 ROWS_PER_BATCH = 64  # rows per yielded batch: small, so one huge file never becomes one huge block
 KEY_SCHEME = 2  # how rows without a key get one; an output made with another scheme is not resumed
-DUPLICATE_IMAGE = "duplicate_image"  # reject reason: the same image bytes as an earlier row (--dedupe)
-DUPLICATE_KEY = "duplicate_key"  # reject reason: a key already given to an earlier row (this file or an earlier one)
 
 
 
@@ -102,7 +101,6 @@ def valid_row(row: dict, name: str, index: int) -> dict:
             schema.WIDTH: _size(row.get(schema.WIDTH), "width"), schema.HEIGHT: _size(row.get(schema.HEIGHT), "height")}
 
 
-REJECT = "_reject"  # a row generator yields {REJECT: reason, RAW_KEY: key or None} for a sample it cannot make
 
 
 def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None) -> Iterator[dict]:

@@ -26,33 +26,15 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert import settings
-
-# Rejection reasons (the keys of ``rejects`` in stats and dataset.json).
-UNDECODABLE = "undecodable"
-TOO_MANY_PIXELS = "too_many_pixels"
-TOO_SMALL = "too_small"
-ASPECT_RATIO = "aspect_ratio"
-EMPTY_CAPTION = "empty_caption"  # no caption, or nothing visible in it once invisible characters are removed
-UNSUPPORTED_MODE = "unsupported_mode"  # decoded, but its pixel format cannot be turned into 8-bit RGB
-# Rows whose values are of the wrong kind (found by the readers, before anything is decoded):
-BAD_CAPTION = "bad_caption"  # not text: a number, a list, bytes that are not UTF-8
-BAD_KEY = "bad_key"  # a key that is not text or a whole number
-BAD_SIZE = "bad_size"  # a width/height that is not a whole number of pixels
-BAD_METADATA = "bad_metadata"  # a webdataset sample whose .json sidecar is not a JSON object
+from diffusion.rejects import (  # noqa: F401 (the vocabulary, also for this module's importers)
+    ASPECT_RATIO, BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, EMPTY_CAPTION, LEGACY_RECORD_SUFFIX, RECORD_SUFFIX,
+    TOO_MANY_PIXELS, TOO_SMALL, UNDECODABLE, UNSUPPORTED_MODE, Rejected, write_rejects)
 
 STAGE_SECONDS = "_transform_seconds"  # per-row share of the batch's wall time, when timing is on
 _ORIENTATION = 0x0112
 _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
               5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
               8: Image.Transpose.ROTATE_90}
-
-
-class Rejected(Exception):
-    """A row that is skipped and counted, with its reason."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,24 +210,6 @@ def center_square_crops(image: Image.Image, resolutions) -> dict[int, np.ndarray
         box = None
         crops[r] = np.asarray(source, dtype=np.uint8)
     return crops
-
-
-# The converter's own records below an output's root (parts' keys and stats, rejects, failed inputs)
-# are one line of JSON each, named *.jsonl: streaming's merge_index(root) takes every *.json below the
-# root for a part's index.json, so none of them may end in .json. Outputs written before used .json;
-# a re-run renames them (diffusion.convert.sink.migrate_records).
-RECORD_SUFFIX = ".jsonl"
-LEGACY_RECORD_SUFFIX = ".json"
-
-
-def write_rejects(directory: str, rejects: dict[str, str]) -> str:
-    """Record rejected keys (key -> reason) in a new small file, atomically, for counting and resume."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{uuid.uuid4().hex}{RECORD_SUFFIX}")
-    with open(path + ".tmp", "w") as f:
-        json.dump(rejects, f)
-    os.replace(path + ".tmp", path)
-    return path
 
 
 class ImageCaptionTransform:

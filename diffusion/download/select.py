@@ -30,11 +30,11 @@ import pyarrow.fs as pa_fs
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from diffusion.rejects import DUPLICATE_URL  # noqa: F401 (also for this module's importers)
 from diffusion.where import RowFilter, parse_where
 from diffusion.download.plan import InputColumns, ShardSpec, read_input
 from diffusion.errors import ConfigError
 
-DUPLICATE_URL = "duplicate_url"
 
 
 def file_columns(fs: pa_fs.FileSystem, path: str, fmt: str) -> list[str]:
