@@ -230,7 +230,7 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
     raw: dict = {}
     if path:
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = _parse_yaml(f, path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
@@ -250,7 +250,30 @@ def apply_override(raw: dict, override: str) -> None:
         if not isinstance(child, dict):
             child = node[part] = {}
         node = child
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    node[parts[-1]] = _parse_yaml(value, f"override {override!r}") if value.strip() else None
+
+
+def _parse_yaml(text, where: str):
+    """``yaml.safe_load`` (plain data: no tag builds a Python object), its errors as one line naming
+    ``where``, the line and column, and what YAML found there."""
+    try:
+        return yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not valid YAML: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None and not where.startswith(
+            "override") else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        context = getattr(e, "context", None)
+        if context and not isinstance(e, yaml.constructor.ConstructorError):
+            problem = f"{' '.join(context.split())}: {problem}"
+        tag = re.search(r"tag '([^']*)'", problem)
+        if isinstance(e, yaml.constructor.ConstructorError) and tag:
+            shown = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+            problem = (f"the tag {shown} is not allowed: a config holds plain values (numbers, strings, lists, "
+                       f"mappings), never Python objects")
+        raise ConfigError(f"{where}{at}: not valid YAML: {problem}") from None
 
 
 def from_dict(raw: dict) -> Config:

@@ -197,3 +197,40 @@ def test_micro_budget_recipe_is_microdits_published_schedule():
         handed = f"{before.trainer.save_folder}/latest-rank0.pt"
         assert after.trainer.load_path == handed and after.trainer.load_weights_only
         assert after.algorithms["ema"]["init_from"] == handed
+
+
+@pytest.mark.parametrize("text, names", [
+    ("model:\n  resolution: 256\n   ref: x\n", "line 3, column 7: not valid YAML: mapping values are not allowed"),
+    ("model: {resolution: [1, 2\n", "line 2, column 1: not valid YAML: while parsing a flow sequence"),
+    ("model:\n\tresolution: 3\n", "line 2, column 1: not valid YAML: .*'\\\\t'"),
+    ("trainer: !!python/object/apply:os.system ['echo hi']\n", "line 1, column 10: .*!!python/object/apply:os.system "
+                                                               "is not allowed"),
+    ("trainer:\n  load_path: !!python/name:os.system\n", "line 2, column 14: .*!!python/name:os.system is not allowed"),
+    (b"model:\n  ref: \xff\xfe\n", "not valid YAML: not UTF-8 text"),
+])
+def test_yaml_syntax_errors_and_python_tags_are_one_line_naming_the_file(tmp_path, text, names):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}, .*{names}|^{re.escape(str(path))}: {names}"):
+        load_config(str(path))
+
+
+def test_an_override_that_is_not_yaml_is_named():
+    with pytest.raises(ConfigError, match=r"^override 'optimizer.betas=\[0.9, 0.99': not valid YAML"):
+        load_config(TINY, ["optimizer.betas=[0.9, 0.99"])
+    with pytest.raises(ConfigError, match=r"override 'trainer.load_path=!!python/name:os.system'.*is not allowed"):
+        load_config(TINY, ["trainer.load_path=!!python/name:os.system"])
+
+
+def test_run_py_refuses_a_python_tag_in_one_line_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "hostile.yaml"
+    path.write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    result = subprocess.run([sys.executable, "run.py", str(path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [f"run.py: error: {path}, line 1, column 8: not valid YAML: the tag "
+                                                 f"!!python/object/apply:os.system is not allowed: a config holds "
+                                                 f"plain values (numbers, strings, lists, mappings), never Python "
+                                                 f"objects"]
+    assert not marker.exists()
