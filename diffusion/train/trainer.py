@@ -26,6 +26,7 @@ from diffusion import schema
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
+from diffusion.train import save_folder
 from diffusion.models import denoisers, objectives, safe_checkpoint
 from diffusion.models.masking import PatchMask
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
@@ -245,7 +246,8 @@ def attach_text_encoder(cfg: Config, model: LatentDiffusion, info: schema.Datase
     if empty_ids is None:  # a dataset written before dataset.json recorded them: its tokenizer's
         empty_ids = dataset_info.load_empty_input_ids(cfg.data.train)
     model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
-                                                  empty_text_embeds=empty_text_embeds, where=where)
+                                                  empty_text_embeds=empty_text_embeds, probe=info.text_probe,
+                                                  where=where)
 
 
 def _empty_embedding_or_none(loader_cfg):
@@ -298,6 +300,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     loggers, console = _console_logging(cfg.loggers)
     if t.autoresume:
         forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy
+    # one run per save folder; checkpoints written whole; a cut one set aside before autoresume looks
+    callbacks += save_folder.claim(t.save_folder, _run_name(cfg), t.autoresume)
     safe_checkpoint.guard_composer_loads()  # load_path and autoresume read weights-only: no code runs
     for path in _local_checkpoints_to_load(cfg):  # named as the user gave them, before Composer copies them
         safe_checkpoint.check(path)

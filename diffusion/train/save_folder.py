@@ -1,0 +1,293 @@
+"""The save folder: one run at a time, checkpoints written whole, a resume never blocked by a cut one.
+
+- **Atomic saves.** Composer 0.32 writes a checkpoint straight under its final name: a kill -9 or a
+  full disk mid-write leaves a truncated ``ep0-ba8-rank0.pt``, and every later autoresume stops with
+  Composer's "... may conflict with a future checkpoint" until someone deletes it.
+  :func:`write_checkpoints_atomically` makes Composer write ``.partial-<name>`` and rename it to
+  ``<name>`` once complete (and flushed to disk), so a checkpoint under its final name is always whole.
+  Remote uploads start from that renamed file (Composer's uploader copies it, then uploads), and an
+  object store shows an object only once its upload completes. A write that fails for want of space
+  removes its partial file and stops the run in one line (``OSError`` ENOSPC naming the checkpoint).
+- **Resume.** With autoresume, :func:`recover` looks at the folder first: unfinished ``.partial-`` files
+  are removed, a checkpoint cut short (written before atomic saves, or by other tools) is set aside
+  as ``<name>.incomplete``, and ``latest-rank0.pt`` is pointed at the last complete checkpoint; each
+  step is one line on stderr.
+- **One run per folder.** :class:`SaveFolderLock` holds ``.run.lock`` in the (local) folder: an advisory
+  ``flock`` the kernel drops when the process dies, and the holder's pid, host and command. A second
+  run is refused at start naming the folder and the live run. A lock left by a dead process on this
+  host is stale and taken over (one line); one written by another host whose lock is free cannot be
+  judged from here and is refused, saying to delete it if that run is gone.
+
+Checkpoints are Composer's defaults: ``ep{epoch}-ba{batch}-rank{rank}.pt`` and ``latest-rank{rank}.pt``;
+only global rank 0 writes them (monolithic checkpoints). Sharded checkpoints are folders Composer links
+only once complete, and are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import sys
+import time
+import zipfile
+
+from composer.core import Callback
+
+from diffusion.errors import UserError
+
+PARTIAL_PREFIX = ".partial-"
+INCOMPLETE_SUFFIX = ".incomplete"
+LOCK_NAME = ".run.lock"
+LATEST = "latest-rank0.pt"
+_CHECKPOINT = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class SaveFolderInUse(UserError):
+    """Another live run holds the save folder."""
+
+
+def note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+# ---- atomic saves -------------------------------------------------------------------------------------
+
+def write_checkpoints_atomically() -> None:
+    """Route Composer's checkpoint writes (``composer.utils.checkpoint._write_checkpoint_file``, the one
+    function every monolithic save goes through) through :func:`_write_whole`."""
+    from composer.utils import checkpoint as composer_checkpoint
+    original = composer_checkpoint._write_checkpoint_file
+    if getattr(original, "atomic", False):
+        return
+
+    def write(state_dict, filename):
+        _write_whole(original, state_dict, filename)
+    write.atomic = True
+    composer_checkpoint._write_checkpoint_file = write
+
+
+def _write_whole(write, state_dict, filename: str) -> None:
+    """``write(state_dict, partial)``, flushed to disk, then renamed to ``filename``; the partial file is
+    removed if anything fails. The partial name keeps the ending (``.pt``, ``.tar.gz`` ...) Composer
+    picks the format by."""
+    folder, name = os.path.split(filename)
+    partial = os.path.join(folder, PARTIAL_PREFIX + name)
+    try:
+        write(state_dict, partial)
+        _fsync(partial)
+        os.replace(partial, filename)
+        _fsync(folder or ".")
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        if isinstance(e, OSError) and e.errno in _FULL:
+            raise OSError(e.errno, f"{os.strerror(e.errno)}: this checkpoint was not saved (its unfinished file is "
+                                   f"removed; the checkpoints before it are whole); free space, then re-run with "
+                                   f"trainer.autoresume=true to continue from the last one", filename) from None
+        raise
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- resume --------------------------------------------------------------------------------------------
+
+def is_complete(path: str) -> bool:
+    """Whether a ``torch.save`` file is whole: torch writes a zip archive whose directory comes last, so
+    a file cut short has none (or is empty)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n.endswith("/data.pkl") or n == "data.pkl" for n in archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def recover(folder: str) -> list[str]:
+    """Make the local save ``folder`` resumable (see the module docstring); returns the notices given."""
+    notices = []
+    if not os.path.isdir(folder):
+        return notices
+    complete = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.startswith(PARTIAL_PREFIX) and not os.path.isdir(path):
+            os.remove(path)
+            notices.append(f"removed {path}, a checkpoint write that never finished")
+            continue
+        match = _CHECKPOINT.match(name)
+        if not match or os.path.islink(path) or not os.path.isfile(path):
+            continue
+        if is_complete(path):
+            complete.append((int(match.group(2)), name))
+        else:
+            os.replace(path, path + INCOMPLETE_SUFFIX)
+            notices.append(f"set aside {path} as {name + INCOMPLETE_SUFFIX}: it was cut short "
+                           f"({os.path.getsize(path + INCOMPLETE_SUFFIX)} bytes, no zip directory); resuming from "
+                           f"the last complete checkpoint (delete the set-aside file once you no longer need it)")
+    latest = os.path.join(folder, LATEST)
+    target = os.path.join(folder, os.readlink(latest)) if os.path.islink(latest) else None
+    newest = max(complete)[1] if complete else None
+    if target is not None and os.path.isfile(target) and is_complete(target):
+        # a complete latest: moved only when a newer complete checkpoint exists (a kill between the
+        # rename and Composer's symlink update), which Composer would otherwise refuse to save past
+        inside = os.path.dirname(os.path.abspath(target)) == os.path.abspath(folder)
+        current = _CHECKPOINT.match(os.path.basename(target)) if inside else None
+        if newest is None or current is None or int(current.group(2)) >= max(complete)[0]:
+            return notices
+    if newest is not None:
+        _point(latest, newest)
+        notices.append(f"{latest} now points to {newest}, the last complete checkpoint")
+    elif os.path.lexists(latest):
+        os.remove(latest)
+        notices.append(f"removed {latest}: it pointed to no complete checkpoint and there is none; "
+                       f"training starts from the beginning")
+    return notices
+
+
+def _point(link: str, name: str) -> None:
+    temporary = f"{link}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(temporary)
+    os.symlink(name, temporary)
+    os.replace(temporary, link)
+
+
+# ---- one run per folder -----------------------------------------------------------------------------
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), telling a reused pid from the holder."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return start is None or _start_time(pid) in (None, start)
+
+
+class SaveFolderLock(Callback):
+    """``.run.lock`` in ``folder`` for the life of this process's run (see the module docstring); a Composer
+    callback that releases it when the Trainer closes (after the checkpoint saver's last upload).
+
+    Args:
+        folder: the local save folder.
+        shown: how the folder is named in messages (``trainer.save_folder`` as given).
+    """
+
+    def __init__(self, folder: str, shown: str | None = None):
+        self.folder, self.shown = folder, shown or folder
+        self.path = os.path.join(folder, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> list[str]:
+        """Take the lock or raise :class:`SaveFolderInUse`; returns the notices given (a stale lock taken over)."""
+        os.makedirs(self.folder, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._read(fd)
+                os.close(fd)
+                if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+                    return []  # this process's own earlier trainer, still open: the same run
+                raise SaveFolderInUse(self._refusal(holder, "is running")) from None
+            if os.path.exists(self.path) and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                break
+            os.close(fd)  # released and removed between our open and flock: take the new file
+        holder, notices = self._read(fd), []
+        if holder:
+            if holder.get("host") != me["host"]:
+                os.close(fd)
+                raise SaveFolderInUse(self._refusal(holder, "may still be running (another host: it cannot be "
+                                                            "checked from here)", stale_hint=True))
+            if holder.get("pid") != me["pid"]:
+                state = "exited" if not _alive(holder.get("pid", -1), holder.get("start")) else "released its lock"
+                notices.append(f"{self.path}: taking over the lock of pid {holder.get('pid')} on {holder.get('host')}, "
+                               f"which {state} without removing it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**me, "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                  "command": " ".join(sys.argv)[:300]}).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return notices
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+                os.remove(self.path)  # removed while still locked, so no one else can hold this inode
+        os.close(self._fd)
+        self._fd = None
+
+    def post_close(self) -> None:
+        self.release()
+
+    @staticmethod
+    def _read(fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, OSError):
+            return {}
+
+    def _refusal(self, holder: dict, status: str, stale_hint: bool = False) -> str:
+        who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}: "
+               f"{holder.get('command', '?')}")
+        hint = f"; if it is not, delete {self.path}" if stale_hint else ""
+        return (f"trainer.save_folder={self.shown} is in use by another run ({who}), which {status}{hint}; two "
+                f"runs in one folder overwrite each other's checkpoints: wait for it, stop it, or give this run "
+                f"another trainer.save_folder")
+
+
+# ---- at the start of a run -----------------------------------------------------------------------------
+
+def claim(save_folder: str | None, run_name: str | None, autoresume: bool) -> list[Callback]:
+    """At the start of a run, on global rank 0: lock the save folder and, with autoresume, :func:`recover`
+    it; every rank raises the same error if that fails. Returns ``[lock]`` for the Trainer's callbacks
+    (``[]`` without a save folder, and on other ranks)."""
+    from composer.utils import dist, format_name_with_dist, parse_uri
+    if not save_folder:
+        return []
+    write_checkpoints_atomically()
+    lock, error = None, None
+    if dist.get_global_rank() == 0:
+        # the local folder Composer saves in (a remote save_folder's local copy: its path as a relative one)
+        folder = format_name_with_dist(parse_uri(save_folder)[2], run_name or "")
+        lock = SaveFolderLock(folder, save_folder)
+        try:
+            notices = lock.acquire()
+            if autoresume:
+                notices += recover(folder)
+            for message in notices:
+                note(message)
+        except UserError as e:
+            error = e
+    if dist.get_world_size() > 1:
+        shared = [str(error) if error else None]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] and error is None:
+            error = SaveFolderInUse(shared[0])
+    if error is not None:
+        raise error
+    return [lock] if lock is not None else []

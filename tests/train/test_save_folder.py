@@ -1,0 +1,152 @@
+"""The save folder under crashes and collisions (issue 24 items 3 and 4), with real training processes:
+
+- a second run into a live run's ``trainer.save_folder`` is refused at start, naming the folder and the run;
+- a run killed (SIGKILL) in the middle of writing a checkpoint leaves no cut file under a checkpoint's
+  name: the re-run takes over the dead run's lock, resumes from the last complete checkpoint and saves
+  past the one it was writing;
+- a cut checkpoint under its final name (written by older code, or copied half) is set aside, not a
+  dead end;
+- a full disk while saving is one line, with the unfinished file removed and the earlier checkpoints whole.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from diffusion.train.save_folder import LOCK_NAME, is_complete
+from train_fixtures import tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
+
+# run.py with Composer's checkpoint writer wrapped: at the save of batch HOLD_AT it waits for GO to exist,
+# then writes half of the checkpoint and kills itself with SIGKILL, as a preempted node would.
+HOLDING_RUN = textwrap.dedent("""
+    import os, signal, sys, time
+    import composer.utils.checkpoint as checkpoint
+    write = checkpoint._write_checkpoint_file
+    hold_at, go = sys.argv[1], sys.argv[2]
+    def cut_short(state_dict, filename):
+        if f"-ba{hold_at}-" not in filename:
+            return write(state_dict, filename)
+        while not os.path.exists(go):
+            time.sleep(0.1)
+        write(state_dict, filename)
+        size = os.path.getsize(filename)
+        with open(filename, "r+b") as f:
+            f.truncate(size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint._write_checkpoint_file = cut_short
+    sys.argv = ["run.py", *sys.argv[3:]]
+    from diffusion import cli
+    from diffusion.launch import main
+    cli.run(main, "run.py")
+""")
+
+
+@pytest.fixture(scope="module")
+def mds(train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=train_kit, n=32)
+
+
+def _args(kit, mds, folder, batches, *extra):
+    return [TINY, *tiny_overrides(kit, mds, batches=batches, save_folder=str(folder),
+                                  extra=("trainer.save_interval=2ba", "algorithms={}", *extra))]
+
+
+def _run(args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _error_lines(result):
+    return [line for line in result.stderr.splitlines() if "error" in line]
+
+
+def _wait_for(predicate, what, process, timeout=240):
+    deadline = time.time() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            raise AssertionError(f"the holding run exited ({process.returncode}) before {what}: "
+                                 f"{process.stderr.read()[-3000:]}")
+        assert time.time() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.2)
+
+
+def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_checkpoint(train_kit, mds, tmp_path):
+    folder, go = tmp_path / "ckpt", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-c", HOLDING_RUN, "4", str(go),
+                              *_args(train_kit, mds, folder, 6, "trainer.autoresume=true")],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # batch 2's checkpoint is written, batch 4's write waits for GO: the first run is live
+        _wait_for(lambda: os.path.isfile(folder / "ep0-ba2-rank0.pt") and os.path.islink(folder / "latest-rank0.pt"),
+                  "checkpoint at batch 2", first)
+        second = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        [line] = _error_lines(second)
+        assert line.startswith(f"run.py: error: trainer.save_folder={folder} is in use by another run (pid "
+                               f"{first.pid} on "), line
+        assert "run.py" in line and "give this run another trainer.save_folder" in line
+        assert first.poll() is None  # the live run was left alone
+        go.touch()
+        first.wait(timeout=240)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == -signal.SIGKILL
+    # the write was cut: nothing under batch 4's checkpoint name, the earlier checkpoint whole
+    assert not os.path.exists(folder / "ep0-ba4-rank0.pt")
+    assert os.path.isfile(folder / ".partial-ep0-ba4-rank0.pt")
+    assert is_complete(str(folder / "ep0-ba2-rank0.pt"))
+    kept = os.stat(folder / "ep0-ba2-rank0.pt")
+
+    again = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"taking over the lock of pid {first.pid}" in again.stderr and "which exited" in again.stderr
+    assert "a checkpoint write that never finished" in again.stderr
+    # resumed from batch 2 (its checkpoint untouched) and saved batches 4 and 6, each whole
+    after = os.stat(folder / "ep0-ba2-rank0.pt")
+    assert (after.st_ino, after.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)
+    assert sorted(n for n in os.listdir(folder) if n.startswith("ep")) == [f"ep{(b - 1) // 4}-ba{b}-rank0.pt"
+                                                                             for b in (2, 4, 6)]
+    assert all(is_complete(str(folder / n)) for n in os.listdir(folder) if n.startswith("ep"))
+    assert os.readlink(folder / "latest-rank0.pt") == "ep1-ba6-rank0.pt"
+    assert not os.path.exists(folder / LOCK_NAME)  # released at the end of the run
+
+    # a checkpoint cut short under its final name (older code, a half copy) is set aside, not a dead end
+    last = folder / "ep1-ba6-rank0.pt"
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) // 3)
+    resumed = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"set aside {last} as ep1-ba6-rank0.pt.incomplete: it was cut short" in resumed.stderr
+    assert f"now points to ep0-ba4-rank0.pt, the last complete checkpoint" in resumed.stderr
+    assert os.path.isfile(str(last) + ".incomplete") and is_complete(str(last))  # batch 6 trained again
+    assert os.readlink(folder / "latest-rank0.pt") == "ep1-ba6-rank0.pt"
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoints_whole(train_kit, mds, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    # batch 4's checkpoint lands on a device that is always full
+    os.symlink("/dev/full", folder / ".partial-ep0-ba4-rank0.pt")
+    result = _run(_args(train_kit, mds, folder, 4))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    [line] = _error_lines(result)
+    assert line.startswith(f"run.py: error: {folder / 'ep0-ba4-rank0.pt'}: No space left on device: this "
+                           f"checkpoint was not saved"), line
+    assert not os.path.lexists(folder / ".partial-ep0-ba4-rank0.pt")
+    assert not os.path.exists(folder / "ep0-ba4-rank0.pt")
+    assert is_complete(str(folder / "ep0-ba2-rank0.pt"))
+    assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba2-rank0.pt"
