@@ -162,6 +162,9 @@ class DatasetInfo:
     text: str = TEXT_BOTH  # text storage (TEXT_STORAGE); "both" for datasets written before it was recorded
     text_encoder: str | None = None  # reference of the tokenizer and text encoder (None: ``model``)
     empty_input_ids: list[int] | None = None  # token ids of "" (what caption dropout substitutes for ids)
+    # The text encoder's fingerprint: ids and mean embeddings of fixed captions, checked when training
+    # from ids (:func:`diffusion.models.text_encoder.text_probe`); None in datasets written before it.
+    text_probe: dict | None = None
     count: int = 0  # samples written
     rows_in: int = 0  # rows read from the input
     rejects: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count

@@ -83,9 +83,10 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
     class_embeds = rng.normal(size=(CLASSES, schema.MAX_TOKENS, text_dim))
     # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
     empty_embeds = np.full((schema.MAX_TOKENS, text_dim), -1.0, dtype=np.float16)
+    probe = None
     if text_encoder:
         from diffusion.convert.encoders import TextEncoder
-        from diffusion.models.text_encoder import empty_caption_ids
+        from diffusion.models.text_encoder import empty_caption_ids, text_probe
         encoder = TextEncoder(text_encoder, device="cpu")
         class_ids = encoder.tokenizer([f"class {c}" for c in range(CLASSES)], padding="max_length",
                                       max_length=schema.MAX_TOKENS, truncation=True, return_tensors="np")["input_ids"]
@@ -93,6 +94,7 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
         class_embeds = encoder.encode_ids(class_ids)
         empty_ids = empty_caption_ids(encoder.tokenizer)
         empty_embeds = encoder.encode_ids(empty_ids[None])[0]
+        probe = text_probe(encoder.tokenizer, encoder.encode_ids)
     columns = schema.mds_columns([resolution], text_dim, text=text)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     # A shard holds samples_per_shard samples whichever text columns are stored (the same rows give the
@@ -115,7 +117,7 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
             writer.write({name: value for name, value in sample.items() if name in columns})
     schema.DatasetInfo(model=text_encoder or kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution],
                        text_dim=text_dim, count=n, rows_in=n, text=text, text_encoder=text_encoder,
-                       empty_input_ids=[int(i) for i in empty_ids]).save(out)
+                       empty_input_ids=[int(i) for i in empty_ids], text_probe=probe).save(out)
     np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty_embeds.astype(np.float16))
     return out
 

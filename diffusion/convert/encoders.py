@@ -16,7 +16,7 @@ import torch
 
 from diffusion import schema
 from diffusion.models import loading
-from diffusion.models.text_encoder import empty_caption_ids
+from diffusion.models.text_encoder import empty_caption_ids, text_probe
 
 STAGE_SECONDS = "_encode_seconds"  # per-row share of the batch's wall time, when timing is on
 
@@ -148,5 +148,6 @@ def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS
     info = schema.DatasetInfo(model=model_ref, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
                               resolutions=list(resolutions), text_dim=encoder.dim,
                               downsample=loading.vae_downsample(vae_config), text=text, text_encoder=model_ref,
-                              empty_input_ids=[int(i) for i in empty_ids])
+                              empty_input_ids=[int(i) for i in empty_ids],
+                              text_probe=text_probe(encoder.tokenizer, encoder.encode_ids))
     return info, encoder.encode_ids(empty_ids[None])[0]

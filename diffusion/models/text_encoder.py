@@ -30,6 +30,34 @@ from diffusion.models import loading
 EMPTY_EMBEDDING_TOLERANCE = 0.05
 
 
+# Captions whose embeddings fingerprint a text encoder (``dataset.json``'s ``text_probe``): the empty
+# caption alone tells a causal encoder's first tokens and padding, not how it reads words.
+PROBE_CAPTIONS = ("a red bicycle leaning against a brick wall at noon",
+                  "an oil painting of two grey cats asleep on a blue sofa, evening light")
+
+
+def text_probe(tokenizer, encode_ids) -> dict:
+    """The fingerprint of a text encoder the converter records for training from ids: the ids of
+    :data:`PROBE_CAPTIONS` and the mean over tokens of their embeddings (``encode_ids(ids)`` → (B, 77, D)),
+    rounded to 5 significant digits."""
+    ids = tokenizer(list(PROBE_CAPTIONS), padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
+                    return_tensors="np")["input_ids"].astype(np.int32)
+    means = np.asarray(encode_ids(ids), dtype=np.float32).mean(axis=1)
+    return {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(),
+            "mean_embedding": [[float(f"{v:.5g}") for v in row] for row in means]}
+
+
+def _probe_difference(encoder: "FrozenTextEncoder", probe: dict) -> float:
+    """Largest difference between the probe's recorded mean embeddings and ``encoder``'s, relative to the
+    recorded ones' largest magnitude (inf where the shapes differ)."""
+    ids = torch.as_tensor(np.asarray(probe["input_ids"], dtype=np.int64))
+    mine = encoder(ids).float().mean(dim=1).numpy()
+    theirs = np.asarray(probe["mean_embedding"], dtype=np.float32)
+    if mine.shape != theirs.shape:
+        return float("inf")
+    return float(np.abs(mine - theirs).max()) / (float(np.abs(theirs).max()) or 1.0)
+
+
 def empty_caption_ids(tokenizer) -> np.ndarray:
     """The token ids of "" (int32, 77): what caption dropout substitutes in a batch of ids."""
     return tokenizer([""], padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
@@ -89,10 +117,11 @@ class FrozenTextEncoder:
 
 
 def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
-                             where: str = "") -> FrozenTextEncoder:
+                             probe: dict | None = None, where: str = "") -> FrozenTextEncoder:
     """The text encoder of ``ref`` for training from ids, checked before the first step: it loads, its
     width is the UNet's ``text_dim``, the ids fit its vocabulary, and where the dataset's empty-caption
-    embedding is given, it reproduces it from ``empty_input_ids`` (so the ids were made for it).
+    embedding is given, it reproduces it from ``empty_input_ids``, and where the dataset recorded a
+    ``probe`` (:func:`text_probe`), the probe captions' embeddings too (so the ids were made for it).
     ``where`` says where the reference came from, for the error messages."""
     where = f" ({where})" if where else ""
     try:
@@ -123,5 +152,13 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
                 f"caption (largest difference {difference:.3g} of its scale; float rounding stays under "
                 f"{EMPTY_EMBEDDING_TOLERANCE}): the dataset's ids were made for another text encoder; name that one "
                 f"in model.text_encoder")
-        encoder.take_seconds()  # the check is not training time
+    if probe:
+        difference = _probe_difference(encoder, probe)
+        if difference > EMPTY_EMBEDDING_TOLERANCE:
+            raise DatasetMismatchError(
+                f"text encoder {ref!r}{where} does not give the embeddings dataset.json's text_probe recorded for "
+                f"its captions (largest difference {difference:.3g} of their scale; float rounding stays under "
+                f"{EMPTY_EMBEDDING_TOLERANCE}): the dataset's ids were encoded by another text encoder when it was "
+                f"converted; name that one in model.text_encoder")
+    encoder.take_seconds()  # the checks are not training time
     return encoder

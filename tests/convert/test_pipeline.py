@@ -161,6 +161,10 @@ def test_text_ids_stores_token_ids_and_no_embeddings(converted, convert_config, 
     info = schema.DatasetInfo.load(str(tmp_path / "ids"))
     assert info.text == "ids" and info.text_encoder == tiny_kit
     assert info.empty_input_ids == tokenizer("", padding="max_length", max_length=77)["input_ids"]
+    # the text encoder's fingerprint, which training from these ids checks its encoder against
+    probe = info.text_probe
+    assert probe["input_ids"] == tokenizer(probe["captions"], padding="max_length", max_length=77)["input_ids"]
+    assert np.asarray(probe["mean_embedding"]).shape == (len(probe["captions"]), info.text_dim)
     embeds_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(converted[0]) for f in fs
                        if ".mds" in f) / len(embeds_samples)
     ids_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "ids") for f in fs

@@ -16,7 +16,7 @@ from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.train.config import load_config
 from diffusion.errors import DatasetMismatchError, ModelReferenceError
 from diffusion.train.trainer import build_trainer
-from train_fixtures import close_trainer, fit_in_process, tiny_overrides, write_latent_mds
+from train_fixtures import close_trainer, fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -145,6 +145,30 @@ def test_a_missing_or_wrong_text_encoder_fails_at_start_naming_it(train_kit, tin
     moved = _copy_with_dataset_json(ids, tmp_path / "moved", text_encoder=str(tmp_path / "gone"))
     with pytest.raises(ModelReferenceError, match=r"text encoder .*gone.* \(the text encoder dataset.json records\)"):
         build_trainer(_config(train_kit, moved))
+
+
+def test_a_text_encoder_that_differs_only_past_the_empty_caption_is_refused_at_start(train_kit, tiny_kit, datasets,
+                                                                                      tmp_path):
+    """The empty caption's check alone passes an encoder whose word embeddings differ: dataset.json's
+    text_probe (the converter's fingerprint of its encoder) catches it, naming it."""
+    from transformers import CLIPTextModel
+    ids = datasets["ids"]
+    info = json.loads(open(os.path.join(ids, schema.DATASET_JSON)).read())
+    encoder = CLIPTextModel.from_pretrained(os.path.join(tiny_kit, "text_encoder"))
+    with torch.no_grad():  # every token the empty caption does not hold: "" still encodes the same
+        table = encoder.text_model.embeddings.token_embedding.weight
+        words = torch.ones(table.shape[0], dtype=torch.bool)
+        words[torch.as_tensor(sorted(set(info["empty_input_ids"])))] = False
+        table[words] += 0.5 * torch.randn_like(table[words])
+    encoder.save_pretrained(str(tmp_path / "words" / "text_encoder"))
+    words = str(tmp_path / "words")
+    assert info["text_probe"]["captions"] and len(info["text_probe"]["mean_embedding"][0]) == kit_text_dim(train_kit)
+    without_probe = _copy_with_dataset_json(ids, tmp_path / "old", text_probe=None)  # written before the probe
+    close_trainer(build_trainer(_config(train_kit, without_probe, f"model.text_encoder={words}")))  # not caught
+    with pytest.raises(DatasetMismatchError, match=r"^text encoder '.*words' \(model.text_encoder\) does not give "
+                                                   r"the embeddings dataset.json's text_probe recorded"):
+        build_trainer(_config(train_kit, ids, f"model.text_encoder={words}"))
+    close_trainer(build_trainer(_config(train_kit, ids, f"model.text_encoder={tiny_kit}")))  # its own encoder
 
 
 def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(train_kit, datasets):
