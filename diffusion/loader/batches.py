@@ -6,6 +6,16 @@ or token ids for the model's frozen text encoder) and each sample's key. Caption
 offset and timestep: :class:`NoiseDraws`) are pure functions of (seed, epoch, key), so a sample is
 treated the same way whichever source, rank, worker or restart reads it, and the same global batch
 gives the same gradient whatever the microbatch size or the number of ranks.
+
+Two more things enter the key, each only where it is not 0, so every other draw stays as it was:
+
+- **the copy**: an epoch that repeats a sample (a stream's ``repeat``, a ``proportion`` or
+  ``num_samples`` above the data) reads each copy as its own example, with its own draws. Copy ``c`` of
+  a key is the one streaming numbers ``c``-th when it resamples the epoch, before shuffling and
+  partitioning, so the numbering is the same whatever the ranks, workers and microbatches.
+- **the phase**: a run that starts from another run's weights (phase 2 from phase 1, with the same
+  seed) is one phase later than it (:mod:`diffusion.train.trainer` counts and records it), so it does not
+  replay its predecessor's draws, epoch for epoch.
 """
 
 from __future__ import annotations
@@ -42,6 +52,14 @@ def key_number(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(str(key).encode(), digest_size=8).digest(), "little")
 
 
+_SALT = 0x636F7079  # marks a key carrying a copy or phase number
+
+
+def sample_draw_key(*values: int, copy: int = 0, phase: int = 0) -> tuple[int, ...]:
+    """``values`` (seed, epoch, key ...), with the copy and the phase appended when either is not 0."""
+    return values + (_SALT, int(copy), int(phase)) if copy or phase else values
+
+
 @dataclasses.dataclass(frozen=True)
 class CaptionDropout:
     """Which samples train unconditionally (the empty-caption embedding), for classifier-free guidance."""
@@ -49,12 +67,15 @@ class CaptionDropout:
     rate: float = 0.0
     seed: int = 0
 
-    def drops(self, key: str, epoch: int) -> bool:
-        """Whether sample ``key`` gets the empty caption in ``epoch`` (a pass over the data)."""
-        return self.rate > 0 and unit_hash(self.seed, epoch, key_number(key)) < self.rate
+    def drops(self, key: str, epoch: int, copy: int = 0, phase: int = 0) -> bool:
+        """Whether sample ``key`` (its ``copy`` in the epoch) gets the empty caption in ``epoch`` (a pass
+        over the data) of the run's ``phase``."""
+        return self.rate > 0 and unit_hash(*sample_draw_key(self.seed, epoch, key_number(key), copy=copy,
+                                                            phase=phase)) < self.rate
 
-    def mask(self, keys, epoch: int) -> np.ndarray:
-        return np.array([self.drops(k, epoch) for k in keys], dtype=bool)
+    def mask(self, keys, epoch: int, copies=None, phase: int = 0) -> np.ndarray:
+        copies = [0] * len(keys) if copies is None else copies
+        return np.array([self.drops(k, epoch, c, phase) for k, c in zip(keys, copies)], dtype=bool)
 
 
 # Separates the noise's seeds from caption dropout's, which hash the same (seed, epoch, key).
@@ -80,7 +101,7 @@ class NoiseDraws:
     # With masked training (``model.masking``): which latent patches each sample keeps, drawn last.
     mask: PatchMask | None = None
 
-    def __call__(self, keys, epoch: int, latent_shape) -> dict[str, torch.Tensor]:
+    def __call__(self, keys, epoch: int, latent_shape, copies=None, phase: int = 0) -> dict[str, torch.Tensor]:
         n, shape = len(keys), tuple(int(d) for d in latent_shape)
         draws = {schema.BATCH_POSTERIOR_NOISE: torch.empty(n, *shape), schema.BATCH_NOISE: torch.empty(n, *shape),
                  schema.BATCH_OFFSET_NOISE: torch.empty(n, shape[0]), schema.BATCH_TIMESTEP_DRAW: torch.empty(n)}
@@ -89,8 +110,10 @@ class NoiseDraws:
         if self.mask is not None:
             draws[schema.BATCH_PATCH_KEEP] = torch.empty(n, self.mask.kept(shape), dtype=torch.long)
         generator = torch.Generator()
+        copies = [0] * n if copies is None else copies
         for i, key in enumerate(keys):
-            generator.manual_seed(mix64(self.seed, _NOISE_STREAM, epoch, key_number(key)))
+            generator.manual_seed(mix64(*sample_draw_key(self.seed, _NOISE_STREAM, epoch, key_number(key),
+                                                         copy=copies[i], phase=phase)))
             for name, values in draws.items():  # dict order is the draw order
                 if name == schema.BATCH_TIMESTEP_DRAW and self.level is not None:
                     values[i:i + 1] = self.level(generator)
@@ -104,14 +127,16 @@ class NoiseDraws:
 
 
 SAMPLE_EPOCH = "epoch"  # in an MDS sample: the epoch it is read in (its caption dropout depends on it)
+SAMPLE_COPY = "copy"  # in an MDS sample: which copy of its key it is in the epoch (0 unless repeated)
 
 
 class ToModelBatch:
     """Stacked columns of one batch → the model's batch tensors, with caption dropout applied.
 
     ``columns`` maps contract column names to arrays with the batch first (``key`` to a sequence of
-    strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise). With
-    ``noise`` (training batches), each sample's :class:`NoiseDraws` are added.
+    strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise), and a
+    ``copy`` column numbers repeated samples' copies. With ``noise`` (training batches), each sample's
+    :class:`NoiseDraws` are added. ``phase`` is the run's phase (set by the trainer before the first batch).
 
     The text column is ``text_embeds`` (a dropped caption gets ``empty_text``, the embedding of ""), or
     with ``text_column=input_ids`` the token ids (a dropped caption gets ``empty_text``, the ids of "",
@@ -128,12 +153,14 @@ class ToModelBatch:
         self.empty_text = np.asarray(empty_text, dtype=dtype)
         self.dropout = dropout
         self.noise = noise
+        self.phase = 0
 
     def __call__(self, columns: dict, epoch: int) -> dict[str, torch.Tensor]:
         text = columns[self.text_column]
         if self.text_column == schema.INPUT_IDS:
             text = np.array(text, dtype=np.int64)  # a copy: torch wants int64 ids
-        drop = self.dropout.mask(columns[schema.KEY], epoch) if self.dropout.rate > 0 else None
+        copies = columns.get(SAMPLE_COPY)
+        drop = self.dropout.mask(columns[schema.KEY], epoch, copies, self.phase) if self.dropout.rate > 0 else None
         if drop is not None and drop.any():
             if not text.flags.writeable:  # a stream's arrays may be read-only views
                 text = text.copy()
@@ -146,7 +173,7 @@ class ToModelBatch:
         if self.noise is not None:
             moments = batch[schema.BATCH_MOMENTS]
             latent_shape = (moments.shape[1] // 2, *moments.shape[2:])
-            batch.update(self.noise(columns[schema.KEY], epoch, latent_shape))
+            batch.update(self.noise(columns[schema.KEY], epoch, latent_shape, copies, self.phase))
         return batch
 
 
@@ -162,4 +189,5 @@ class StackSamples:
         columns = {name: np.stack([s[name] for s in samples]) for name in arrays}
         columns[schema.KEY] = [s[schema.KEY] for s in samples]
         columns[schema.BATCH_SAMPLE_INDEX] = np.array([s[schema.BATCH_SAMPLE_INDEX] for s in samples])
+        columns[SAMPLE_COPY] = [s.get(SAMPLE_COPY, 0) for s in samples]
         return self.to_batch(columns, epoch=samples[0][SAMPLE_EPOCH])

@@ -49,7 +49,7 @@ from streaming.base.format.mds.reader import MDSReader
 from diffusion import schema
 from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError
 from diffusion.storage import share_endpoint_with_streaming
-from diffusion.loader.batches import SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
+from diffusion.loader.batches import SAMPLE_COPY, SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
 from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_embedding, load_empty_input_ids,
                                            loader_streams,
                                            one_line, read_loader_info, section_name)
@@ -155,6 +155,21 @@ class LatentDataset(StreamingDataset):
         epoch, sample_in_epoch = super()._resume_incr_epoch()
         self._epoch = epoch
         return epoch, sample_in_epoch
+
+    # ---- copies of a sample in one epoch -----------------------------------------------------------------
+    # An epoch that repeats a sample holds copies streaming tells apart only before it shuffles and
+    # partitions them (its "big" sample ids). The resampled ids carry the copy's number through streaming's
+    # own work generation (id + copy × num_samples), and each worker takes it off again before reading.
+
+    def resample_streams(self, epoch: int, stream_id: int | None = None):
+        units, small_per_big = super().resample_streams(epoch, stream_id)
+        return units, small_per_big + self.num_samples * copy_numbers(small_per_big)
+
+    def _get_work(self, epoch: int, sample_in_epoch: int):
+        tagged = super()._get_work(epoch, sample_in_epoch)
+        read = tagged >= 0  # -1: padding
+        self._copies = tagged[read] // self.num_samples  # in the order the samples are yielded
+        return np.where(read, tagged % self.num_samples, -1)
 
     # ---- integrity (see the module docstring) ------------------------------------------------------------
 
@@ -311,7 +326,12 @@ class LatentDataset(StreamingDataset):
     def __iter__(self):
         if self._failure is not None:
             raise self._failure
-        yield from super().__iter__()
+        copies = None
+        for sample in super().__iter__():
+            if copies is None:  # set by _get_work, when streaming starts the epoch
+                copies = iter(self._copies.tolist())
+            sample[SAMPLE_COPY] = next(copies)
+            yield sample
         if self._failure is not None:  # a prefetch thread failed after the last sample was read
             raise self._failure
 
@@ -388,6 +408,18 @@ class LatentDataset(StreamingDataset):
         row[schema.BATCH_SAMPLE_INDEX] = int(index)
         row[SAMPLE_EPOCH] = self._epoch
         return row
+
+
+def copy_numbers(ids: np.ndarray) -> np.ndarray:
+    """For each element of ``ids``, how many equal ones come before it (0 for a first or only copy)."""
+    ids = np.asarray(ids)
+    order = np.argsort(ids, kind="stable")
+    ranked = ids[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    within = np.arange(len(ids)) - np.repeat(starts, np.diff(np.r_[starts, len(ids)]))
+    out = np.empty(len(ids), dtype=np.int64)
+    out[order] = within
+    return out
 
 
 def _checked_stream(entry) -> CheckedStream:

@@ -60,6 +60,9 @@ class LatentDiffusion(ComposerModel):
                               f"masking needs a transformer denoiser (e.g. SD3Transformer2DModel)")
         self._register_load_state_dict_pre_hook(_upgrade_state_dict)
         self.loaded_extra_state: dict | None = None
+        # Which phase of a staged recipe this run is: 0 from scratch, one more than the run whose weights
+        # it starts from (recorded in checkpoints; the per-sample draws are salted with it).
+        self.phase = 0
 
     @property
     def description(self) -> ModelDescription:
@@ -185,8 +188,8 @@ class LatentDiffusion(ComposerModel):
     # ---- self-description in checkpoints ---------------------------------------------------------------
     def get_extra_state(self) -> dict:
         """The model description (:class:`~diffusion.models.description.ModelDescription`): what sampling
-        and export need to rebuild this model, the objective's schedule included."""
-        return {"description": self.description.to_dict()}
+        and export need to rebuild this model, the objective's schedule included; and the run's phase."""
+        return {"description": self.description.to_dict(), "phase": self.phase}
 
     def set_extra_state(self, state: dict) -> None:
         """Keep this model's settings (phase 2 loads phase-1 weights at a new resolution); check they fit."""

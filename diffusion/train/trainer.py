@@ -326,7 +326,24 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     # Composer prunes local checkpoints only; this prunes a remote save_folder, after Composer's
     # CheckpointSaver (which the Trainer appends last) has uploaded.
     trainer.state.callbacks.extend(remote_pruner(t.save_folder, t.save_num_checkpoints_to_keep))
+    set_phase(trainer, model, train_loader)
     return trainer
+
+
+def set_phase(trainer: Trainer, model: LatentDiffusion, loader) -> int:
+    """The run's phase, once the Trainer has loaded what it loads: the checkpoint's own when this run
+    resumes itself (its timestamp goes on), one more when it starts from another run's weights (a new
+    phase: its schedule starts at 0), 0 from scratch. The model records it in checkpoints and the
+    loader salts every per-sample draw with it, so phase 2 does not replay phase 1's noise, levels and
+    caption dropout (:mod:`diffusion.loader.batches`); set before the loader's workers start."""
+    loaded, phase = model.loaded_extra_state, 0
+    if loaded is not None:
+        phase = int(loaded.get("phase", 0)) + (int(trainer.state.timestamp.batch) == 0)
+    model.phase = phase
+    to_batch = getattr(getattr(loader, "collate_fn", None), "to_batch", None)
+    if to_batch is not None:
+        to_batch.phase = phase
+    return phase
 
 
 def finished_message(trainer: Trainer) -> str | None:

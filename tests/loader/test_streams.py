@@ -261,3 +261,68 @@ def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path):
         mds_source.build_dataloader(_cfg({"path": a}, {"path": "s3://mix/b", "local": str(tmp_path / "cache2")}),
                                     resolution=64, text_dim=dim)
     gc.collect()
+
+
+# ---- repeated samples: each copy its own example (issue 25 item 1) ----------------------------------------
+
+COPIES_SCRIPT = '''
+import json, os, sys, torch
+from diffusion import schema
+from diffusion.train.config import StreamConfig, TrainLoaderConfig
+from diffusion.loader import mds_source
+from diffusion.loader.batches import NoiseDraws, CaptionDropout
+a, b, dim, out, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+cfg = TrainLoaderConfig(path=None, streams=[StreamConfig(path=a), StreamConfig(path=b, repeat=2)], batch_size=8,
+                        num_workers=int(sys.argv[6]), persistent_workers=False, caption_dropout=0.5)
+loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=dim, world_size=world, seed=3,
+                                     noise=NoiseDraws(seed=3))
+draws = []
+for epoch in range(2):
+    for batch in loader:
+        for i in range(len(batch[schema.BATCH_SAMPLE_INDEX])):
+            draws.append([epoch, int(batch[schema.BATCH_SAMPLE_INDEX][i]), batch[schema.BATCH_NOISE][i].sum().item(),
+                          batch[schema.BATCH_TIMESTEP_DRAW][i].item(), bool((batch[schema.BATCH_TEXT_EMBEDS][i] == -1).all())])
+with open(os.path.join(out, f"draws-{os.environ.get('RANK', '0')}.json"), "w") as f:
+    json.dump(draws, f)
+'''
+
+
+def _copies(a, b, dim, tmp_path, *, world=1, workers=0):
+    """(epoch, sample index, noise sum, timestep draw, caption dropped) of every sample read, over all ranks."""
+    from train_fixtures import launch_composer
+    out = tmp_path / f"w{world}-{workers}"
+    out.mkdir()
+    args = [a, b, str(dim), str(out), str(world), str(workers)]
+    if world == 1:
+        script = tmp_path / "copies.py"
+        script.write_text(COPIES_SCRIPT)
+        result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    else:
+        result = launch_composer(tmp_path / "copies.py", COPIES_SCRIPT, args, port=29563, processes=world)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return sorted(tuple(d) for name in os.listdir(out) for d in json.loads((out / name).read_text()))
+
+
+def test_each_copy_of_a_repeated_sample_gets_its_own_draws_on_any_number_of_ranks(a, b, dim, tmp_path):
+    from diffusion.loader.batches import NoiseDraws
+    draws = _copies(a, b, dim, tmp_path)
+    for epoch in (0, 1):
+        seen = collections.defaultdict(list)
+        for e, index, noise, level, dropped in draws:
+            if e == epoch:
+                seen[index].append((noise, level, dropped))
+        assert {len(v) for i, v in seen.items() if i < N_A} == {1}
+        assert {len(v) for i, v in seen.items() if i >= N_A} == {2}  # B repeated twice
+        # the two copies of a sample are two examples: other noise, another level
+        for index in range(N_A, N_A + N_B):
+            (n1, l1, _), (n2, l2, _) = seen[index]
+            assert n1 != n2 and l1 != l2, index
+        # copies drop their captions independently: some of B's pairs differ (half dropped at random)
+        assert any(seen[i][0][2] != seen[i][1][2] for i in range(N_A, N_A + N_B))
+        # a sample the epoch holds once keeps the draws its key always had
+        noise = NoiseDraws(seed=3)([f"{5:06d}"], epoch, (4, 8, 8))
+        assert seen[5][0][0] == pytest.approx(noise[schema.BATCH_NOISE][0].sum().item(), rel=1e-6)
+    # the same examples with the same draws however the epoch is split: DataLoader workers, two ranks
+    assert _copies(a, b, dim, tmp_path, workers=2) == draws
+    assert _copies(a, b, dim, tmp_path, world=2) == draws

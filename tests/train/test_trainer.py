@@ -129,6 +129,54 @@ def test_phase_two_starts_from_weights_with_a_fresh_schedule(train_kit, mds, tmp
     trainer.close()
 
 
+class RecordDraws(Callback):
+    """Each batch's noise and timestep draws."""
+
+    def __init__(self):
+        self.draws = []
+
+    def batch_start(self, state, logger):
+        self.draws.append((state.batch[schema.BATCH_NOISE].clone(), state.batch[schema.BATCH_TIMESTEP_DRAW].clone()))
+
+
+def _fit_draws(kit, mds, *overrides, batches, save_folder=None):
+    cfg = load_config(TINY, tiny_overrides(kit, mds, batches=batches, save_folder=save_folder, extra=overrides))
+    trainer = build_trainer(cfg)
+    record = RecordDraws()
+    trainer.state.callbacks.append(record)
+    trainer.fit()
+    phase = trainer.state.model.phase
+    trainer.close()
+    del trainer
+    gc.collect()
+    return phase, record.draws
+
+
+def test_a_later_phase_does_not_replay_its_predecessors_draws_and_resumes_exactly(train_kit, mds, tmp_path):
+    """Phase 2 starts from phase 1's weights with the same seed, at epoch 0 again: other noise and levels
+    (issue 25 item 2); within phase 2, a resumed run draws what the straight run drew."""
+    phase, first = _fit_draws(train_kit, mds, "trainer.save_interval=2ba", "algorithms={}", batches=2,
+                              save_folder=str(tmp_path / "p1"))
+    assert phase == 0
+    handed = ("trainer.load_path=" + str(tmp_path / "p1" / "latest-rank0.pt"), "trainer.load_weights_only=true",
+              "trainer.save_interval=2ba", "algorithms={}")
+    phase, second = _fit_draws(train_kit, mds, *handed, batches=4, save_folder=str(tmp_path / "p2"))
+    assert phase == 1
+    for (noise1, level1), (noise2, level2) in zip(first, second):
+        assert not torch.equal(noise1, noise2) and not torch.equal(level1, level2)
+    saved = torch.load(tmp_path / "p2" / "latest-rank0.pt", map_location="cpu", weights_only=False)
+    assert saved["state"]["model"]["_extra_state"]["phase"] == 1  # recorded: a phase 3 would be 2
+    # phase 2 killed after 2 batches and resumed: still phase 1, the same draws as straight through
+    resumed = tmp_path / "p2-resumed"
+    resumed.mkdir()
+    shutil.copy(tmp_path / "p2" / "ep0-ba2-rank0.pt", resumed / "ep0-ba2-rank0.pt")
+    os.symlink("ep0-ba2-rank0.pt", resumed / "latest-rank0.pt")
+    phase, rest = _fit_draws(train_kit, mds, *handed, "trainer.autoresume=true", batches=4, save_folder=str(resumed))
+    assert phase == 1 and len(rest) == 2
+    for (noise, level), (noise2, level2) in zip(rest, second[2:]):
+        assert torch.equal(noise, noise2) and torch.equal(level, level2)
+
+
 def test_rerunning_a_finished_run_reports_it_and_exits_zero(train_kit, mds, tmp_path):
     """`composer run.py x.yaml` again after the run finished: a report, not Composer's max_duration error."""
     args = [sys.executable, os.path.join(ROOT, "run.py"), TINY,
