@@ -196,7 +196,11 @@ class TrainerConfig:
     fsdp: Optional[FSDPSection] = None  # null: DDP
     activation_checkpointing: bool = False
     channels_last: bool = False
-    compile: bool = False  # torch.compile the model (Composer's compile_config)
+    # torch.compile: the whole model (Composer's compile_config); under FSDP each wrapped block on its own,
+    # whole (fullgraph), as FSDP units break a whole-model graph at every unit
+    compile: bool = False
+    compile_mode: Optional[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = None
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: graphs without code generation)
     save_folder: Optional[str] = None
     save_interval: str = "10000ba"
     save_num_checkpoints_to_keep: int = -1

@@ -157,12 +157,35 @@ def _average_fsdp2_gradients_on_cpu() -> None:
 
 
 def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
-    """Memory layout and (without FSDP, which does its own) activation checkpointing."""
+    """Memory layout, (without FSDP, which does its own) activation checkpointing, and under FSDP
+    :func:`compile_blocks`."""
     if cfg.trainer.channels_last and model.adapter.channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
     if cfg.trainer.activation_checkpointing and cfg.trainer.fsdp is None:
         model.denoiser.enable_gradient_checkpointing()
+    if cfg.trainer.compile and cfg.trainer.fsdp is not None:
+        compile_blocks(model, cfg.trainer)
     return model
+
+
+def _compile_options(t) -> dict:
+    return {"backend": t.compile_backend, **({"mode": t.compile_mode} if t.compile_mode else {})}
+
+
+def compile_blocks(model: LatentDiffusion, t) -> int:
+    """``trainer.compile`` under FSDP: each block FSDP wraps is compiled in place, whole
+    (``fullgraph=True``: a break inside one is an error, not a silent fallback), before FSDP wraps it, and
+    the rest of the step runs eager. Compiling the whole model instead (Composer's ``compile_config``)
+    breaks its graph at every FSDP unit. In place (``Module.compile``): parameter names, and so
+    checkpoints, stay as they are. Returns the number of blocks compiled."""
+    import torch._dynamo
+    blocks = [m for m in model.denoiser.modules() if type(m).__name__ in model.adapter.blocks]
+    # one static graph per distinct block (shapes differ between a UNet's stages; dynamic=False keeps a
+    # second shape from turning the first graph dynamic): room for every one of them
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(blocks))
+    for block in blocks:
+        block.compile(fullgraph=True, dynamic=False, **_compile_options(t))
+    return len(blocks)
 
 
 def check_weights_for(model: LatentDiffusion, path: str) -> None:
@@ -318,7 +341,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
             run_name=_run_name(cfg), seed=t.seed, device=device,
             precision=t.precision or ("amp_bf16" if device == "gpu" else "fp32"),
             device_train_microbatch_size=t.device_train_microbatch_size,
-            parallelism_config=build_parallelism(cfg), compile_config={} if t.compile else None,
+            parallelism_config=build_parallelism(cfg),
+            compile_config=_compile_options(t) if t.compile and t.fsdp is None else None,
             save_folder=t.save_folder, save_interval=t.save_interval,
             save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
             autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
