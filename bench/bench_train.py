@@ -11,8 +11,10 @@ latents and text embeddings (the data path has its own benchmark). ``--denoisers
 MMDiT at its published shapes (16-channel latents, 77 + 256 text tokens of 4096; FLOPs counted with torch's
 FlopCounterMode: 2,529 GFLOP at 256, 6,322 at 512), or with ``--tiny`` the tiny-mmdit kit's. MFU = training FLOPs per image
 (539 GFLOP at 256 and 2,409 at 512 for SD2-base, DESIGN.md; counted with torch's FlopCounterMode for
-other configs) x images/s / peak (--peak-tflops; default A100 312, H100 800 as measured, per DESIGN.md).
-Ends with the headline: best MFU at each resolution against the anchors (MosaicML 24% / 28%).
+other configs) x images/s / peak, two ways in every table: MFU (spec) against the data sheet's dense bf16
+peak (A100 312, H100 989 TFLOP/s; --peak-tflops), as MosaicML's anchors and Composer's SpeedMonitor report
+it, and MFU (meas.) against the peak an 8192^3 bf16 matmul reaches in the same run (--measure-peak).
+Ends with the headline: best MFU (spec) at each resolution against the anchors (MosaicML 24% / 28%).
 
 ``--text ids`` runs each step as training from a dataset of token ids does: the frozen text encoder
 (the kit's config, random weights; :class:`diffusion.models.text_encoder.FrozenTextEncoder`, bf16 on a
@@ -32,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from diffusion.models.flops import measure_peak_tflops, spec_peak_tflops  # noqa: E402
 from diffusion.models.loading import load_unet_config  # noqa: E402
 
 SD2_GFLOP_PER_IMAGE = {256: 539.0, 512: 2409.0}  # fwd+bwd, UNet only (DESIGN.md)
-ANCHOR_MFU = {256: 0.24, 512: 0.28}  # MosaicML diffusion on A100
-PEAK_TFLOPS = {"A100": 312.0, "H100": 800.0, "H200": 800.0}  # dense bf16; H100 as measured
+ANCHOR_MFU = {256: 0.24, 512: 0.28}  # MosaicML diffusion on A100, against its data-sheet 312 TFLOP/s
 
 
 DENOISERS = {"unet": "UNet2DConditionModel", "mmdit": "SD3Transformer2DModel"}
@@ -108,31 +110,6 @@ def count_gflop_per_image(config: dict, resolution: int) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def measure_peak_tflops(device: torch.device, n: int = 8192, iters: int = 20, dtype=torch.bfloat16) -> float:
-    """Dense matmul TFLOP/s measured on ``device``: the MFU denominator from the same machine and run
-    (an n×n×n ``dtype`` matmul, 2n³ FLOPs, best of ``iters`` after a warm-up)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        a @ b
-    sync()
-    best = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best / 1e12
-
-
-def default_peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
 def wrap_fsdp(unet):
     # FSDP2 per block (the adapter's blocks, as training wraps them), then the root.
     from torch.distributed.fsdp import fully_shard
@@ -192,10 +169,11 @@ def main(argv=None):
                         "--tiny), timed in the same run (default: unet)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU (default: measured on a GPU with an "
-                   "8192^3 bf16 matmul in this run; else the table: A100 312, H100 800)")
+    p.add_argument("--peak-tflops", type=float, help="data-sheet dense bf16 peak per GPU, the MFU everyone publishes "
+                   "(default: the table for this GPU: A100 312, H100 989, H200 989)")
     p.add_argument("--measure-peak", type=int, metavar="N", default=None,
-                   help="measure the peak with an N^3 bf16 matmul (default on a GPU: 8192; 0: use the table)")
+                   help="also measure the peak with an N^3 bf16 matmul in this run, for a second MFU column "
+                        "(default on a GPU: 8192; 0: none)")
     args = p.parse_args(argv)
 
     args.resolutions = args.resolutions or ([64, 128] if args.tiny else [256, 512])
@@ -215,12 +193,11 @@ def main(argv=None):
         configs["mmdit"] = mmdit_config(args.tiny)
     batches = args.batch_size or ([2] * len(args.resolutions) if args.tiny else
                                   [64 if r <= 256 else 16 for r in args.resolutions])
-    peak, peak_source = args.peak_tflops, "--peak-tflops"
+    # MFU two ways, both in every table: against the data sheet's dense peak (what MosaicML's anchors,
+    # Composer's SpeedMonitor and papers report) and against the peak a large matmul reaches here
+    spec = args.peak_tflops or (spec_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     size = args.measure_peak if args.measure_peak is not None else (8192 if device.type == "cuda" else 0)
-    if peak is None and size:
-        peak, peak_source = measure_peak_tflops(device, size), f"measured: {size}^3 bf16 matmul, this run"
-    if peak is None:
-        peak, peak_source = default_peak_tflops(device), "table"
+    measured = measure_peak_tflops(device, size) if size else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
     encoder = frozen_text_encoder(kit, device) if "ids" in args.text else None
     rows, best = [], {}
@@ -236,29 +213,35 @@ def main(argv=None):
                     rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
                                      compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps,
                                      warmup=args.warmup, text_encoder=encoder if text == "ids" else None)
-                    mfu = rate * gflop * 1e9 / (peak * 1e12) if peak else None
+                    mfu = rate * gflop * 1e9 / (spec * 1e12) if spec else None
+                    mfu_measured = rate * gflop * 1e9 / (measured * 1e12) if measured else None
                     if text == "embeds" and name == "unet":
                         best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
                     label = (f"{name} " if len(args.denoisers) > 1 else "") + variant
                     label += (" +fsdp" if args.fsdp else "") + (" text=ids" if text == "ids" else "")
-                    rows.append((resolution, label, batch_size, rate, gflop, mfu))
+                    rows.append((resolution, label, batch_size, rate, gflop, mfu, mfu_measured))
     if rank0:
-        print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, "
-              f"kit: {kit}, peak: {f'{peak:.1f}' if peak else 'n/a'} TFLOP/s ({peak_source})")
-        print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU':>7} {'step vs embeds':>15}")
-        rates = {(res, name): rate for res, name, _, rate, _, _ in rows}
-        for res, variant, bs, rate, gflop, mfu in rows:
+        print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, kit: {kit}")
+        print(f"MFU (spec): against the data-sheet dense bf16 peak, {f'{spec:.1f} TFLOP/s' if spec else 'n/a'}"
+              f"{' (--peak-tflops)' if args.peak_tflops else ''}; MFU (meas.): against the peak measured in this run, "
+              f"{f'{measured:.1f} TFLOP/s ({size}^3 matmul)' if measured else 'n/a'}")
+        print(f"{'res':>5} {'variant':<28} {'batch':>5} {'img/s/GPU':>10} {'GFLOP/img':>10} {'MFU(spec)':>10} "
+              f"{'MFU(meas.)':>10} {'step vs embeds':>15}")
+        rates = {(res, name): rate for res, name, _, rate, *_ in rows}
+        for res, variant, bs, rate, gflop, mfu, mfu_measured in rows:
             base = rates.get((res, variant.replace(" text=ids", ""))) if variant.endswith("text=ids") else None
             ratio = f"{base / rate:.2f}x" if base else ""
             print(f"{res:>5} {variant:<28} {bs:>5} {rate:>10.2f} {gflop:>10.1f} "
-                  f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>7} {ratio:>15}")
+                  f"{f'{mfu:.1%}' if mfu is not None else 'n/a':>10} "
+                  f"{f'{mfu_measured:.1%}' if mfu_measured is not None else 'n/a':>10} {ratio:>15}")
         for res in best:
             anchor = ANCHOR_MFU.get(res)
-            if not peak:
-                print(f"headline {res}px: no MFU (no peak known for this device: pass --peak-tflops or --measure-peak)")
+            if not spec:
+                print(f"headline {res}px: no MFU (no data-sheet peak for this device: pass --peak-tflops)")
             else:
-                print(f"headline {res}px: best MFU {best[res]:.1%}" +
-                      (f" vs MosaicML {anchor:.0%} ({best[res] / anchor:.2f}x)" if anchor else " (no anchor at this size)"))
+                print(f"headline {res}px: best MFU (spec) {best[res]:.1%}" +
+                      (f" vs MosaicML {anchor:.0%} (spec, A100) ({best[res] / anchor:.2f}x)" if anchor
+                       else " (no anchor at this size)"))
     return rows
 
 

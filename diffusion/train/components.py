@@ -19,7 +19,7 @@ ALGORITHMS = {
     "low_precision_layernorm": "composer.algorithms:LowPrecisionLayerNorm",
 }
 CALLBACKS = {
-    "speed_monitor": "composer.callbacks:SpeedMonitor",
+    "speed_monitor": "diffusion.train.callbacks.speed_monitor:SpeedMonitor",
     "lr_monitor": "composer.callbacks:LRMonitor",
     "optimizer_monitor": "diffusion.train.callbacks.optimizer_monitor:OptimizerMonitor",
     "memory_monitor": "composer.callbacks:MemoryMonitor",
