@@ -3,14 +3,16 @@
     python bench/bench_loader.py DIR                  # converter output (index.json + dataset.json)
     python bench/bench_loader.py                      # synthetic MDS at SD2 shapes (256 px, D=1024)
 
-Reads through the training path (diffusion.loader.mds_source's LatentDataset and the batch step of
-diffusion.loader.batches, in the main process, so one reading thread) with a StreamingDataLoader
+Reads through the training path as training runs it (diffusion.loader.mds_source's LatentDataset and
+the batch step of diffusion.loader.batches with each sample's draws: posterior draw, noise, offset and
+timestep, in the main process, so one reading thread) with a StreamingDataLoader
 collating batches, after one warm-up pass that fills the page cache. Baseline, in the same run:
 streaming's own path, a plain StreamingDataset whose decoded samples the default collate stacks.
 Training consumes 137.5 img/s per A100 at 256 px (MosaicML), 1,100 per 8-GPU node; the headline is
 loader samples/s per core divided by the per-GPU rate (the reference claims >= 30x).
 
-Ours runs twice, shard hash checks off and on (sizes and MDS headers are checked either way). Before
+Ours runs three times: shard hash checks off and on, and on without the per-sample draws (what this
+bench timed before issue 25, beside their cost). Shard hash checks off and on (sizes and MDS headers are checked either way). Before
 every timed pass the dataset forgets which shards it checked, so every pass of the "on" row hashes
 every shard (xxh3_64, the fastest the converter records) as a run's first epoch does; later epochs of a run hash
 nothing (the check is once per node). The passes of the three loaders are interleaved and each figure is the median over passes (a
@@ -71,13 +73,15 @@ class _PlainSamples:
         return {c: torch.stack([torch.from_numpy(np.array(s[c])) for s in samples]) for c in self.columns}
 
 
-MODES = ("baseline", "off", "on")  # streaming's path; ours without and with shard hash checks
+# streaming's path; ours as training runs it (the per-sample draws made) without and with shard hash
+# checks; ours with checks but without the draws (what this bench timed before issue 25)
+MODES = ("baseline", "off", "on", "nodraws")
 
 
 def _loader(directory: str, resolution: int, batch_size: int, mode: str):
     from streaming import StreamingDataLoader, StreamingDataset
 
-    from diffusion.loader.batches import CaptionDropout, StackSamples, ToModelBatch
+    from diffusion.loader.batches import CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
     from diffusion.loader.mds_source import LatentDataset
     if mode == "baseline":
         dataset = StreamingDataset(local=directory, batch_size=batch_size, shuffle=True, shuffle_seed=0)
@@ -85,8 +89,11 @@ def _loader(directory: str, resolution: int, batch_size: int, mode: str):
     else:
         empty = np.load(os.path.join(directory, schema.EMPTY_TEXT_EMBEDS))
         dataset = LatentDataset(remote=None, local=directory, resolution=resolution, batch_size=batch_size,
-                                shuffle=True, shuffle_seed=0, verify_hashes=mode == "on")
-        collate_fn = StackSamples(ToModelBatch(resolution, empty, CaptionDropout(0.1, seed=0)))
+                                shuffle=True, shuffle_seed=0, verify_hashes=mode != "off")
+        # as the trainer builds it for the SD2 recipe: each sample's posterior draw, noise, offset and
+        # timestep draw (diffusion.train.trainer.noise_draws)
+        noise = None if mode == "nodraws" else NoiseDraws(seed=0)
+        collate_fn = StackSamples(ToModelBatch(resolution, empty, CaptionDropout(0.1, seed=0), noise))
     return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
 
 
@@ -145,15 +152,15 @@ def main(argv=None):
     best = {mode: (max(r[0] for r in runs[mode]), min(r[1] for r in runs[mode])) for mode in ("off", "on")}
     need = CONSUMPTION_PER_GPU.get(resolution, CONSUMPTION_PER_GPU[256])
     per_node = need * args.gpus_per_node
-    base, off, on = (rates[mode][0] for mode in MODES)
+    base, off, on, nodraws = (rates[mode][0] for mode in MODES)
     print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}; checked with "
           f"{algo}), "
           f"batch {args.batch_size}, medians of {args.passes} passes of {rates['on'][2]:.0f} samples "
           f"({len(runs['baseline'])} of the baseline), 1 process")
     print(f"{'loader':<36} {'samples/s/core':>15} {'CPU us/sample':>14} {'need/GPU':>9} {'x per GPU':>10} "
           f"{'cores/node':>11}")
-    names = {"baseline": "streaming's path (baseline)", "off": "LatentDataset, hash checks off",
-             "on": "LatentDataset, hash checks on"}
+    names = {"baseline": "streaming's path (baseline)", "off": "training's loader, hash checks off",
+             "on": "training's loader, hash checks on", "nodraws": "checks on, no per-sample draws"}
     for mode in MODES:
         r, cpu, _ = rates[mode]
         print(f"{names[mode]:<36} {r:>15,.0f} {cpu:>14,.1f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
@@ -162,6 +169,9 @@ def main(argv=None):
           f"{100 * (rates['on'][1] / rates['off'][1] - 1):.1f}% more CPU time (medians; best passes: "
           f"{100 * (1 - best['on'][0] / best['off'][0]):.1f}% and {100 * (best['on'][1] / best['off'][1] - 1):.1f}%) "
           f"in a pass that hashes every shard, as a first epoch does; nothing once each shard was checked")
+    print(f"the per-sample draws (posterior draw, noise, offset, timestep) cost "
+          f"{rates['on'][1] - rates['nodraws'][1]:,.1f} CPU us/sample, {100 * (1 - on / nodraws):.1f}% of loader "
+          f"throughput (medians)")
     print(f"headline: one loader core feeds {on / need:.1f}x the {resolution}px consumption of one A100 "
           f"(reference claims >= 30x)")
     return on
