@@ -23,6 +23,18 @@ _FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permis
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
 
 
+def storage_error(error: BaseException) -> OSError | None:
+    """The full or read-only storage behind ``error``, or None: ``error`` itself, the exception it was
+    raised from, or a Ray task's own exception (``RayTaskError.cause``), however deeply wrapped."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
+            return error
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+    return None
+
+
 def _is_users(error: BaseException) -> bool:
     """Whether ``error`` is the user's to fix (bad input, a wrong path, full or read-only storage)."""
     return (isinstance(error, (UserError, *_FILE_ERRORS))

@@ -9,6 +9,7 @@ holds exactly what a clean run would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -342,7 +343,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
         ctx.execution_options.preserve_order = True
     plan = plan_pools(ray.cluster_resources(), cfg)
     duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out) if cfg.dedupe == "bytes" else None
-    build_pipeline(cfg, out, written | set(rejected), plan, duplicates).write_datasink(sink)
+    with _storage_errors_in_one_line(cfg):
+        build_pipeline(cfg, out, written | set(rejected), plan, duplicates).write_datasink(sink)
     if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
         sink.finalize()
 
@@ -354,6 +356,29 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     if cfg.is_remote:
         upload_directory(out, cfg.output)
     return summary
+
+
+@contextlib.contextmanager
+def _storage_errors_in_one_line(cfg: ConvertConfig):
+    """A full (or read-only) disk under the output is the user's to fix: one line naming the output, not
+    Ray Data's three tracebacks of the write task. Ray Data's own error log is held back meanwhile; any
+    other error is re-raised as it came, and the command shows its traceback."""
+    import logging
+
+    from diffusion.cli import storage_error
+    ray_data = logging.getLogger("ray.data")
+    level = ray_data.level
+    ray_data.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except Exception as e:
+        full = storage_error(e)
+        if full is None:
+            raise
+        raise OSError(full.errno, f"{full.strerror} while writing the output (what was written is kept: make room, "
+                                  f"then re-run the same command to resume)", cfg.output) from None
+    finally:
+        ray_data.setLevel(level)
 
 
 def upload_directory(local: str, remote: str) -> None:
