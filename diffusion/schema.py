@@ -99,6 +99,7 @@ BATCH_OFFSET_NOISE = "offset_noise"  # (B, 4) per-channel offset (used when mode
 BATCH_TIMESTEP_DRAW = "timestep_draw"  # (B,) uniform in [0, 1): the timestep is ⌊u·T⌋
 BATCH_PERTURBATION_NOISE = "perturbation_noise"  # (B, 4, h, w) only when model.input_perturbation > 0
 BATCH_PATCH_KEEP = "patch_keep"  # (B, K) long, sorted: the latent patches a masked step keeps (model.masking)
+BATCH_ROUTE_KEEP = "route_keep"  # (B, K) long, sorted: the patches a routed step sends through the span (model.routing)
 
 
 def vae_moments_column(resolution: int) -> str:

@@ -100,6 +100,8 @@ class NoiseDraws:
     level: typing.Callable | None = None
     # With masked training (``model.masking``): which latent patches each sample keeps, drawn last.
     mask: PatchMask | None = None
+    # With token routing (``model.routing``): which patches each sample sends through the routed span.
+    route: PatchMask | None = None
 
     def __call__(self, keys, epoch: int, latent_shape, copies=None, phase: int = 0) -> dict[str, torch.Tensor]:
         n, shape = len(keys), tuple(int(d) for d in latent_shape)
@@ -109,6 +111,8 @@ class NoiseDraws:
             draws[schema.BATCH_PERTURBATION_NOISE] = torch.empty(n, *shape)
         if self.mask is not None:
             draws[schema.BATCH_PATCH_KEEP] = torch.empty(n, self.mask.kept(shape), dtype=torch.long)
+        if self.route is not None:
+            draws[schema.BATCH_ROUTE_KEEP] = torch.empty(n, self.route.kept(shape), dtype=torch.long)
         generator = torch.Generator()
         copies = [0] * n if copies is None else copies
         for i, key in enumerate(keys):
@@ -121,6 +125,8 @@ class NoiseDraws:
                     values[i:i + 1].uniform_(generator=generator)
                 elif name == schema.BATCH_PATCH_KEEP:
                     values[i] = self.mask(shape, generator)
+                elif name == schema.BATCH_ROUTE_KEEP:
+                    values[i] = self.route(shape, generator)
                 else:
                     values[i].normal_(generator=generator)
         return draws

@@ -39,7 +39,8 @@ class LatentDiffusion(ComposerModel):
     def __init__(self, denoiser: torch.nn.Module, objective: objectives.Objective, *, scaling_factor: float,
                  model_ref: str, resolution: int, downsample: int = 8, offset_noise: float = 0.0,
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
-                 mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None):
+                 mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
+                 route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1)):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter_for(denoiser)
@@ -58,6 +59,15 @@ class LatentDiffusion(ComposerModel):
         if self.mask_ratio and not self.adapter.masking:
             raise ConfigError(f"model.masking.ratio={mask_ratio}: {self.adapter.class_name} has no patches to mask; "
                               f"masking needs a transformer denoiser (e.g. SD3Transformer2DModel)")
+        self.route_ratio, self.route_span = float(route_ratio), None
+        if self.route_ratio:
+            if not self.adapter.masking:
+                raise ConfigError(f"model.routing.ratio={route_ratio}: {self.adapter.class_name} has no tokens to "
+                                  f"route; routing needs a transformer denoiser (e.g. SD3Transformer2DModel)")
+            try:
+                self.route_span = self.adapter.route_span(denoiser, route_span)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self._register_load_state_dict_pre_hook(_upgrade_state_dict)
         self.loaded_extra_state: dict | None = None
         # Which phase of a staged recipe this run is: 0 from scratch, one more than the run whose weights
@@ -99,7 +109,8 @@ class LatentDiffusion(ComposerModel):
         if self.input_perturbation and self.training:
             perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
         keep = batch.get(schema.BATCH_PATCH_KEEP) if self.training and self.mask_ratio else None
-        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch), keep=keep)
+        route = batch.get(schema.BATCH_ROUTE_KEEP) if self.training and self.route_ratio else None
+        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch), keep=keep, route=route)
 
     def conditioning(self, batch: dict) -> torch.Tensor:
         """The batch's text embeddings: stored ones, or the frozen text encoder's output on its token ids."""
@@ -122,10 +133,11 @@ class LatentDiffusion(ComposerModel):
             return torch.randn(n, latent_channels, device=moments.device)
         return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
 
-    def _denoise(self, latents, noise, input_noise, levels, text_embeds, keep=None) -> dict:
+    def _denoise(self, latents, noise, input_noise, levels, text_embeds, keep=None, route=None) -> dict:
         noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
+        routing = {"route": route, "route_span": self.route_span} if route is not None else {}
         prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
-                                  mixer_blocks=self.mixer_blocks)
+                                  mixer_blocks=self.mixer_blocks, **routing)
         outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
         if keep is not None:  # the loss is taken over the kept patches only
             outputs["loss_mask"] = self.adapter.loss_mask(self.denoiser, keep.to(latents.device), latents.shape)
@@ -180,9 +192,12 @@ class LatentDiffusion(ComposerModel):
     def flops_per_batch(self, batch: dict) -> float:
         """Denoiser training FLOPs of ``batch``: forward + backward ≈ 3 × forward (for SpeedMonitor's MFU)."""
         masked = self.mask_ratio if schema.BATCH_PATCH_KEEP in batch else 0.0  # what the step really computes
+        routed = {"route_ratio": self.route_ratio, "route_span": self.route_span} if (
+            self.route_ratio and schema.BATCH_ROUTE_KEEP in batch) else {}
         moments = batch[schema.BATCH_MOMENTS]
         per_image = self.adapter.forward_flops(dict(self.denoiser.config), tuple(moments.shape[2:]), self.text_dim,
-                                               schema.MAX_TOKENS, mask_ratio=masked, mixer_blocks=self.mixer_blocks)
+                                               schema.MAX_TOKENS, mask_ratio=masked, mixer_blocks=self.mixer_blocks,
+                                               **routed)
         return 3.0 * per_image * moments.shape[0]
 
     # ---- self-description in checkpoints ---------------------------------------------------------------
@@ -283,4 +298,5 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         downsample=info.downsample, offset_noise=model_cfg.offset_noise,
         input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
         eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
-        mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder)
+        mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
+        route_span=(model_cfg.routing.start, model_cfg.routing.end))

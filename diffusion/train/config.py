@@ -50,6 +50,17 @@ class MaskingConfig:
 
 
 @dataclasses.dataclass
+class RoutingConfig:
+    """Token routing (TREAD) for a transformer denoiser: ``ratio`` of each sample's image tokens skip the
+    blocks ``start`` to ``end - 1`` and rejoin, unchanged, after them; every patch is predicted and in the
+    loss. ``end`` below 1 counts from the last block (0: through the last one, -1: all but the last)."""
+
+    ratio: float = 0.0  # share of image tokens routed around the span (0.5 in TREAD); 0: off
+    start: int = 1  # the first block of the span (the blocks before it see every token)
+    end: int = -1  # one past the span's last block
+
+
+@dataclasses.dataclass
 class ModelConfig:
     ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (denoiser config, scheduler)
     # the diffusers denoiser class (UNet2DConditionModel, SD3Transformer2DModel); auto: the reference's
@@ -67,6 +78,7 @@ class ModelConfig:
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
     eval_bins: int = 0  # > 0: also the held-out loss at this many fixed noise levels (metrics loss_bin{k})
     masking: MaskingConfig = dataclasses.field(default_factory=MaskingConfig)  # training only: eval never masks
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # training only: eval never routes
     zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
     input_perturbation: float = 0.0  # extra noise on the UNet input only (0.1 in the paper)
     eval_seed: int = 0  # pins eval noise and timesteps per held-out sample
@@ -464,6 +476,10 @@ def _check_model(m: ModelConfig) -> None:
     _require(m.eval_bins >= 0, f"model.eval_bins={m.eval_bins} must be >= 0 (0: off)")
     _require(0.0 <= m.masking.ratio < 1.0, f"model.masking.ratio={m.masking.ratio} must be in [0, 1) (0: no masking)")
     _require(m.masking.mixer_blocks >= 1, f"model.masking.mixer_blocks={m.masking.mixer_blocks} must be at least 1")
+    _require(0.0 <= m.routing.ratio < 1.0, f"model.routing.ratio={m.routing.ratio} must be in [0, 1) (0: no routing)")
+    _require(not (m.routing.ratio and m.masking.ratio), f"model.routing.ratio={m.routing.ratio} and "
+             f"model.masking.ratio={m.masking.ratio}: a step either masks patches or routes tokens; set one to 0")
+    _require(m.routing.start >= 0, f"model.routing.start={m.routing.start} must be at least 0")
     f = m.flow
     _require(f.shift > 0, f"model.flow.shift={f.shift} must be positive")
     _require(f.logit_std > 0, f"model.flow.logit_std={f.logit_std} must be positive")

@@ -38,12 +38,14 @@ def noise_draws(cfg: Config) -> NoiseDraws:
     """The loader's per-sample draws for this run's model: the objective says how its level is drawn."""
     ref = cfg.model.ref
     objective = objectives.build_objective(objective_name(cfg.model, ref), cfg.model, ref)
-    mask = None
-    if cfg.model.masking.ratio:
+    mask = route = None
+    if cfg.model.masking.ratio or cfg.model.routing.ratio:
         adapter = denoisers.adapter(denoisers.resolve_class(ref, cfg.model.denoiser))
-        mask = PatchMask(cfg.model.masking.ratio, adapter.patch_size(adapter.load_config(ref)))
+        patch = adapter.patch_size(adapter.load_config(ref))
+        mask = PatchMask(cfg.model.masking.ratio, patch) if cfg.model.masking.ratio else None
+        route = PatchMask(cfg.model.routing.ratio, patch) if cfg.model.routing.ratio else None
     return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0,
-                      level=objective.level_draw(), mask=mask)
+                      level=objective.level_draw(), mask=mask, route=route)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:

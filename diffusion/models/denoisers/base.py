@@ -61,10 +61,11 @@ class DenoiserAdapter:
 
     # ---- the call ------------------------------------------------------------------------------------
     def __call__(self, module, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor, keep=None,
-                 mixer_blocks: int = 0) -> torch.Tensor:
+                 mixer_blocks: int = 0, route=None, route_span=None) -> torch.Tensor:
         """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text``; with
         ``keep`` (adapters with :attr:`masking`) only the kept patches pass the blocks after the first
-        ``mixer_blocks``, and the prediction is zero on the others."""
+        ``mixer_blocks``, and the prediction is zero on the others; with ``route`` only the listed patches
+        pass the blocks of ``route_span``, the others skip them (token routing)."""
         raise NotImplementedError
 
     def patch_size(self, config: dict) -> int:
@@ -75,12 +76,18 @@ class DenoiserAdapter:
         raise ValueError(f"{self.class_name} has no patches to mask")
 
     def forward_flops(self, config: dict, latent_size, text_dim: int, text_length: int,
-                      mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
+                      mask_ratio: float = 0.0, mixer_blocks: int = 0, route_ratio: float = 0.0,
+                      route_span: tuple[int, int] | None = None) -> int:
         """FLOPs of one image's forward, counted by torch on the meta device (no memory, no compute); with
-        ``mask_ratio`` the masked forward's, as a masked training step runs it. ``latent_size``: a side, or
-        (height, width) for an aspect-ratio bucket."""
+        ``mask_ratio`` the masked forward's, with ``route_ratio`` the routed one's over ``route_span``, as a
+        training step runs them. ``latent_size``: a side, or (height, width) for an aspect-ratio bucket."""
         return _forward_flops(self, json.dumps(config, sort_keys=True, default=str), latent_size, text_dim,
-                              text_length, float(mask_ratio), int(mixer_blocks))
+                              text_length, float(mask_ratio), int(mixer_blocks), float(route_ratio),
+                              tuple(route_span) if route_span else None)
+
+    def route_span(self, module, span: tuple[int, int]) -> tuple[int, int]:
+        """``model.routing``'s (start, end) as block indices of ``module``, checked."""
+        raise ValueError(f"{self.class_name} has no tokens to route")
 
     # ---- sampling ------------------------------------------------------------------------------------
     def sample_size(self, module) -> int:
@@ -102,7 +109,8 @@ def _is_block(blocks, module: torch.nn.Module) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int, text_dim: int,
-                   text_length: int, mask_ratio: float = 0.0, mixer_blocks: int = 0) -> int:
+                   text_length: int, mask_ratio: float = 0.0, mixer_blocks: int = 0, route_ratio: float = 0.0,
+                   route_span: tuple[int, int] | None = None) -> int:
     from torch.utils.flop_counter import FlopCounterMode
     config = json.loads(config_json)
     model_class = adapter.model_class  # diffusers imported outside the meta device (its import runs torch ops)
@@ -112,11 +120,15 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
         sample = torch.empty(1, config["in_channels"], height, width)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
-    keep = None
+    from diffusion.models.masking import PatchMask
+    keep, routing = None, {}
     if mask_ratio:
-        from diffusion.models.masking import PatchMask
         mask = PatchMask(mask_ratio, adapter.patch_size(config))
         keep = torch.zeros(1, mask.kept((config["in_channels"], height, width)), dtype=torch.long)
+    if route_ratio:
+        route = PatchMask(route_ratio, adapter.patch_size(config))
+        routing = {"route": torch.zeros(1, route.kept((config["in_channels"], height, width)), dtype=torch.long),
+                   "route_span": route_span}
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks)
+        adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks, **routing)
     return counter.get_total_flops()

@@ -80,6 +80,52 @@ def _masked(module, keep, mixer_blocks: int, shape):
             handle.remove()
 
 
+def resolve_span(blocks: int, span: tuple[int, int]) -> tuple[int, int]:
+    """``model.routing``'s (start, end) as block indices; ``end`` below 1 counts from the last block."""
+    start, end = int(span[0]), int(span[1])
+    end = end if end > 0 else blocks + end
+    if not 0 <= start < end <= blocks:
+        raise ValueError(f"model.routing.start={span[0]}, end={span[1]}: the MMDiT has {blocks} blocks; the routed "
+                         f"span must hold at least one of them (0 <= start < end <= {blocks}; end <= 0 counts from "
+                         f"the last)")
+    return start, end
+
+
+@contextlib.contextmanager
+def _routed(module, route, span):
+    """Token routing (TREAD) inside the model's own forward: before block ``start`` each sample's image
+    tokens are cut to the patches ``route`` lists; after block ``end - 1`` the tokens that went through
+    are put back among the others, which skipped the span unchanged. Every patch reaches the output
+    layer. Hooks, as for masking; ``route`` None is the plain forward."""
+    if route is None:
+        yield
+        return
+    blocks = module.transformer_blocks
+    start, end = resolve_span(len(blocks), span)
+    index = route.to(torch.long)
+    entering = {}  # the image tokens at the span's start (kept, not popped: checkpointing recomputes blocks)
+
+    def cut(block, args, kwargs):
+        tokens = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        entering["tokens"] = tokens
+        kept = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": kept}
+        return (kept, *args[1:]), kwargs
+
+    def rejoin(block, args, kwargs, output):
+        text, image = output
+        return text, entering["tokens"].scatter(1, index[..., None].expand(-1, -1, image.shape[-1]), image)
+
+    handles = [blocks[start].register_forward_pre_hook(cut, with_kwargs=True),
+               blocks[end - 1].register_forward_hook(rejoin, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class SD3TransformerAdapter(DenoiserAdapter):
     class_name = "SD3Transformer2DModel"
     component = "transformer"
@@ -96,9 +142,12 @@ class SD3TransformerAdapter(DenoiserAdapter):
 
     masking = True
 
-    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0):
+    def route_span(self, module, span):
+        return resolve_span(len(module.transformer_blocks), span)
+
+    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0, route=None, route_span=None):
         text = text.to(noisy.dtype)
-        with _masked(module, keep, mixer_blocks, noisy.shape):
+        with _masked(module, keep, mixer_blocks, noisy.shape), _routed(module, route, route_span):
             return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text),
                           timestep=timesteps).sample
 
