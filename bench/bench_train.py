@@ -25,6 +25,7 @@ in the same run, and the table adds the step-time ratio ids / embeds; MFU counts
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import sys
@@ -83,29 +84,46 @@ def frozen_text_encoder(kit: str, device):
     return FrozenTextEncoder(CLIPTextModel(config), kit)
 
 
-def train_step(unet, optimizer, batch, autocast, text_encoder=None):
+def masked_keep(config: dict, batch: int, resolution: int, ratio: float, device, factor: int = 8):
+    """A masked step's kept patches per sample (the loader's PatchMask draw), or None without masking."""
+    if not ratio:
+        return None
+    from diffusion.models.masking import PatchMask
+    mask = PatchMask(ratio, config["patch_size"])
+    shape = (config["in_channels"], resolution // factor, resolution // factor)
+    generator = torch.Generator().manual_seed(0)
+    return torch.stack([mask(shape, generator) for _ in range(batch)]).to(device)
+
+
+def train_step(unet, optimizer, batch, autocast, text_encoder=None, keep=None, mixer_blocks=0):
     latents, text, timesteps = batch
     if text_encoder is not None:  # text holds token ids: encode them in the step
         text = text_encoder(text)
     noise = torch.randn_like(latents)
     with autocast:
-        pred = adapter_of({"_class_name": type(getattr(unet, "_orig_mod", unet)).__name__})(
-            unet, latents + noise, timesteps, text)
-        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+        adapter = adapter_of({"_class_name": type(getattr(unet, "_orig_mod", unet)).__name__})
+        pred = adapter(unet, latents + noise, timesteps, text, keep=keep, mixer_blocks=mixer_blocks)
+        if keep is not None:  # the loss over the kept patches, as training takes it
+            mask = adapter.loss_mask(getattr(unet, "_orig_mod", unet), keep, latents.shape)
+            loss = ((pred.float() - noise) ** 2 * mask).sum() / (mask.sum() * latents.shape[1])
+        else:
+            loss = torch.nn.functional.mse_loss(pred.float(), noise)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
 
 
-def count_gflop_per_image(config: dict, resolution: int) -> float:
-    """Forward+backward FLOPs of one image, counted on the meta device (no compute, no memory)."""
+def count_gflop_per_image(config: dict, resolution: int, mask_ratio: float = 0.0, mixer_blocks: int = 0) -> float:
+    """Forward+backward FLOPs of one image, counted on the meta device (no compute, no memory); with
+    ``mask_ratio`` the masked step's, as it runs."""
     from torch.utils.flop_counter import FlopCounterMode
     unet = build_unet(config, device="meta")
     batch = synthetic_batch(config, 1, resolution, "meta")
+    keep = masked_keep(config, 1, resolution, mask_ratio, "meta")
     counter = FlopCounterMode(display=False)
     with counter:
-        pred = adapter_of(config)(unet, batch[0], batch[2], batch[1])
+        pred = adapter_of(config)(unet, batch[0], batch[2], batch[1], keep=keep, mixer_blocks=mixer_blocks)
         pred.float().pow(2).mean().backward()
     return counter.get_total_flops() / 1e9
 
@@ -120,7 +138,7 @@ def wrap_fsdp(unet):
 
 
 def bench_one(config, resolution, batch_size, device, *, channels_last, compile_, fsdp, steps, warmup,
-              text_encoder=None):
+              text_encoder=None, mask_ratio=0.0, mixer_blocks=0):
     torch.manual_seed(0)
     unet = build_unet(config, device=device).train()
     if channels_last:
@@ -139,12 +157,13 @@ def bench_one(config, resolution, batch_size, device, *, channels_last, compile_
         batch = (batch[0].contiguous(memory_format=torch.channels_last), *batch[1:])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    masking = {"keep": masked_keep(config, batch_size, resolution, mask_ratio, device), "mixer_blocks": mixer_blocks}
     for _ in range(warmup):
-        train_step(model, optimizer, batch, autocast, text_encoder)
+        train_step(model, optimizer, batch, autocast, text_encoder, **masking)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        loss = train_step(model, optimizer, batch, autocast, text_encoder)
+        loss = train_step(model, optimizer, batch, autocast, text_encoder, **masking)
     sync()
     seconds = time.perf_counter() - start
     if not torch.isfinite(loss):
@@ -167,6 +186,10 @@ def main(argv=None):
     p.add_argument("--denoisers", nargs="+", default=["unet"], choices=list(DENOISERS),
                    help="unet: the kit's UNet (SD2-base); mmdit: SD3-medium's MMDiT (the tiny-mmdit kit's with "
                         "--tiny), timed in the same run (default: unet)")
+    p.add_argument("--mask-ratio", type=float, default=0.0,
+                   help="also time the MMDiT's masked step (model.masking.ratio, e.g. 0.75) beside the unmasked one "
+                        "in the same run; FLOPs are the masked step's, as it runs")
+    p.add_argument("--mixer-blocks", type=int, default=2, help="model.masking.mixer_blocks for --mask-ratio")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, help="data-sheet dense bf16 peak per GPU, the MFU everyone publishes "
@@ -203,8 +226,9 @@ def main(argv=None):
     rows, best = [], {}
     for name in args.denoisers:
         config = configs[name]
-        for resolution, batch_size in zip(args.resolutions, batches):
-            counted = count_gflop_per_image(config, resolution)  # on the meta device: instant
+        masks = [0.0] + ([args.mask_ratio] if args.mask_ratio and name == "mmdit" else [])
+        for (resolution, batch_size), mask_ratio in itertools.product(zip(args.resolutions, batches), masks):
+            counted = count_gflop_per_image(config, resolution, mask_ratio, args.mixer_blocks)  # meta: instant
             gflop = SD2_GFLOP_PER_IMAGE.get(resolution, counted) if name == "unet" and not args.tiny else counted
             if rank0 and gflop != counted:
                 print(f"FLOP check {resolution}px: counted {counted:.1f} GFLOP/image, DESIGN.md {gflop:.0f}")
@@ -212,13 +236,15 @@ def main(argv=None):
                 for text in args.text:
                     rate = bench_one(config, resolution, batch_size, device, channels_last="channels_last" in variant,
                                      compile_="compile" in variant, fsdp=args.fsdp, steps=args.steps,
-                                     warmup=args.warmup, text_encoder=encoder if text == "ids" else None)
+                                     warmup=args.warmup, text_encoder=encoder if text == "ids" else None,
+                                     mask_ratio=mask_ratio, mixer_blocks=args.mixer_blocks)
                     mfu = rate * gflop * 1e9 / (spec * 1e12) if spec else None
                     mfu_measured = rate * gflop * 1e9 / (measured * 1e12) if measured else None
                     if text == "embeds" and name == "unet":
                         best[resolution] = max(best.get(resolution, 0.0), mfu or 0.0)
                     label = (f"{name} " if len(args.denoisers) > 1 else "") + variant
                     label += (" +fsdp" if args.fsdp else "") + (" text=ids" if text == "ids" else "")
+                    label += f" masked {mask_ratio:g}" if mask_ratio else ""
                     rows.append((resolution, label, batch_size, rate, gflop, mfu, mfu_measured))
     if rank0:
         print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{world}, kit: {kit}")
