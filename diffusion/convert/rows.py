@@ -105,8 +105,8 @@ def valid_row(row: dict, name: str, index: int) -> dict:
 
 def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
-    was seen before in this file or is ``taken`` ({key: file}) by another file (``duplicate_key``),
-    is not a row but a reject, reported to
+    was seen before in this file or is ``taken`` ({key: the file that keeps it, or None}) by another
+    file (``duplicate_key``; :mod:`diffusion.convert.shared_keys`), is not a row but a reject, reported to
     ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
     file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
     (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
@@ -134,8 +134,8 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
                 raise Rejected(row[REJECT])
             row = valid_row(row, name, index)
         except Rejected as e:
-            if on_reject is not None:
-                usable = key is not None and key not in seen
+            if on_reject is not None:  # a key other files give too is theirs to record: this row's id names its file
+                usable = key is not None and key not in seen and not (taken and key in taken)
                 on_reject({key if usable else _reject_id(name, index, e.reason): e.reason})
             if key is not None:
                 seen.add(key)
