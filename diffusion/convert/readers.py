@@ -63,9 +63,11 @@ import zlib
 from typing import Callable, Iterator
 
 from diffusion import schema
+from diffusion.convert import settings
 from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_input, describe_error, file_errors,
                                              record_failed_input)
 from diffusion.convert.transforms import BAD_METADATA, write_rejects
+from diffusion.rejects import TOO_LARGE
 from diffusion.convert.rows import DUPLICATE_IMAGE, REJECT, ROWS_PER_BATCH, row_batches
 from diffusion.convert.shared_keys import keys_taken_by_earlier_files
 from diffusion.tfrecord import example_features
@@ -84,6 +86,8 @@ class RawColumns:
     key: str = schema.RAW_KEY
     caption_required: bool = True  # False: a file without the caption column gives rows captioned None
     where: str | None = None  # --where: rows failing it are rejects, before anything is decoded (convert.filters)
+    max_bytes: int = settings.MAX_BYTES  # a larger tar member, tfrecord record or image file is not read: too_large
+    max_caption_chars: int = settings.MAX_CAPTION_CHARS  # a longer caption is a caption_too_long reject
 
 
 # ---- locating files ------------------------------------------------------------------------------
@@ -327,7 +331,7 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
             return None
         row_key = f"{name}/{key}" if key else None
         meta = {}
-        if ".json" in parts:
+        if ".json" in parts and parts[".json"] is not _UNREAD:
             try:
                 meta = json.loads(parts[".json"])
             except ValueError:  # not JSON, or not UTF-8
@@ -336,8 +340,11 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
                 return {REJECT: BAD_METADATA, schema.RAW_KEY: row_key}
         if meta.get(schema.RAW_STATUS, "success") != "success":
             return None
+        row_key = meta.get(columns.key) or row_key
+        if any(part is _UNREAD for part in parts.values()):
+            return {REJECT: TOO_LARGE, schema.RAW_KEY: row_key}
         caption = parts[".txt"] if ".txt" in parts else meta.get(schema.RAW_CAPTION)
-        return {schema.RAW_KEY: meta.get(columns.key) or row_key, schema.RAW_CAPTION: caption,
+        return {schema.RAW_KEY: row_key, schema.RAW_CAPTION: caption,
                 schema.RAW_IMAGE: image, schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
 
     with _open(uri) as f:
@@ -353,23 +360,38 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
                     parts = {}
                 key = stem
                 ext = ext.lower()
-                parts[ext] = tar.extractfile(member).read() if images or ext not in IMAGE_SUFFIXES else b""
+                if member.size > columns.max_bytes:  # a sparse or compressed member can claim gigabytes
+                    parts[ext] = _UNREAD  # skipped, not read: the tar reads past it
+                elif images or ext not in IMAGE_SUFFIXES:
+                    parts[ext] = tar.extractfile(member).read()
+                else:
+                    parts[ext] = b""
             if parts:
                 yield sample(key, parts)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
             raise InputError(f"cannot read {uri} as a tar file: {type(e).__name__}: {e}") from e
 
 
+_UNREAD = object()  # a tar member over the byte limit
+
+
 # ---- folder of images ----------------------------------------------------------------------------
 
-def _folder_rows(uri: str, name: str) -> Iterator[dict]:
-    """One image; its caption from the ``.txt`` beside it (missing sidecar -> missing caption)."""
+def _folder_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> Iterator[dict]:
+    """One image; its caption from the ``.txt`` beside it (missing sidecar -> missing caption). An
+    image or caption file over ``columns.max_bytes`` is not read: a ``too_large`` reject."""
     fs, path = filesystem_for(uri)
     with _open(uri) as f:
+        if f.size() > columns.max_bytes:
+            yield {REJECT: TOO_LARGE, schema.RAW_KEY: name}
+            return
         image = f.read()
     caption = None  # bytes: decoded (or rejected as bad_caption) with the row's other values
     try:
         with fs.open_input_file(posixpath.splitext(path)[0] + ".txt") as f:
+            if f.size() > columns.max_bytes:
+                yield {REJECT: TOO_LARGE, schema.RAW_KEY: name}
+                return
             caption = f.read().strip()
     except (FileNotFoundError, OSError):
         pass
@@ -398,6 +420,10 @@ def _tfrecord_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> I
             (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (None,)
             if length is None or length + 4 > size - f.tell():
                 raise InputError(f"cannot read {uri} as a tfrecord file: record {index} is cut short")
+            if length > columns.max_bytes + _RECORD_SLACK:  # not read: its key is inside, so it is keyed by row
+                f.seek(length + 4, 1)
+                yield {REJECT: TOO_LARGE, schema.RAW_KEY: None}
+                continue
             data = f.read(length)
             f.read(4)
             try:
@@ -415,6 +441,9 @@ def _tfrecord_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> I
                    **{side: _sized(first(features, side)) for side in (schema.WIDTH, schema.HEIGHT)}}
 
 
+_RECORD_SLACK = 2**20  # a tfrecord record holds the image and its caption and metadata
+
+
 def _sized(value):
     """A width/height feature: an int, or text (bytes) the row check reads as one."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
@@ -428,7 +457,7 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
     read raises (see :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
     for keys several files give (:func:`keys_taken_by_earlier_files`)."""
     name = name or posixpath.basename(uri)
-    yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken)
+    yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken, columns.max_caption_chars)
 
 
 def file_rows(uri: str, fmt: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict | None]:
@@ -442,7 +471,7 @@ def file_rows(uri: str, fmt: str, columns: RawColumns, name: str, images: bool =
     if fmt == "tfrecord":
         return _tfrecord_rows(uri, name, columns)
     if fmt == "folder":
-        return _folder_rows(uri, name)
+        return _folder_rows(uri, name, columns)
     raise ValueError(f"unknown input format {fmt!r}")
 
 

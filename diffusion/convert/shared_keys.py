@@ -43,7 +43,7 @@ def file_keys(uri: str, fmt: str, columns, name: str) -> Iterator[tuple[str, boo
         try:
             if REJECT in row:
                 raise Rejected(row[REJECT])
-            valid_row(row, name, index)
+            valid_row(row, name, index, columns.max_caption_chars)
             yield key, True
         except Rejected:
             yield key, False

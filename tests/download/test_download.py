@@ -26,6 +26,7 @@ from diffusion.download.image import ImageRules, check_image
 from diffusion.download.plan import InputColumns, ShardSpec, plan_shards
 from diffusion.errors import InputError
 from diffusion.download.shard import ShardJob, ShardNaming, download_shard
+from hostile_files import progressive_jpeg, scan_bomb
 
 FETCH = FetchConfig(timeout=0.5, retries=2, backoff=0.01, max_bytes=200_000, max_redirects=3)
 RULES = ImageRules(min_size=16)
@@ -55,6 +56,7 @@ def _jpeg_with_exif() -> bytes:
 
 
 EXIF_JPEG = _jpeg_with_exif()
+SCAN_BOMB = scan_bomb(2000)  # 34 KB; about a second to decode at 1024 x 1024 (500 s at 4096 x 4096)
 
 # path -> expected status of the row ("success" or the failure reason), in the order the input lists them
 CASES = {
@@ -124,6 +126,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, JPEG)
         elif path == "/exif.jpg":
             self._send(200, EXIF_JPEG)
+        elif path == "/scans.jpg":
+            self._send(200, SCAN_BOMB)
         elif path == "/big":
             self._send(200, b"\xff" * 300_000)
         elif path == "/big-stream":
@@ -310,6 +314,22 @@ def test_check_image_resize_modes(mode, size, expected):
 def test_check_image_refuses_giants_before_decoding():
     with pytest.raises(FetchError, match="too_many_pixels"):
         check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48 - 1))
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding_and_counted(server, tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(FetchError, match="too_many_scans: a JPEG of 2010 scans"):
+        check_image(SCAN_BOMB, RULES)
+    assert time.perf_counter() - start < 0.5
+    assert check_image(progressive_jpeg(), RULES).width == 1024  # 10 scans: an ordinary progressive JPEG
+    server.reset()
+    src = _write_input(tmp_path / "in.parquet", [server.url("/scans.jpg"), server.url("/ok.jpg")])
+    job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(), ShardNaming.for_plan(1, 2),
+                   FETCH, RULES, threads=2)
+    os.makedirs(tmp_path / "out")
+    download_shard(job, ShardSpec(0, src, 0, 2))
+    assert [_reason(r) for r in _read_output(tmp_path / "out").to_pylist()] == ["too_many_scans", "success"]
+    assert json.loads((tmp_path / "out" / "00000_stats.json").read_text())["failures"] == {"too_many_scans": 1}
 
 
 # ---- one shard, without Ray ----------------------------------------------------------------------
