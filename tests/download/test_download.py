@@ -518,6 +518,49 @@ def test_a_shard_with_stalled_urls_finishes_in_about_the_time_of_its_slowest_res
                for r in rows)
 
 
+class _DribblingHandler(http.server.BaseHTTPRequestHandler):
+    """Answers a byte every 50 ms: the status line and headers (/headers) or, after them, the body (/body),
+    100 bytes: about 5 s of answer, each byte well within a per-read timeout."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = JPEG[:100]
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        slow, fast = (head + body, b"") if self.path.startswith("/headers") else (body, head)
+        try:
+            self.wfile.write(fast)
+            for i in range(len(slow)):
+                self.wfile.write(slow[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+            pass
+
+
+def test_a_server_sending_a_byte_at_a_time_is_a_timeout_at_the_attempts_deadline(tmp_path):
+    """Each read gets a byte well within the per-read timeout, so only the whole-attempt deadline can end
+    these; it must, in the headers as in the body, within --timeout (2 s) of the start."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DribblingHandler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{httpd.server_port}/{p}" for p in ("headers", "body")]
+        src = _write_input(tmp_path / "in.parquet", urls)
+        job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(), ShardNaming.for_plan(1, 2),
+                       FetchConfig(timeout=2, retries=0), RULES, threads=2)
+        os.makedirs(tmp_path / "out")
+        start = time.monotonic()
+        download_shard(job, ShardSpec(0, src, 0, 2))
+        elapsed = time.monotonic() - start
+    finally:
+        httpd.shutdown()
+    assert elapsed < 3.0, f"{elapsed:.1f} s"
+    assert [_reason(r) for r in _read_output(tmp_path / "out").to_pylist()] == ["timeout", "timeout"]
+    assert json.loads((tmp_path / "out" / "00000_stats.json").read_text())["failures"] == {"timeout": 2}
+
+
 KILLED_RUN = """
 import sys
 from diffusion.download.http import FetchConfig
