@@ -780,6 +780,14 @@ def _cli(*args) -> subprocess.CompletedProcess:
     ("aesthetic >> 5", "--where 'aesthetic >> 5' is not a filter expression"),
     ("aesthetic > 100 and aesthetic < 200", "--where 'aesthetic > 100 and aesthetic < 200' keeps no row of the "
                                             "input: 'aesthetic > 100' removed 3 (of 3 rows); nothing was downloaded"),
+    ("aesthetic in ['a',1]", "--where \"aesthetic in ['a',1]\" is not a filter expression: the values of aesthetic "
+                             "in [...] mix numbers and strings"),
+    ("aesthetic > " + "9" * 30, f"--where 'aesthetic > {'9' * 30}' is not a filter expression: the integer "
+                                "99999999999999999999... (30 digits) is out of range"),
+    ("(" * 1000 + "aesthetic > 1" + ")" * 1000, "--where '((((((((((((((((((((((((((((((((((((((((((((((((((((((("
+                                                "(((((((((((((((((((((((((' ... '))))))))))))))))))))))))))))))))))))))))'"
+                                                " (2013 characters) is not a filter expression: parentheses and 'not' "
+                                                "are nested more than 100 deep"),
 ])
 def test_a_filter_naming_a_missing_column_malformed_or_keeping_nothing_is_one_line_at_start(tmp_path, where,
                                                                                              expected):
