@@ -396,3 +396,19 @@ def test_the_files_layout_keys_carry_their_folder(tmp_path):
         (tmp_path / run / "00000" / "000000000.jpg").write_bytes(_jpeg())
         (tmp_path / run / "00000" / "000000000.json").write_text(json.dumps({"key": "000000000"}))
     assert [r[schema.RAW_KEY] for r in iter_rows(tmp_path)] == ["en/00000/000000000.jpg", "multi/00000/000000000.jpg"]
+
+
+def test_the_key_pass_reads_tars_only_where_their_metadata_shows_a_repeated_key(tmp_path, monkeypatch):
+    from diffusion.convert import shared_keys
+    read = []
+    real = shared_keys.file_keys
+    monkeypatch.setattr(shared_keys, "file_keys", lambda uri, *a: read.append(uri) or real(uri, *a))
+    for run in ("en", "multi"):
+        _write_img2dataset(tmp_path / run, "webdataset", shards=("00000", "00001") if run == "en" else ("00002",))
+    assert len(list(iter_rows(tmp_path))) == 6 and read == []  # keys of 3 shards, none repeated: no tar read
+    _write_img2dataset(tmp_path / "again", "webdataset", shards=("00001",))  # en's 00001 keys once more
+    recorded = {}
+    rows = list(iter_rows(tmp_path, on_reject=recorded.update))
+    assert sorted(read) == [str(tmp_path / "again" / "00001.tar"), str(tmp_path / "en" / "00001.tar")]
+    # "again" comes first in input order: it keeps the keys
+    assert len(rows) == 6 and sorted(recorded) == ["000010000#en/00001.tar:0", "000010001#en/00001.tar:1"]
