@@ -99,6 +99,9 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--limit must be positive, got {self.limit}")
         if self.max_aspect < 1:
             raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+        for name in ("max_bytes", "max_scans", "max_caption_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.where is not None:
             parse_where(self.where)  # a malformed filter fails here, showing it
         if self.text not in schema.TEXT_STORAGE:

@@ -35,8 +35,8 @@ class ImageRules:
     def __post_init__(self):
         if self.resize_mode not in RESIZE_MODES:
             raise ConfigError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
-        if self.image_size <= 0 or self.min_size < 0 or self.max_pixels <= 0:
-            raise ConfigError(f"image_size, min_size and max_pixels must be positive: {self}")
+        if self.image_size <= 0 or self.min_size < 0 or self.max_pixels <= 0 or self.max_scans <= 0:
+            raise ConfigError(f"image_size, min_size, max_pixels and max_scans must be positive: {self}")
 
 
 @dataclasses.dataclass

@@ -110,3 +110,14 @@ def test_bombs_are_counted_rejects_of_a_conversion(convert_config, tmp_path, ray
     summary = run_conversion(convert_config(tmp_path / "mds", input=str(raw), resolutions=(32,), max_scans=200,
                                             max_caption_chars=200))
     assert summary.written == 1 and summary.rejects == {TOO_MANY_SCANS: 1, CAPTION_TOO_LONG: 1}
+
+
+@pytest.mark.parametrize("setting", ["max_bytes", "max_scans", "max_caption_chars"])
+def test_a_limit_that_is_not_positive_is_refused_naming_its_flag(setting, tmp_path):
+    from diffusion.convert.pipeline import ConvertConfig
+    from diffusion.download.image import ImageRules
+    from diffusion.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"--{setting.replace('_', '-')} must be positive, got 0"):
+        ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", **{setting: 0})
+    with pytest.raises(ConfigError, match="max_scans"):
+        ImageRules(max_scans=0)
