@@ -115,6 +115,7 @@ def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
 
 # What a plan written before the key existed meant.
 _FINGERPRINT_DEFAULTS = {"output_format": "parquet", "where": None, "dedupe_urls": False}
+_IMAGE_DEFAULTS = {"max_scans": MAX_SCANS}  # image rules added since: a plan without one ran with its default
 
 
 def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: str) -> None:
@@ -122,6 +123,8 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
     if fs.get_file_info(path).type == pa_fs.FileType.File:
         with fs.open_input_stream(path) as f:
             previous = json.loads(f.read())
+        if isinstance(previous.get("image"), dict):
+            previous["image"] = {**_IMAGE_DEFAULTS, **previous["image"]}
         changed = sorted(k for k in fingerprint if previous.get(k, _FINGERPRINT_DEFAULTS.get(k)) != fingerprint[k])
         changed = [_FLAGS.get(k, k) for k in changed]
         if changed:

@@ -418,6 +418,14 @@ def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_loca
 
     with pytest.raises(ValueError, match="different plan.*rows_per_shard"):
         download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=5, fetch=FETCH))
+    # a plan written before --max-scans existed resumes with its default, and only with it
+    plan = json.loads((out / "download_plan.json").read_text())
+    del plan["image"]["max_scans"]
+    (out / "download_plan.json").write_text(json.dumps(plan))
+    assert download(_config(tmp_path / "in", out)).skipped_shards == 4
+    with pytest.raises(ValueError, match="different plan.*image"):
+        download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=4, fetch=FETCH,
+                                image=ImageRules(min_size=16, max_scans=50)))
     with pytest.raises(ValueError, match=r"different plan \(output_format changed\)"):  # no mixed formats
         download(_config(tmp_path / "in", out, output_format="webdataset"))
     plan = json.loads((out / "download_plan.json").read_text())
