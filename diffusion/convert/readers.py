@@ -30,6 +30,9 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
   sidecar is not a JSON object) is a rejected row, recorded by key with its reason (``bad_caption``,
   ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`diffusion.convert.rows.valid_row`) like the transform's rejects.
   Only well-typed rows reach Ray's fixed schema.
+- Nothing larger than ``max_bytes`` is read: a tar member (a sparse or compressed one can claim
+  gigabytes in a few KB), a tfrecord record or an image file over it is skipped unread, its sample a
+  ``too_large`` reject; a caption over ``max_caption_chars`` is ``caption_too_long``.
 - A file that cannot be read (zero bytes, not parquet under a ``.parquet`` name, a truncated or corrupt
   tar or tfrecord, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
   failed input file (``failed_inputs/`` beside ``rejects/``; the conversion summary lists it); the rows
