@@ -17,6 +17,10 @@ TOO_SMALL = "too_small"
 ASPECT_RATIO = "aspect_ratio"
 EMPTY_CAPTION = "empty_caption"  # no caption, or nothing visible in it once invisible characters are removed
 UNSUPPORTED_MODE = "unsupported_mode"  # decoded, but its pixel format cannot be turned into 8-bit RGB
+# Memory and time bombs, refused before the work (converter and downloader):
+TOO_LARGE = "too_large"  # an image file (a tar member, a tfrecord record, a file) over the byte limit: not read
+TOO_MANY_SCANS = "too_many_scans"  # a JPEG of more scans than the bound (each is a pass over the whole image)
+CAPTION_TOO_LONG = "caption_too_long"  # a caption over the length limit: neither tokenized nor stored
 # Rows whose values are of the wrong kind (found by the readers, before anything is decoded):
 BAD_CAPTION = "bad_caption"  # not text: a number, a list, bytes that are not UTF-8
 BAD_KEY = "bad_key"  # a key that is not text or a whole number

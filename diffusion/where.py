@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 from diffusion.errors import ConfigError
 
 FILTERED = "filtered"  # reject reasons: "filtered: <rule>"
+MAX_DEPTH = 100  # parentheses and "not" nested deeper are refused (the parser and pyarrow recurse on them)
+MAX_TESTS = 1000  # comparisons in one filter (pyarrow evaluates a chain of thousands by recursion, and crashes)
 _TOKEN = re.compile(r"""\s*(?:(?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])
                           |'(?P<string>(?:[^'\\]|\\.)*)'
                           |"(?P<quoted>(?:[^"\\]|\\.)*)"
@@ -55,6 +58,13 @@ def _tokens(text: str) -> list[tuple[str, object]]:
         value = m.group(kind)
         if kind == "number":
             value = float(value) if any(c in value for c in ".eE") else int(value)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _error(text, f"the number {m.group(kind)} is out of range of a 64-bit float")
+            if isinstance(value, int) and not -2**63 <= value < 2**63:
+                digits = m.group(kind).lstrip("+-")
+                shown = digits if len(digits) <= 24 else f"{digits[:20]}... ({len(digits)} digits)"
+                raise _error(text, f"the integer {shown} is out of range (a 64-bit integer has at most 19 digits; "
+                                   f"write a larger number as a float, e.g. 1e30)")
         elif kind in ("string", "quoted"):
             value = re.sub(r"\\(.)", r"\1", value)
         elif kind == "word" and value.lower() in _KEYWORDS:
@@ -63,8 +73,18 @@ def _tokens(text: str) -> list[tuple[str, object]]:
     return tokens
 
 
+_SHOWN = 160  # characters of a long expression shown in an error
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted, shortened in the middle if long (an error stays one readable line)."""
+    if len(text) <= _SHOWN:
+        return repr(text)
+    return f"{text[:_SHOWN // 2]!r} ... {text[-_SHOWN // 4:]!r} ({len(text)} characters)"
+
+
 def _error(text: str, why: str) -> FilterSyntaxError:
-    return FilterSyntaxError(f"--where {text!r} is not a filter expression: {why} (expected e.g. "
+    return FilterSyntaxError(f"--where {_shown(text)} is not a filter expression: {why} (expected e.g. "
                              f"\"aesthetic >= 5.0 and punsafe < 0.1\"; comparisons, and, or, not, "
                              f"parentheses, in [...], is null)")
 
@@ -81,7 +101,7 @@ class _Parser:
     """Recursive descent over the tokens; each rule returns (pyarrow expression, canonical text, columns)."""
 
     def __init__(self, text: str):
-        self.text, self.tokens, self.i = text, _tokens(text), 0
+        self.text, self.tokens, self.i, self.depth, self.tests = text, _tokens(text), 0, 0, 0
 
     def peek(self, kind=None, value=None) -> bool:
         if self.i >= len(self.tokens):
@@ -125,15 +145,21 @@ class _Parser:
         return factors
 
     def factor(self) -> tuple:
-        if self.peek("keyword", "not"):
-            self.i += 1
-            expr, text, cols = self.factor()
-            return ~expr, f"not {text}", cols
-        if self.peek("op", "("):
-            self.i += 1
-            expr, text, cols = self.expr()
-            self.take("op", ")", "')'")
-            return expr, f"({text})", cols
+        if self.peek("keyword", "not") or self.peek("op", "("):
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise _error(self.text, f"parentheses and 'not' are nested more than {MAX_DEPTH} deep")
+            try:
+                if self.peek("keyword", "not"):
+                    self.i += 1
+                    expr, text, cols = self.factor()
+                    return ~expr, f"not {text}", cols
+                self.i += 1
+                expr, text, cols = self.expr()
+                self.take("op", ")", "')'")
+                return expr, f"({text})", cols
+            finally:
+                self.depth -= 1
         return self.test()
 
     def value(self):
@@ -144,6 +170,9 @@ class _Parser:
 
     def test(self) -> tuple:
         import pyarrow.compute as pc
+        self.tests += 1
+        if self.tests > MAX_TESTS:
+            raise _error(self.text, f"it makes more than {MAX_TESTS} comparisons (test many values with in [...])")
         column = self.take("quoted") if self.peek("quoted") else self.take("word", what="a column name")
         field = pc.field(column)
         if self.peek("keyword", "is"):
@@ -164,7 +193,10 @@ class _Parser:
                 self.i += 1
                 values.append(self.value())
             self.take("op", "]", "']'")
-            expr = field.isin(values)
+            if len({isinstance(v, str) for v in values}) > 1:
+                raise _error(self.text, f"the values of {column} {'not ' * negate}in [...] mix numbers and strings "
+                                        f"({', '.join(map(_literal, values))}): a column holds one or the other")
+            expr = _built(self.text, lambda: field.isin(values))
             text = f"{_name(column)} {'not ' * negate}in [{', '.join(map(_literal, values))}]"
             return (~expr if negate else expr), text, {column}
         if negate:
@@ -174,9 +206,19 @@ class _Parser:
             raise _error(self.text, f"expected a comparison after {column}, found {found}")
         op = _OPS[self.take()]
         value = self.value()
-        expr = {"==": field.__eq__, "!=": field.__ne__, "<": field.__lt__, "<=": field.__le__,
-                ">": field.__gt__, ">=": field.__ge__}[op](value)
+        compare = {"==": field.__eq__, "!=": field.__ne__, "<": field.__lt__, "<=": field.__le__,
+                   ">": field.__gt__, ">=": field.__ge__}[op]
+        expr = _built(self.text, lambda: compare(value))
         return expr, f"{_name(column)} {op} {_literal(value)}", {column}
+
+
+def _built(text: str, build):
+    """A pyarrow expression from ``build()``, or the one-line error of a value pyarrow cannot take."""
+    import pyarrow as pa
+    try:
+        return build()
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        raise _error(text, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'bad value'}") from None
 
 
 def _conjoin(parts: list[tuple]) -> tuple:
@@ -251,7 +293,10 @@ def parse_where(text: str) -> RowFilter:
     if not text or not text.strip():
         raise _error(text or "", "it is empty")
     parser = _Parser(text)
-    rules = parser.terms()
+    try:
+        rules = parser.terms()
+    except RecursionError:  # a long chain pyarrow nests: refused, not a traceback
+        raise _error(text, "it is nested too deeply to evaluate") from None
     columns = sorted(set().union(*(cols for _, _, cols in rules)))
     canonical = " and ".join(t for _, t, _ in rules)  # an "or" inside an "and" keeps its parentheses
     return RowFilter(canonical, tuple((t, e) for e, t, _ in rules), tuple(columns))

@@ -56,6 +56,31 @@ def test_cli_malformed_filter_is_one_line_showing_it(sample_data, tiny_kit, tmp_
     assert not (tmp_path / "mds").exists()
 
 
+HOSTILE = [("aesthetic in ['a',1]", "mix numbers and strings"),
+           ("aesthetic > " + "1" * 30, "the integer 11111111111111111111... (30 digits) is out of range"),
+           ("aesthetic > 1e400", "out of range of a 64-bit float"),
+           ("(" * 1000 + "aesthetic > 1" + ")" * 1000, "nested more than 100 deep"),
+           ("not " * 1000 + "aesthetic > 1", "nested more than 100 deep"),
+           (" or ".join(["aesthetic > 1"] * 5000), "more than 1000 comparisons")]  # pyarrow crashes on 5,000
+
+
+@pytest.mark.parametrize("text, why", HOSTILE)
+def test_hostile_expressions_are_one_line_naming_them_and_why(text, why):
+    with pytest.raises(FilterSyntaxError) as e:
+        parse_where(text)
+    message = str(e.value)
+    assert "\n" not in message and why in message and len(message) < 600
+    assert message.startswith(f"--where {text[:20]!r}"[:-1])  # the expression, shortened if long
+
+
+def test_cli_hostile_filters_are_one_line_without_a_traceback(sample_data, tiny_kit, tmp_path):
+    for text, why in HOSTILE[::3]:
+        result = _convert_cli("--input", sample_data, "--output", tmp_path / "mds", "--model", tiny_kit, "--where", text)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert len(result.stderr.strip().splitlines()) == 1 and why in result.stderr
+        assert not (tmp_path / "mds").exists()
+
+
 def test_cli_filter_on_a_missing_column_lists_the_columns_there_are(sample_data, tiny_kit, tmp_path):
     result = _convert_cli("--input", sample_data, "--output", tmp_path / "mds", "--model", tiny_kit,
                           "--where", "AESTHETIC_SCORE >= 5 and punsafe < 0.1")

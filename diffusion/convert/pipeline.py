@@ -100,6 +100,9 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--limit must be positive, got {self.limit}")
         if self.max_aspect < 1:
             raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+        for name in ("max_bytes", "max_scans", "max_caption_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.where is not None:
             parse_where(self.where)  # a malformed filter fails here, showing it
         if self.text not in schema.TEXT_STORAGE:
@@ -118,7 +121,7 @@ class ConvertConfig(PipelineSettings):
 
     def raw_columns(self) -> RawColumns:
         return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
-                          where=self.where)
+                          where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars)
 
     def output_settings(self) -> dict:
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
@@ -127,6 +130,7 @@ class ConvertConfig(PipelineSettings):
         return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
                 "caption_column": self.caption_column, "key_column": self.key_column,
                 "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
+                "max_bytes": self.max_bytes, "max_scans": self.max_scans, "max_caption_chars": self.max_caption_chars,
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
                 "dedupe": self.dedupe, "text": self.text,
                 "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None}
@@ -216,7 +220,8 @@ class _DatasetInfoWriter:
 def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, duplicates_dir: str | None = None):
     """The Ray Dataset from raw rows to encoded rows (not yet executed)."""
     from ray.data import ActorPoolStrategy
-    checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels)
+    checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
+                         max_scans=cfg.max_scans)
     ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,
                   rejects_dir=os.path.join(out, REJECTS_DIR),
                   duplicates=functools.partial(later_copies, duplicates_dir) if duplicates_dir else None)

@@ -30,6 +30,9 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
   sidecar is not a JSON object) is a rejected row, recorded by key with its reason (``bad_caption``,
   ``bad_key``, ``bad_size``, ``bad_metadata``; see :func:`diffusion.convert.rows.valid_row`) like the transform's rejects.
   Only well-typed rows reach Ray's fixed schema.
+- Nothing larger than ``max_bytes`` is read: a tar member (a sparse or compressed one can claim
+  gigabytes in a few KB), a tfrecord record or an image file over it is skipped unread, its sample a
+  ``too_large`` reject; a caption over ``max_caption_chars`` is ``caption_too_long``.
 - A file that cannot be read (zero bytes, not parquet under a ``.parquet`` name, a truncated or corrupt
   tar or tfrecord, an unreadable image file, a parquet lacking the asked-for columns) is skipped and recorded as a
   failed input file (``failed_inputs/`` beside ``rejects/``; the conversion summary lists it); the rows
@@ -37,11 +40,13 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
   file is only found by reading all of it, so a check at start could not find it without reading
   the whole input twice, and stopping hours into a conversion for one file wastes the rest. A re-run
   tries a failed file again (the record goes once it reads to its end).
-- A key given to rows of two input files (parquet's key column): the row of the file that comes first
-  in input order is kept, the others are ``duplicate_key`` rejects, as a key repeated within one file
-  is (its first row kept). Which files share a key is found before any row is read, from the key
-  columns alone (:func:`keys_taken_by_earlier_files`), so the choice does not depend on which read
-  task runs first, and a re-run makes the same one.
+- A key given to rows of two input files (parquet's key column, a tar's ``.json`` sidecar, a
+  tfrecord's ``key`` feature, in any mix of layouts): the first file in input order whose row with it
+  is a sample keeps it, the others' rows are ``duplicate_key`` rejects, as a key repeated within one
+  file is (its first row kept). Which files share a key is found before any row is read, from the
+  keys alone (:mod:`diffusion.convert.shared_keys`), so the choice does not depend on which read
+  task runs first, and a re-run makes the same one. To keep both files' rows, name a key column the
+  inputs lack (``--key-column none``): every key is then derived from its file and row.
 - What stops at start (:func:`check_inputs`): inputs that do not exist, hold no file of a known format,
   or where no parquet file is readable; and asked-for columns missing from the first readable parquet
   file, which is the flags' fault rather than a file's.
@@ -61,10 +66,13 @@ import zlib
 from typing import Callable, Iterator
 
 from diffusion import schema
+from diffusion.convert import settings
 from diffusion.convert.failed_inputs import (FAILED_INPUTS_DIR, clear_failed_input, describe_error, file_errors,
                                              record_failed_input)
-from diffusion.convert.transforms import BAD_METADATA, Rejected, write_rejects
-from diffusion.convert.rows import DUPLICATE_IMAGE, REJECT, ROWS_PER_BATCH, derived_key, row_batches, row_key
+from diffusion.convert.transforms import BAD_METADATA, write_rejects
+from diffusion.rejects import TOO_LARGE
+from diffusion.convert.rows import DUPLICATE_IMAGE, REJECT, ROWS_PER_BATCH, row_batches
+from diffusion.convert.shared_keys import keys_taken_by_earlier_files
 from diffusion.tfrecord import example_features
 from diffusion.errors import InputError
 from diffusion.storage import filesystem_for
@@ -81,6 +89,8 @@ class RawColumns:
     key: str = schema.RAW_KEY
     caption_required: bool = True  # False: a file without the caption column gives rows captioned None
     where: str | None = None  # --where: rows failing it are rejects, before anything is decoded (convert.filters)
+    max_bytes: int = settings.MAX_BYTES  # a larger tar member, tfrecord record or image file is not read: too_large
+    max_caption_chars: int = settings.MAX_CAPTION_CHARS  # a longer caption is a caption_too_long reject
 
 
 # ---- locating files ------------------------------------------------------------------------------
@@ -273,7 +283,11 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
                          f"{', '.join(names)} ({hint})")
 
 
-def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
+def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict]:
+    """The rows of a parquet file; ``images=False``: without reading the image column (its values
+    stand in as ``b""``, or ``""`` if the column is not binary, which the row check rejects as it
+    would the real values), for the key pass (:mod:`diffusion.convert.shared_keys`)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
     check_parquet_columns(uri, columns)
     with _open(uri) as f:
@@ -283,8 +297,13 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
         if columns.where:
             from diffusion.where import parse_where
             row_filter = parse_where(columns.where)
-        wanted = [c for c in {columns.image, columns.caption, columns.key, schema.WIDTH, schema.HEIGHT,
-                              schema.RAW_STATUS, *(row_filter.columns if row_filter else ())} if c in names]
+        stand_in = None
+        if not images:
+            kind = pf.schema_arrow.field(columns.image).type
+            stand_in = b"" if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) else ""
+        wanted = [c for c in {columns.image if images else None, columns.caption, columns.key, schema.WIDTH,
+                              schema.HEIGHT, schema.RAW_STATUS, *(row_filter.columns if row_filter else ())}
+                  if c in names]
         for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
             blame = row_filter.blame(record_batch) if row_filter else itertools.repeat(None)
             for row, failed in zip(record_batch.to_pylist(), blame):
@@ -296,91 +315,26 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str) -> Iterator[dict]:
                     yield {REJECT: row_filter.reason(failed), schema.RAW_KEY: row.get(columns.key)}
                     continue
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
-                       schema.RAW_IMAGE: row[columns.image], schema.WIDTH: row.get(schema.WIDTH),
+                       schema.RAW_IMAGE: row[columns.image] if images else stand_in, schema.WIDTH: row.get(schema.WIDTH),
                        schema.HEIGHT: row.get(schema.HEIGHT)}
-
-
-def _parquet_keys(uri: str, columns: RawColumns, name: str) -> Iterator[str]:
-    """The explicit keys of a parquet file's sample rows (its key column only; rows without a usable
-    key, or that are not samples, left out), for :func:`keys_taken_by_earlier_files`."""
-    import pyarrow.parquet as pq
-    with _open(uri) as f:
-        pf = pq.ParquetFile(f)
-        names = pf.schema_arrow.names
-        if columns.key not in names:
-            return
-        wanted = [columns.key] + ([schema.RAW_STATUS] if schema.RAW_STATUS in names else [])
-        index = 0
-        for record_batch in pf.iter_batches(batch_size=1 << 16, columns=wanted):
-            keys = record_batch.column(0).to_pylist()
-            status = record_batch.column(1).to_pylist() if len(wanted) > 1 else [None] * len(keys)
-            for value, state in zip(keys, status):
-                index += 1
-                if state is not None and state != "success":
-                    continue
-                try:
-                    key = row_key(value, name, index - 1)
-                except Rejected:
-                    continue
-                if key != derived_key(name, index - 1):  # derived keys name their file: never shared
-                    yield key
-
-
-def keys_taken_by_earlier_files(formats: dict[str, str], names: dict[str, str],
-                                columns: RawColumns = RawColumns()) -> dict[str, str]:
-    """{key: name of the first file, in input order, that gives it} for each explicit key that more
-    than one parquet input file gives; the rows of the other files with that key are ``duplicate_key``
-    rejects. Reads only the key columns, twice where keys repeat: once to find repeated keys by
-    their 64-bit hashes (8 bytes a row held at once), then, in the files that hold such a hash, the
-    keys themselves (so two keys that only share a hash stay two). A file that cannot be read is left
-    out (its read task records it as a failed input)."""
-    import numpy as np
-    errors = file_errors()
-    files = [uri for uri, fmt in formats.items() if fmt == "parquet"]
-    hashed = []
-    for order, uri in enumerate(files):
-        try:
-            hashes = np.fromiter((hash(k) for k in _parquet_keys(uri, columns, names[uri])), np.int64)
-        except errors:
-            hashes = np.zeros(0, np.int64)
-        hashed.append(np.unique(hashes))  # a key repeated within one file is that file's own business
-    if len(files) < 2:
-        return {}
-    every = np.concatenate(hashed)
-    values, counts = np.unique(every, return_counts=True)
-    shared = values[counts > 1]
-    if not len(shared):
-        return {}
-    shared_set = set(shared.tolist())
-    first: dict[str, str] = {}
-    holders: dict[str, int] = collections.Counter()
-    for uri, hashes in zip(files, hashed):
-        if not np.isin(hashes, shared).any():
-            continue
-        try:
-            keys = {k for k in _parquet_keys(uri, columns, names[uri]) if hash(k) in shared_set}
-        except errors:
-            continue
-        for key in keys:
-            first.setdefault(key, names[uri])
-            holders[key] += 1
-    return {key: owner for key, owner in first.items() if holders[key] > 1}
 
 
 # ---- webdataset ----------------------------------------------------------------------------------
 
-def _webdataset_rows(uri: str, name: str) -> Iterator[dict]:
-    """Samples of an img2dataset tar: ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), consecutive members.
+def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), images: bool = True) -> Iterator[dict]:
+    """Samples of an img2dataset tar: ``KEY.jpg`` + ``KEY.txt`` (+ ``KEY.json``), consecutive members;
+    the key is the ``.json``'s ``columns.key``, else the file's name and the member's stem.
 
     A sample whose ``.json`` is not a JSON object is a ``bad_metadata`` reject; a tar that cannot be
-    read on (truncated, corrupt) raises InputError after the samples before the damage."""
+    read on (truncated, corrupt) raises InputError after the samples before the damage. ``images=False``
+    (the key pass): image members are not read, ``b""`` stands in."""
     def sample(key, parts):
         image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
         if image is None:
             return None
         row_key = f"{name}/{key}" if key else None
         meta = {}
-        if ".json" in parts:
+        if ".json" in parts and parts[".json"] is not _UNREAD:
             try:
                 meta = json.loads(parts[".json"])
             except ValueError:  # not JSON, or not UTF-8
@@ -389,8 +343,11 @@ def _webdataset_rows(uri: str, name: str) -> Iterator[dict]:
                 return {REJECT: BAD_METADATA, schema.RAW_KEY: row_key}
         if meta.get(schema.RAW_STATUS, "success") != "success":
             return None
+        row_key = meta.get(columns.key) or row_key
+        if any(part is _UNREAD for part in parts.values()):
+            return {REJECT: TOO_LARGE, schema.RAW_KEY: row_key}
         caption = parts[".txt"] if ".txt" in parts else meta.get(schema.RAW_CAPTION)
-        return {schema.RAW_KEY: meta.get(schema.RAW_KEY) or row_key, schema.RAW_CAPTION: caption,
+        return {schema.RAW_KEY: row_key, schema.RAW_CAPTION: caption,
                 schema.RAW_IMAGE: image, schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
 
     with _open(uri) as f:
@@ -405,23 +362,39 @@ def _webdataset_rows(uri: str, name: str) -> Iterator[dict]:
                     yield sample(key, parts)
                     parts = {}
                 key = stem
-                parts[ext.lower()] = tar.extractfile(member).read()
+                ext = ext.lower()
+                if member.size > columns.max_bytes:  # a sparse or compressed member can claim gigabytes
+                    parts[ext] = _UNREAD  # skipped, not read: the tar reads past it
+                elif images or ext not in IMAGE_SUFFIXES:
+                    parts[ext] = tar.extractfile(member).read()
+                else:
+                    parts[ext] = b""
             if parts:
                 yield sample(key, parts)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
             raise InputError(f"cannot read {uri} as a tar file: {type(e).__name__}: {e}") from e
 
 
+_UNREAD = object()  # a tar member over the byte limit
+
+
 # ---- folder of images ----------------------------------------------------------------------------
 
-def _folder_rows(uri: str, name: str) -> Iterator[dict]:
-    """One image; its caption from the ``.txt`` beside it (missing sidecar -> missing caption)."""
+def _folder_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> Iterator[dict]:
+    """One image; its caption from the ``.txt`` beside it (missing sidecar -> missing caption). An
+    image or caption file over ``columns.max_bytes`` is not read: a ``too_large`` reject."""
     fs, path = filesystem_for(uri)
     with _open(uri) as f:
+        if f.size() > columns.max_bytes:
+            yield {REJECT: TOO_LARGE, schema.RAW_KEY: name}
+            return
         image = f.read()
     caption = None  # bytes: decoded (or rejected as bad_caption) with the row's other values
     try:
         with fs.open_input_file(posixpath.splitext(path)[0] + ".txt") as f:
+            if f.size() > columns.max_bytes:
+                yield {REJECT: TOO_LARGE, schema.RAW_KEY: name}
+                return
             caption = f.read().strip()
     except (FileNotFoundError, OSError):
         pass
@@ -431,7 +404,7 @@ def _folder_rows(uri: str, name: str) -> Iterator[dict]:
 
 # ---- tfrecord (the wire format: diffusion.tfrecord) ------------------------------------
 
-def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
+def _tfrecord_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> Iterator[dict | None]:
     """Samples of an img2dataset tfrecord file; a record cut short, or one that is not a
     tf.train.Example, raises InputError after the samples before it."""
     import struct
@@ -450,6 +423,10 @@ def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
             (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (None,)
             if length is None or length + 4 > size - f.tell():
                 raise InputError(f"cannot read {uri} as a tfrecord file: record {index} is cut short")
+            if length > columns.max_bytes + _RECORD_SLACK:  # not read: its key is inside, so it is keyed by row
+                f.seek(length + 4, 1)
+                yield {REJECT: TOO_LARGE, schema.RAW_KEY: None}
+                continue
             data = f.read(length)
             f.read(4)
             try:
@@ -462,9 +439,12 @@ def _tfrecord_rows(uri: str, name: str) -> Iterator[dict | None]:
                 yield None
                 continue
             caption = features["txt"][0] if features.get("txt") else first(features, schema.RAW_CAPTION)
-            yield {schema.RAW_KEY: first(features, schema.RAW_KEY), schema.RAW_CAPTION: caption,
+            yield {schema.RAW_KEY: first(features, columns.key), schema.RAW_CAPTION: caption,
                    schema.RAW_IMAGE: first(features, schema.RAW_IMAGE),
                    **{side: _sized(first(features, side)) for side in (schema.WIDTH, schema.HEIGHT)}}
+
+
+_RECORD_SLACK = 2**20  # a tfrecord record holds the image and its caption and metadata
 
 
 def _sized(value):
@@ -480,17 +460,22 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
     read raises (see :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
     for keys several files give (:func:`keys_taken_by_earlier_files`)."""
     name = name or posixpath.basename(uri)
+    yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken, columns.max_caption_chars)
+
+
+def file_rows(uri: str, fmt: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict | None]:
+    """The raw rows of one input file, unchecked (``None`` for a row that is not a sample);
+    ``images=False``: without reading image bytes where the format allows (parquet, tar), for the key
+    pass (:mod:`diffusion.convert.shared_keys`)."""
     if fmt == "parquet":
-        rows = _parquet_rows(uri, columns, name)
-    elif fmt == "webdataset":
-        rows = _webdataset_rows(uri, name)
-    elif fmt == "tfrecord":
-        rows = _tfrecord_rows(uri, name)
-    elif fmt == "folder":
-        rows = _folder_rows(uri, name)
-    else:
-        raise ValueError(f"unknown input format {fmt!r}")
-    yield from row_batches(rows, name, on_reject, taken)
+        return _parquet_rows(uri, columns, name, images)
+    if fmt == "webdataset":
+        return _webdataset_rows(uri, name, columns, images)
+    if fmt == "tfrecord":
+        return _tfrecord_rows(uri, name, columns)
+    if fmt == "folder":
+        return _folder_rows(uri, name, columns)
+    raise ValueError(f"unknown input format {fmt!r}")
 
 
 def iter_rows(inputs, columns: RawColumns = RawColumns(), on_failed_file: Callable[[str, str], None] | None = None,

@@ -13,7 +13,7 @@ from typing import Iterator
 
 from diffusion import schema
 from diffusion.rejects import (  # noqa: F401 (also for this module's importers)
-    BAD_CAPTION, BAD_KEY, BAD_SIZE, DUPLICATE_IMAGE, DUPLICATE_KEY, REJECT, UNDECODABLE, Rejected)
+    BAD_CAPTION, BAD_KEY, BAD_SIZE, CAPTION_TOO_LONG, DUPLICATE_IMAGE, DUPLICATE_KEY, REJECT, UNDECODABLE, Rejected)
 
 RAW_COLUMNS = (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH, schema.HEIGHT)
 ROWS_PER_BATCH = 64  # rows per yielded batch: small, so one huge file never becomes one huge block
@@ -81,17 +81,23 @@ def _size(value, what: str) -> int | None:
     return value or None
 
 
-def valid_row(row: dict, name: str, index: int) -> dict:
+def valid_row(row: dict, name: str, index: int, max_caption_chars: int | None = None) -> dict:
     """``row`` with every value of the type Ray's raw schema holds, or :class:`Rejected` with a reason.
 
     The key must be text or a whole number (else ``bad_key``); the caption text, bytes in UTF-8 or
-    missing (else ``bad_caption``; whether it says anything is the transform's ``empty_caption``);
+    missing (else ``bad_caption``; whether it says anything is the transform's ``empty_caption``), of
+    at most ``max_caption_chars`` characters (else ``caption_too_long``, before it is tokenized);
     width and height whole numbers >= 0 or missing (else ``bad_size``; they are the input's word
     only, the transform measures the image); the image bytes or missing (else ``undecodable``).
     """
     key = row_key(row.get(schema.RAW_KEY), name, index)
     caption = row.get(schema.RAW_CAPTION)
+    if max_caption_chars is not None and isinstance(caption, bytes) and len(caption) > 4 * max_caption_chars:
+        # more bytes than the longest caption in UTF-8 can take: a huge caption is not even decoded
+        raise Rejected(CAPTION_TOO_LONG, f"{len(caption)} bytes (at most {max_caption_chars} characters)")
     caption = None if _is_missing(caption) else _text(caption, BAD_CAPTION, "caption")
+    if max_caption_chars is not None and len(caption or "") > max_caption_chars:
+        raise Rejected(CAPTION_TOO_LONG, f"{len(caption)} characters (at most {max_caption_chars})")
     image = row.get(schema.RAW_IMAGE)
     if isinstance(image, (bytearray, memoryview)):
         image = bytes(image)
@@ -103,10 +109,11 @@ def valid_row(row: dict, name: str, index: int) -> dict:
 
 
 
-def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None) -> Iterator[dict]:
+def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None,
+                max_caption_chars: int | None = None) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
-    was seen before in this file or is ``taken`` ({key: file}) by another file (``duplicate_key``),
-    is not a row but a reject, reported to
+    was seen before in this file or is ``taken`` ({key: the file that keeps it, or None}) by another
+    file (``duplicate_key``; :mod:`diffusion.convert.shared_keys`), is not a row but a reject, reported to
     ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
     file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
     (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
@@ -132,10 +139,10 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
             key = row_key(row.get(schema.RAW_KEY), name, index)
             if REJECT in row:
                 raise Rejected(row[REJECT])
-            row = valid_row(row, name, index)
+            row = valid_row(row, name, index, max_caption_chars)
         except Rejected as e:
-            if on_reject is not None:
-                usable = key is not None and key not in seen
+            if on_reject is not None:  # a key other files give too is theirs to record: this row's id names its file
+                usable = key is not None and key not in seen and not (taken and key in taken)
                 on_reject({key if usable else _reject_id(name, index, e.reason): e.reason})
             if key is not None:
                 seen.add(key)

@@ -16,6 +16,9 @@ from diffusion.cli import flag
 MIN_SIZE = 64  # shortest side, in pixels, of the original image
 MAX_ASPECT = 3.0  # long side / short side
 MAX_PIXELS = 8192 * 8192  # decompression-bomb guard: checked from the header, before decoding
+MAX_BYTES = 20 * 2**20  # largest image file read (the downloader's --max-bytes default)
+MAX_SCANS = 100  # most scans a JPEG may have (encoders write 1 to ~20); each one decodes the whole image
+MAX_CAPTION_CHARS = 8192  # longest caption kept (the text encoder reads 77 tokens, a few hundred characters)
 TRANSFORM_BATCH = 32
 
 
@@ -30,6 +33,9 @@ class PipelineSettings:
     min_size: int = flag(MIN_SIZE, "reject images whose shorter side is smaller (pixels)", type=int)
     max_aspect: float = flag(MAX_ASPECT, "reject images whose long side / short side is larger", type=float)
     max_pixels: int = flag(MAX_PIXELS, "decompression-bomb guard: reject larger images (pixels)", type=int)
+    max_bytes: int = flag(MAX_BYTES, "memory-bomb guard: reject larger image files (bytes) unread", type=int)
+    max_scans: int = flag(MAX_SCANS, "time-bomb guard: reject JPEGs of more scans, before decoding", type=int)
+    max_caption_chars: int = flag(MAX_CAPTION_CHARS, "reject longer captions (characters), untokenized", type=int)
     transform_batch_size: int = flag(TRANSFORM_BATCH, "rows per transform batch", type=int)
     num_transformers: Optional[int] = flag(None, "transform actors (default: from the cluster's CPUs)", type=int)
     cpus_per_transformer: Optional[float] = flag(None, "CPUs per transform actor", type=float)

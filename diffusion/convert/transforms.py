@@ -28,7 +28,7 @@ from diffusion import schema
 from diffusion.convert import settings
 from diffusion.rejects import (  # noqa: F401 (the vocabulary, also for this module's importers)
     ASPECT_RATIO, BAD_CAPTION, BAD_KEY, BAD_METADATA, BAD_SIZE, EMPTY_CAPTION, LEGACY_RECORD_SUFFIX, RECORD_SUFFIX,
-    TOO_MANY_PIXELS, TOO_SMALL, UNDECODABLE, UNSUPPORTED_MODE, Rejected, write_rejects)
+    TOO_MANY_PIXELS, TOO_MANY_SCANS, TOO_SMALL, UNDECODABLE, UNSUPPORTED_MODE, Rejected, write_rejects)
 
 STAGE_SECONDS = "_transform_seconds"  # per-row share of the batch's wall time, when timing is on
 _ORIENTATION = 0x0112
@@ -42,6 +42,22 @@ class ImageChecks:
     min_size: int = settings.MIN_SIZE
     max_aspect: float = settings.MAX_ASPECT
     max_pixels: int = settings.MAX_PIXELS  # checked from the header, before decoding
+    max_scans: int = settings.MAX_SCANS  # a JPEG's scans, counted in its bytes before decoding
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS markers) a JPEG's bytes hold: each is a pass over the whole image, so a
+    progressive JPEG repeating a scan thousands of times is a decode-time bomb. Entropy-coded data
+    cannot hold the marker (its 0xFF bytes are stuffed), so this counts scans, plus those of an
+    embedded thumbnail."""
+    return data.count(b"\xff\xda") if data[:2] == b"\xff\xd8" else 0
+
+
+def check_scans(data: bytes, max_scans: int) -> None:
+    """Raise ``too_many_scans`` for a JPEG of more than ``max_scans`` scans, before it is decoded."""
+    scans = jpeg_scans(data)
+    if scans > max_scans:
+        raise Rejected(TOO_MANY_SCANS, f"a JPEG of {scans} scans (at most {max_scans})")
 
 
 def _scaled_to_8bit(values: np.ndarray, full_scale: float | None) -> np.ndarray:
@@ -171,6 +187,8 @@ def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks())
     width, height = image.size
     if width * height > checks.max_pixels:
         raise Rejected(TOO_MANY_PIXELS, f"{width}x{height}")
+    if image.format == "JPEG":
+        check_scans(data, checks.max_scans)
     try:
         orientation = image.getexif().get(_ORIENTATION, 1)
     except Exception:  # a broken EXIF block is not a broken image

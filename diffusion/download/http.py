@@ -1,7 +1,9 @@
 """HTTP fetching for the downloader: one shared connection pool, bounded in every dimension.
 
 A :class:`Fetcher` is shared by the threads that download one shard. Every request is bounded: a
-timeout (connect, each socket read, and the whole attempt), a maximum body size (read as a stream and
+timeout (connect, each socket read, and the whole attempt: every read of the status line, headers
+and body ends by the attempt's deadline, so a server sending a byte at a time cannot hold a thread
+past it), a maximum body size (read as a stream and
 abandoned past the limit), a bounded number of redirects that may never leave http/https. Only
 timeouts and 5xx answers are retried, with exponential backoff; a 404 will not change on a retry.
 Failures raise :class:`FetchError` whose ``reason`` is a short code counted in the stats: ``timeout``
@@ -14,6 +16,9 @@ so the detail never repeats the row's own URL (the row has it): one 404 reads li
 from __future__ import annotations
 
 import dataclasses
+import io
+import socket
+import threading
 import time
 import urllib.parse
 
@@ -84,6 +89,68 @@ def connect_failure(error: Exception) -> str:
     return "connection_error"
 
 
+# ---- the whole-attempt deadline, on every read -----------------------------------------------------
+# A socket timeout bounds one read; a server that sends a byte a second never trips it, in the headers
+# or the body. So each read of a connection's socket gets as timeout what is left of its thread's
+# attempt (the connection is used by one thread at a time), and none once nothing is left.
+
+_ATTEMPT = threading.local()  # .deadline: time.monotonic() by which this thread's attempt must end
+
+
+class _DeadlineSocket:
+    """A connected socket whose reads end by the deadline of the attempt of the thread reading it."""
+
+    def __init__(self, sock):
+        self._sock = sock
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def _arm(self) -> None:
+        deadline = getattr(_ATTEMPT, "deadline", None)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the attempt's deadline passed")
+            self._sock.settimeout(left)
+
+    def recv(self, *args):
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args):
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def makefile(self, mode="r", buffering=None, **kwargs):
+        """What http.client reads the status line, headers and body through: reads via :meth:`recv_into`."""
+        if mode != "rb":
+            return self._sock.makefile(mode, buffering, **kwargs)
+        raw = socket.SocketIO(self, "rb")
+        self._sock._io_refs += 1  # as socket.makefile counts it: the socket closes when its files do
+        return io.BufferedReader(raw, io.DEFAULT_BUFFER_SIZE if buffering in (None, -1, 0) else buffering)
+
+
+class _HTTPConnection(urllib3.connection.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock)
+
+
+class _HTTPSConnection(urllib3.connection.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock)
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
 class Fetcher:
     """Downloads URLs through one urllib3 pool; safe to share between threads."""
 
@@ -94,6 +161,7 @@ class Fetcher:
             num_pools=max(64, pool_size), maxsize=pool_size, block=False, retries=False,
             timeout=urllib3.Timeout(connect=config.timeout, read=config.timeout),
             headers={"User-Agent": config.user_agent, "Accept": "image/*,*/*;q=0.5"})
+        self.http.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
 
     def fetch(self, url: str) -> bytes:
         """The body of ``url`` after redirects; raises FetchError."""
@@ -112,7 +180,13 @@ class Fetcher:
         raise AssertionError("unreachable")
 
     def _follow(self, url: str) -> bytes:
-        deadline = time.monotonic() + self.config.timeout
+        deadline = _ATTEMPT.deadline = time.monotonic() + self.config.timeout
+        try:
+            return self._follow_until(url, deadline)
+        finally:
+            _ATTEMPT.deadline = None
+
+    def _follow_until(self, url: str, deadline: float) -> bytes:
         for _ in range(self.config.max_redirects + 1):
             response = self._request(url)
             body = None

@@ -14,7 +14,10 @@ import warnings
 
 from PIL import ExifTags, Image, ImageOps, TiffImagePlugin
 
+from diffusion.convert.settings import MAX_SCANS
+from diffusion.convert.transforms import jpeg_scans
 from diffusion.download.http import FetchError
+from diffusion.rejects import TOO_MANY_SCANS
 from diffusion.errors import ConfigError
 
 RESIZE_MODES = ("no", "center_crop", "keep_ratio")
@@ -24,6 +27,7 @@ RESIZE_MODES = ("no", "center_crop", "keep_ratio")
 class ImageRules:
     min_size: int = 64  # shorter side, in pixels, of the original image
     max_pixels: int = 2**25  # about 33 megapixels; bigger images are refused before decoding
+    max_scans: int = MAX_SCANS  # a JPEG of more scans is refused before decoding (a decode-time bomb)
     resize_mode: str = "no"  # no | center_crop (image_size square) | keep_ratio (shorter side = image_size)
     image_size: int = 512
     jpeg_quality: int = 95
@@ -31,8 +35,8 @@ class ImageRules:
     def __post_init__(self):
         if self.resize_mode not in RESIZE_MODES:
             raise ConfigError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
-        if self.image_size <= 0 or self.min_size < 0 or self.max_pixels <= 0:
-            raise ConfigError(f"image_size, min_size and max_pixels must be positive: {self}")
+        if self.image_size <= 0 or self.min_size < 0 or self.max_pixels <= 0 or self.max_scans <= 0:
+            raise ConfigError(f"image_size, min_size, max_pixels and max_scans must be positive: {self}")
 
 
 @dataclasses.dataclass
@@ -58,6 +62,8 @@ def check_image(data: bytes, rules: ImageRules) -> CheckedImage:
             width, height = image.size  # from the header: refuse giants before decoding them
             if width * height > rules.max_pixels:
                 raise FetchError("too_many_pixels", f"more than {rules.max_pixels} pixels")
+            if image.format == "JPEG" and (scans := jpeg_scans(data)) > rules.max_scans:
+                raise FetchError(TOO_MANY_SCANS, f"a JPEG of {scans} scans (at most {rules.max_scans})")
             keep_size = 1 if rules.resize_mode == "no" else rules.image_size  # both sides stay >= this
             image.draft(None, (keep_size, keep_size))  # a no-op for formats other than JPEG
             image.load()

@@ -38,7 +38,7 @@ import pyarrow.fs as pa_fs
 
 from diffusion.download.http import FetchConfig
 from diffusion.errors import ConfigError, OutputMismatchError
-from diffusion.download.image import RESIZE_MODES, ImageRules
+from diffusion.download.image import MAX_SCANS, RESIZE_MODES, ImageRules
 from diffusion.download.plan import InputColumns, ShardSpec, open_filesystem, plan_shards
 from diffusion.where import parse_where
 from diffusion.download.select import plan_drops
@@ -115,6 +115,7 @@ def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
 
 # What a plan written before the key existed meant.
 _FINGERPRINT_DEFAULTS = {"output_format": "parquet", "where": None, "dedupe_urls": False}
+_IMAGE_DEFAULTS = {"max_scans": MAX_SCANS}  # image rules added since: a plan without one ran with its default
 
 
 def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: str) -> None:
@@ -122,6 +123,8 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
     if fs.get_file_info(path).type == pa_fs.FileType.File:
         with fs.open_input_stream(path) as f:
             previous = json.loads(f.read())
+        if isinstance(previous.get("image"), dict):
+            previous["image"] = {**_IMAGE_DEFAULTS, **previous["image"]}
         changed = sorted(k for k in fingerprint if previous.get(k, _FINGERPRINT_DEFAULTS.get(k)) != fingerprint[k])
         changed = [_FLAGS.get(k, k) for k in changed]
         if changed:
@@ -231,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-redirects", type=int, default=5, help="redirects followed per URL (default: 5)")
     p.add_argument("--min-size", type=int, default=64, help="minimum shorter side, pixels")
     p.add_argument("--max-pixels", type=int, default=2**25, help="decompression-bomb guard (default: 2**25)")
+    p.add_argument("--max-scans", type=int, default=MAX_SCANS,
+                   help=f"decode-time-bomb guard: refuse JPEGs of more scans, before decoding (default: {MAX_SCANS})")
     p.add_argument("--resize-mode", choices=RESIZE_MODES, default="no", help="resize on download (default: no)")
     p.add_argument("--image-size", type=int, default=512, help="target size with --resize-mode (default: 512)")
     p.add_argument("--where", help="download only the rows whose url-list metadata passes this filter, "
@@ -254,7 +259,8 @@ def main(argv=None) -> DownloadSummary:
         where=args.where, dedupe_urls=args.dedupe_urls,
         fetch=FetchConfig(timeout=args.timeout, retries=args.retries, max_bytes=args.max_bytes,
                           max_redirects=args.max_redirects),
-        image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, resize_mode=args.resize_mode,
+        image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, max_scans=args.max_scans,
+                         resize_mode=args.resize_mode,
                          image_size=args.image_size))
     from diffusion.cluster import init_ray
     # quietly; RAY_ADDRESS or a new local cluster without --address; after the checks at start

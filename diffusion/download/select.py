@@ -45,7 +45,10 @@ def file_columns(fs: pa_fs.FileSystem, path: str, fmt: str) -> list[str]:
     with fs.open_input_stream(path) as f:
         data = f.read()
     if fmt == "csv":
-        return pa_csv.open_csv(io.BytesIO(data)).schema.names
+        # From an Arrow buffer, not a Python file: the streaming reader reads ahead on Arrow's threads,
+        # which, if they still read from a Python object when the interpreter exits (a filter naming a
+        # missing column stops right here), abort the process ("terminate called without an active exception").
+        return pa_csv.open_csv(pa.BufferReader(data)).schema.names
     try:
         return pa_json.read_json(io.BytesIO(data)).column_names
     except pa.ArrowInvalid:  # rows pyarrow refuses: every key any JSON-object line has, first seen first

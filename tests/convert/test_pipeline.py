@@ -312,6 +312,40 @@ def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_conf
     assert (info.count, info.rows_in) == (distinct, distinct + duplicates)
 
 
+@pytest.mark.slow
+def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_config, tmp_path, ray_local):
+    """en/00000.tar and multi/00000.tar both key their samples 000000000.. in their .json sidecars:
+    each key is written once, with en's image; multi's rows with en's keys are counted duplicate_key
+    rejects, the one whose key en's row (not a sample) left free is written, before and after a
+    kill and re-run, and "rows in" counts every row."""
+    from diffusion.kit.sample import render_scene
+    rng = np.random.default_rng(0)
+    raw, captions = tmp_path / "raw", {}
+    for run in ("en", "multi"):
+        (raw / run).mkdir(parents=True)
+        with tarfile.open(raw / run / "00000.tar", "w") as tar:
+            for i in range(6):
+                key = f"00000{i:04d}"
+                image, caption = render_scene(rng, 96, 96)
+                buf = io.BytesIO()
+                image.save(buf, "JPEG")
+                captions[run, key] = caption
+                text = b"\xff\xfe" if (run, i) == ("en", 3) else caption.encode()  # not UTF-8: not a sample
+                for ext, data in ((".jpg", buf.getvalue()), (".txt", text),
+                                  (".json", json.dumps({"key": key, "status": "success"}).encode())):
+                    info = tarfile.TarInfo(key + ext)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "mds"
+    run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=4, deterministic=True))  # the "crash"
+    summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
+    written = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(out)}
+    expected = {k: captions["en", k] for k in ("000000000", "000000001", "000000002", "000000004", "000000005")}
+    assert written == {**expected, "000000003": captions["multi", "000000003"]}
+    assert summary.written == 6 and summary.rejects == {"duplicate_key": 5, "bad_caption": 1}
+    assert summary.rows_in == 12 == schema.DatasetInfo.load(str(out)).rows_in
+
+
 def _bad_kinds(rows, manifest):
     return [manifest["bad_keys"][r[schema.RAW_KEY]] for r in rows if r[schema.RAW_KEY] in manifest["bad_keys"]]
 

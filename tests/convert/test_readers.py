@@ -351,3 +351,64 @@ def test_a_folder_without_images_names_the_layouts_looked_for(tmp_path):
     pq.write_table(_img2dataset_metadata(["k0"], ["success"]), tmp_path / "urls.parquet")  # no tar beside it
     with pytest.raises(InputError, match="urls.parquet has no column 'jpg'.*download_laion"):
         check_inputs(tmp_path)
+
+
+# ---- keys across files of every layout (issue 24 item 2) -----------------------------------------
+
+def _two_img2dataset_runs(root):
+    """Two img2dataset runs merged into one input: en/00000.tar and multi/00000.tar, both keyed from
+    000000000 in their .json sidecars, and a tfrecord run keyed the same. en's 000000001 has a caption
+    that is not UTF-8 (not a sample), so multi's 000000001 keeps that key."""
+    def sample(key, caption):
+        return (key, {".jpg": _jpeg(), ".txt": caption,
+                      ".json": json.dumps({"key": key, "status": "success"}).encode()})
+    for run in ("en", "multi"):
+        (root / run).mkdir(parents=True)
+        _write_tar(root / run / "00000.tar", [sample(f"00000{i:04d}", f"{run} {i}".encode() if (run, i) != ("en", 1)
+                                                     else b"\xff\xfe") for i in range(3)])
+    (root / "tf").mkdir()
+    write_tfrecord(root / "tf" / "00000.tfrecord", [example({"key": "000000002", "jpg": _jpeg(), "txt": b"tf 2"}),
+                                                    example({"key": "tf-own", "jpg": _jpeg(), "txt": b"tf own"})])
+
+
+def test_webdataset_and_tfrecord_keys_repeated_across_files_are_kept_once_and_counted(tmp_path):
+    from diffusion.convert.rows import BAD_CAPTION, DUPLICATE_KEY
+    _two_img2dataset_runs(tmp_path)
+    for _ in range(2):  # the same choice every time
+        recorded = {}
+        rows = list(iter_rows(tmp_path, on_reject=recorded.update))
+        assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION]) for r in rows] == [
+            ("000000000", "en 0"), ("000000002", "en 2"), ("000000001", "multi 1"), ("tf-own", "tf own")]
+        # every row not kept is a reject of its own, named by its file (so "rows in" counts each)
+        assert recorded == {"en/00000.tar:000000001#bad_caption": BAD_CAPTION,
+                            "000000000#multi/00000.tar:0": DUPLICATE_KEY, "000000002#multi/00000.tar:2": DUPLICATE_KEY,
+                            "000000002#00000.tfrecord:0": DUPLICATE_KEY}
+    # keys derived from file and row instead (a key column the inputs lack): every row is its own
+    keys = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, RawColumns(key="none"))]
+    assert keys == ["en/00000.tar/000000000", "en/00000.tar/000000002", "multi/00000.tar/000000000",
+                    "multi/00000.tar/000000001", "multi/00000.tar/000000002", "00000.tfrecord:000000000",
+                    "00000.tfrecord:000000001"]
+
+
+def test_the_files_layout_keys_carry_their_folder(tmp_path):
+    for run in ("en", "multi"):
+        (tmp_path / run / "00000").mkdir(parents=True)
+        (tmp_path / run / "00000" / "000000000.jpg").write_bytes(_jpeg())
+        (tmp_path / run / "00000" / "000000000.json").write_text(json.dumps({"key": "000000000"}))
+    assert [r[schema.RAW_KEY] for r in iter_rows(tmp_path)] == ["en/00000/000000000.jpg", "multi/00000/000000000.jpg"]
+
+
+def test_the_key_pass_reads_tars_only_where_their_metadata_shows_a_repeated_key(tmp_path, monkeypatch):
+    from diffusion.convert import shared_keys
+    read = []
+    real = shared_keys.file_keys
+    monkeypatch.setattr(shared_keys, "file_keys", lambda uri, *a: read.append(uri) or real(uri, *a))
+    for run in ("en", "multi"):
+        _write_img2dataset(tmp_path / run, "webdataset", shards=("00000", "00001") if run == "en" else ("00002",))
+    assert len(list(iter_rows(tmp_path))) == 6 and read == []  # keys of 3 shards, none repeated: no tar read
+    _write_img2dataset(tmp_path / "again", "webdataset", shards=("00001",))  # en's 00001 keys once more
+    recorded = {}
+    rows = list(iter_rows(tmp_path, on_reject=recorded.update))
+    assert sorted(read) == [str(tmp_path / "again" / "00001.tar"), str(tmp_path / "en" / "00001.tar")]
+    # "again" comes first in input order: it keeps the keys
+    assert len(rows) == 6 and sorted(recorded) == ["000010000#en/00001.tar:0", "000010001#en/00001.tar:1"]

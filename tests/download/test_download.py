@@ -26,6 +26,7 @@ from diffusion.download.image import ImageRules, check_image
 from diffusion.download.plan import InputColumns, ShardSpec, plan_shards
 from diffusion.errors import InputError
 from diffusion.download.shard import ShardJob, ShardNaming, download_shard
+from hostile_files import progressive_jpeg, scan_bomb
 
 FETCH = FetchConfig(timeout=0.5, retries=2, backoff=0.01, max_bytes=200_000, max_redirects=3)
 RULES = ImageRules(min_size=16)
@@ -55,6 +56,7 @@ def _jpeg_with_exif() -> bytes:
 
 
 EXIF_JPEG = _jpeg_with_exif()
+SCAN_BOMB = scan_bomb(2000)  # 34 KB; about a second to decode at 1024 x 1024 (500 s at 4096 x 4096)
 
 # path -> expected status of the row ("success" or the failure reason), in the order the input lists them
 CASES = {
@@ -124,6 +126,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, JPEG)
         elif path == "/exif.jpg":
             self._send(200, EXIF_JPEG)
+        elif path == "/scans.jpg":
+            self._send(200, SCAN_BOMB)
         elif path == "/big":
             self._send(200, b"\xff" * 300_000)
         elif path == "/big-stream":
@@ -312,6 +316,22 @@ def test_check_image_refuses_giants_before_decoding():
         check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48 - 1))
 
 
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding_and_counted(server, tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(FetchError, match="too_many_scans: a JPEG of 2010 scans"):
+        check_image(SCAN_BOMB, RULES)
+    assert time.perf_counter() - start < 0.5
+    assert check_image(progressive_jpeg(), RULES).width == 1024  # 10 scans: an ordinary progressive JPEG
+    server.reset()
+    src = _write_input(tmp_path / "in.parquet", [server.url("/scans.jpg"), server.url("/ok.jpg")])
+    job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(), ShardNaming.for_plan(1, 2),
+                   FETCH, RULES, threads=2)
+    os.makedirs(tmp_path / "out")
+    download_shard(job, ShardSpec(0, src, 0, 2))
+    assert [_reason(r) for r in _read_output(tmp_path / "out").to_pylist()] == ["too_many_scans", "success"]
+    assert json.loads((tmp_path / "out" / "00000_stats.json").read_text())["failures"] == {"too_many_scans": 1}
+
+
 # ---- one shard, without Ray ----------------------------------------------------------------------
 
 def test_shard_rows_statuses_and_stats(server, tmp_path):
@@ -398,6 +418,14 @@ def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_loca
 
     with pytest.raises(ValueError, match="different plan.*rows_per_shard"):
         download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=5, fetch=FETCH))
+    # a plan written before --max-scans existed resumes with its default, and only with it
+    plan = json.loads((out / "download_plan.json").read_text())
+    del plan["image"]["max_scans"]
+    (out / "download_plan.json").write_text(json.dumps(plan))
+    assert download(_config(tmp_path / "in", out)).skipped_shards == 4
+    with pytest.raises(ValueError, match="different plan.*image"):
+        download(DownloadConfig(input=str(tmp_path / "in"), output=str(out), rows_per_shard=4, fetch=FETCH,
+                                image=ImageRules(min_size=16, max_scans=50)))
     with pytest.raises(ValueError, match=r"different plan \(output_format changed\)"):  # no mixed formats
         download(_config(tmp_path / "in", out, output_format="webdataset"))
     plan = json.loads((out / "download_plan.json").read_text())
@@ -496,6 +524,49 @@ def test_a_shard_with_stalled_urls_finishes_in_about_the_time_of_its_slowest_res
     assert [r[schema.RAW_KEY] for r in rows] == [f"00000{i:03d}" for i in range(160)]
     assert all(r[schema.RAW_IMAGE] == JPEG and r[schema.RAW_CAPTION] == f"caption {int(r[schema.RAW_KEY][5:])}"
                for r in rows)
+
+
+class _DribblingHandler(http.server.BaseHTTPRequestHandler):
+    """Answers a byte every 50 ms: the status line and headers (/headers) or, after them, the body (/body),
+    100 bytes: about 5 s of answer, each byte well within a per-read timeout."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = JPEG[:100]
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        slow, fast = (head + body, b"") if self.path.startswith("/headers") else (body, head)
+        try:
+            self.wfile.write(fast)
+            for i in range(len(slow)):
+                self.wfile.write(slow[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+            pass
+
+
+def test_a_server_sending_a_byte_at_a_time_is_a_timeout_at_the_attempts_deadline(tmp_path):
+    """Each read gets a byte well within the per-read timeout, so only the whole-attempt deadline can end
+    these; it must, in the headers as in the body, within --timeout (2 s) of the start."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DribblingHandler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{httpd.server_port}/{p}" for p in ("headers", "body")]
+        src = _write_input(tmp_path / "in.parquet", urls)
+        job = ShardJob(src, str(tmp_path / "out"), {src: "parquet"}, InputColumns(), ShardNaming.for_plan(1, 2),
+                       FetchConfig(timeout=2, retries=0), RULES, threads=2)
+        os.makedirs(tmp_path / "out")
+        start = time.monotonic()
+        download_shard(job, ShardSpec(0, src, 0, 2))
+        elapsed = time.monotonic() - start
+    finally:
+        httpd.shutdown()
+    assert elapsed < 3.0, f"{elapsed:.1f} s"
+    assert [_reason(r) for r in _read_output(tmp_path / "out").to_pylist()] == ["timeout", "timeout"]
+    assert json.loads((tmp_path / "out" / "00000_stats.json").read_text())["failures"] == {"timeout": 2}
 
 
 KILLED_RUN = """
@@ -711,12 +782,50 @@ def _cli(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+_EXIT_AFTER_READING_COLUMNS = """
+import io, sys, time
+import pyarrow.fs as pa_fs
+from diffusion.download import select
+
+class SlowBytesIO(io.BytesIO):  # a busy machine: the reader's read-ahead still runs when the process exits
+    def readinto(self, buffer):
+        time.sleep(0.02)
+        return super().readinto(buffer)
+    def read(self, *args):
+        time.sleep(0.02)
+        return super().read(*args)
+
+select.io.BytesIO = SlowBytesIO
+print(select.file_columns(pa_fs.LocalFileSystem(), sys.argv[1], "csv"))
+sys.exit(2)  # what the CLI does next when the filter names a column the file lacks
+"""
+
+
+def test_reading_a_csvs_columns_leaves_nothing_running_at_exit(tmp_path):
+    """The flaky abort at exit of a --where naming a missing column: Arrow's read-ahead threads were still
+    reading the csv from a Python file object while the interpreter shut down."""
+    path = tmp_path / "in.csv"
+    path.write_text("URL,TEXT\n" + "".join(f"http://x/{i},caption {i}\n" for i in range(200_000)))
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _EXIT_AFTER_READING_COLUMNS, str(path)], capture_output=True,
+                              text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (2, "['URL', 'TEXT']"), done.stderr[-1000:]
+
+
 @pytest.mark.parametrize("where,expected", [
     ("punsafe < 0.1", "--where 'punsafe < 0.1' names column 'punsafe' that {src} does not have; its columns are "
                       "URL, TEXT, aesthetic"),
     ("aesthetic >> 5", "--where 'aesthetic >> 5' is not a filter expression"),
     ("aesthetic > 100 and aesthetic < 200", "--where 'aesthetic > 100 and aesthetic < 200' keeps no row of the "
                                             "input: 'aesthetic > 100' removed 3 (of 3 rows); nothing was downloaded"),
+    ("aesthetic in ['a',1]", "--where \"aesthetic in ['a',1]\" is not a filter expression: the values of aesthetic "
+                             "in [...] mix numbers and strings"),
+    ("aesthetic > " + "9" * 30, f"--where 'aesthetic > {'9' * 30}' is not a filter expression: the integer "
+                                "99999999999999999999... (30 digits) is out of range"),
+    ("(" * 1000 + "aesthetic > 1" + ")" * 1000, "--where '((((((((((((((((((((((((((((((((((((((((((((((((((((((("
+                                                "(((((((((((((((((((((((((' ... '))))))))))))))))))))))))))))))))))))))))'"
+                                                " (2013 characters) is not a filter expression: parentheses and 'not' "
+                                                "are nested more than 100 deep"),
 ])
 def test_a_filter_naming_a_missing_column_malformed_or_keeping_nothing_is_one_line_at_start(tmp_path, where,
                                                                                              expected):
