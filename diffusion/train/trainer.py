@@ -366,7 +366,8 @@ def set_phase(trainer: Trainer, model: LatentDiffusion, loader) -> int:
     if loaded is not None:
         phase = int(loaded.get("phase", 0)) + (int(trainer.state.timestamp.batch) == 0)
     model.phase = phase
-    to_batch = getattr(getattr(loader, "collate_fn", None), "to_batch", None)
+    # the MDS loader's collate step, or the online stream's batches (ShardBatches.to_batch)
+    to_batch = getattr(getattr(loader, "collate_fn", None), "to_batch", None) or getattr(loader, "to_batch", None)
     if to_batch is not None:
         to_batch.phase = phase
     return phase
