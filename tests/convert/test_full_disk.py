@@ -24,6 +24,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_a_rerun_after_making_room_finishes(small_disk, sample_data, tiny_kit,
                                                                          converted):
     out = small_disk / "mds"

@@ -117,6 +117,7 @@ def test_routing_is_refused_where_it_cannot_run(train_kit, mmdit_train_kit):
                     ["model.routing.ratio=0.5", "model.masking.ratio=0.5"])
 
 
+@pytest.mark.slow
 def test_routed_steps_are_the_same_whatever_the_microbatch(mmdit_train_kit, tmp_path):
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=16)
     common = ("model.prediction_type=null", "model.objective=flow", "model.routing.ratio=0.5",

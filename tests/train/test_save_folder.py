@@ -79,6 +79,7 @@ def _wait_for(predicate, what, process, timeout=240):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_checkpoint(train_kit, mds, tmp_path):
     folder, go = tmp_path / "ckpt", tmp_path / "go"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
