@@ -56,13 +56,19 @@ def latest_checkpoint(folder: str) -> str:
     return found[-1]
 
 
-def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None) -> dict:
+# With --buckets: the preset aspect-ratio buckets at 64 px (48x80, 64x64, 80x48), and grids at the two
+# non-square ones beside the square grid.
+BUCKET_GRIDS = ((48, 80), (80, 48))
+
+
+def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None,
+             buckets: bool = False) -> dict:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
     kit = kit or os.path.join(ROOT, ".cache", "kit", "tiny")
     raw, mds, ckpts = (os.path.join(out, d) for d in ("raw", "mds", "checkpoints"))
-    grid, before_after = os.path.join(out, "grid.png"), os.path.join(mds, "visualize.png")
+    grid, before_after = os.path.join(out, "grid.png"), None if buckets else os.path.join(mds, "visualize.png")
     log: list = []
     start = time.time()
 
@@ -71,8 +77,9 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     _run([py, "-m", "diffusion.kit.build", "--preset", "tiny", "--out", kit], log)
     if not os.path.exists(os.path.join(mds, "dataset.json")):
         _run([py, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit,
-              "--resolutions", "64", "--visualize", "8", "--deterministic", "--where", WHERE, "--dedupe", "bytes"],
-             log)
+              "--resolutions", "64", "--deterministic", "--where", WHERE, "--dedupe", "bytes",
+              # the before/after picture is of square crops
+              *(["--buckets", "preset"] if buckets else ["--visualize", "8"])], log)
     train = [py, "run.py", "yamls/tiny-cpu.yaml", f"model.ref={kit}", f"data.train.path={mds}",
              f"trainer.save_folder={ckpts}"]
     if batches:
@@ -84,17 +91,25 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     for prompt in PROMPTS:
         gen += ["--prompt", prompt]
     _run(gen, log)
+    grids = {"square": grid}
+    if buckets:  # the same prompts at the buckets' aspect ratios
+        for width, height in BUCKET_GRIDS:
+            grids[f"{width}x{height}"] = os.path.join(out, f"grid-{width}x{height}.png")
+            at = gen[:gen.index("--out") + 1] + [grids[f"{width}x{height}"]] + gen[gen.index("--out") + 2:]
+            _run(at + ["--width", str(width), "--height", str(height)], log)
 
     from diffusion.sample.evaluate import prompt_adherence
     from diffusion.sample.grid import read_grid
-    images, prompts = read_grid(grid)
-    adherence = prompt_adherence(images, prompts)
+    adherences = {name: prompt_adherence(*read_grid(path)) for name, path in grids.items()}
+    adherence = adherences["square"]
 
     with open(os.path.join(mds, "dataset.json")) as f:
         info = json.load(f)
     summary = {"sample_data": raw, "model_kit": kit, "mds": mds, "samples": info.get("count"),
                "rejects": info.get("rejects"), "checkpoint": checkpoint, "grid": grid,
                "before_after": before_after, "prompt_adherence": adherence, "seconds": round(time.time() - start, 1),
+               **({"buckets": info.get("buckets"), "grids": grids, "prompt_adherence_by_grid": adherences}
+                  if buckets else {}),
                "steps": [{"command": c, "seconds": round(s, 1)} for c, s in log]}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -107,7 +122,11 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
           f"(chance {1 / len(PROMPTS):.0%})")
     print(f"  checkpoint:      {checkpoint}")
     print(f"  prompt grid:     {grid}")
-    print(f"  before/after:    {before_after}")
+    for name, path in grids.items():
+        if name != "square":
+            print(f"  {name} grid:     {path} (prompt adherence {adherences[name]:.0%})")
+    if before_after:
+        print(f"  before/after:    {before_after}")
     return summary
 
 
@@ -124,7 +143,8 @@ Input: nothing (the data and model are made here). Output: under --out, raw/ (sa
 (paths, samples written and rejected, prompt adherence, seconds per step); the kit in --kit."""
 EXAMPLES = """examples:
   python -m diffusion.demo                                   # = make demo, into out/demo
-  python -m diffusion.demo --out /tmp/demo --n 256 --batches 200   # a quick, rougher run"""
+  python -m diffusion.demo --out /tmp/demo --n 256 --batches 200   # a quick, rougher run
+  python -m diffusion.demo --out out/demo-buckets --buckets       # aspect-ratio buckets, grids at 48x80 and 80x48"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="training length in batches (default: the YAML's trainer.max_duration, 4000)")
     parser.add_argument("--kit", default=None, metavar="DIR",
                         help="where the tiny kit lives (default: .cache/kit/tiny)")
+    parser.add_argument("--buckets", action="store_true",
+                        help="convert into aspect-ratio buckets (--buckets preset: 48x80, 64x64, 80x48 at 64 px), "
+                             "train on them, and draw grids at 48x80 and 80x48 beside the square one")
     return parser
 
 
@@ -145,7 +168,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", args.out)
-    run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit)
+    run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit, buckets=args.buckets)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,18 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_pa
     again = run_demo(str(out), n=1024, kit=tiny_kit)
     assert again["checkpoint"] == summary["checkpoint"]
     assert again["prompt_adherence"] == summary["prompt_adherence"]
+
+
+@pytest.mark.slow
+def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_ratio(tiny_kit, tmp_path):
+    """`python -m diffusion.demo --buckets`: the sample's scenes of every shape land in the three preset
+    buckets, the model trains on them and draws the prompts at 48x80 and 80x48 as well as square."""
+    from diffusion.sample.grid import read_grid
+    summary = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_kit, buckets=True)
+    counts = {b["name"]: b["count"] for b in summary["buckets"]}
+    assert sorted(counts) == ["bucket-48x80", "bucket-64x64", "bucket-80x48"] and all(c > 30 for c in counts.values()), counts
+    assert sum(counts.values()) == summary["samples"]
+    for name, (width, height) in (("48x80", (48, 80)), ("80x48", (80, 48)), ("square", (64, 64))):
+        images, prompts = read_grid(summary["grids"][name])
+        assert len(images) == len(PROMPTS) * 16 and images[0].size == (width, height), name
+        assert 0.0 <= summary["prompt_adherence_by_grid"][name] <= 1.0
