@@ -73,17 +73,31 @@ class OptimizerMonitor(ComposerOptimizerMonitor):
         params = trainable_parameters(model)
         if not params:
             return {"l2_norm/grad/global": 0.0}
-        device = next(iter(params.values())).device
-        squares = torch.stack([
-            _local(p.grad).detach().float().pow(2).sum() if p.grad is not None else torch.zeros((), device=device)
-            for p in params.values()]).to(device)
-        replicas = gradient_replicas(model)
-        if replicas is not None:
-            dist.all_reduce(squares, reduce_operation="SUM")
-            squares /= replicas
+        squares = _squares(model, params)
         metrics = {f"l2_norm/grad/{name}": value for name, value in zip(params, squares.sqrt().tolist())}
         metrics["l2_norm/grad/global"] = squares.sum().sqrt().item()
         return metrics
+
+    @staticmethod
+    @torch.no_grad()
+    def global_norm(model: torch.nn.Module) -> torch.Tensor:
+        """The whole gradient's L2 norm as a tensor on the gradients' device (no host sync; a collective
+        under FSDP)."""
+        params = trainable_parameters(model)
+        return _squares(model, params).sum().sqrt() if params else torch.zeros(())
+
+
+def _squares(model: torch.nn.Module, params: dict) -> torch.Tensor:
+    """Each parameter's squared gradient norm, summed over the ranks that hold parts of it."""
+    device = next(iter(params.values())).device
+    squares = torch.stack([
+        _local(p.grad).detach().float().pow(2).sum() if p.grad is not None else torch.zeros((), device=device)
+        for p in params.values()]).to(device)
+    replicas = gradient_replicas(model)
+    if replicas is not None:
+        dist.all_reduce(squares, reduce_operation="SUM")
+        squares /= replicas
+    return squares
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +114,8 @@ class LoggedGradientClipping(GradientClipping):
         super().__init__(clipping_type="norm", clipping_threshold=clipping_threshold)
 
     def apply(self, event, state, logger):
-        before = OptimizerMonitor.gradient_norms(state.model)["l2_norm/grad/global"]
+        # the global norm only, read once: one host sync per optimizer step (no per-parameter list)
+        before = float(OptimizerMonitor.global_norm(state.model))
         ratio = min(1.0, self.clipping_threshold / before) if before > 0 else 1.0
         logger.log_metrics({"l2_norm/grad/global_before_clip": before, "l2_norm/grad/clip_ratio": ratio})
         return super().apply(event, state, logger)
