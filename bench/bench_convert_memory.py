@@ -63,7 +63,7 @@ def watch(command: list[str], out: str, interval: float) -> tuple[int, list[tupl
         run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
         try:
             while run.poll() is None:
-                samples.append((time.time() - start, _rows_written(out), _largest_rss()))
+                samples.append((time.time() - start, _rows_written(out), _largest_rss(run.pid)))
                 time.sleep(interval)
         except KeyboardInterrupt:  # stopped early (Ctrl-C, timeout -s INT): report what was seen
             run.send_signal(subprocess.signal.SIGINT)
@@ -74,10 +74,16 @@ def watch(command: list[str], out: str, interval: float) -> tuple[int, list[tupl
     return run.returncode, samples
 
 
-def _largest_rss() -> dict[str, float]:
-    """{worker kind: RSS in MB of its largest process} over the Ray workers alive now."""
+def _largest_rss(root: int) -> dict[str, float]:
+    """{worker kind: RSS in MB of its largest process} over the Ray workers of the conversion ``root``
+    started (its local Ray instance's processes descend from it; other Ray instances on the machine do not
+    count)."""
     by_kind: dict[str, float] = collections.defaultdict(float)
-    for process in psutil.process_iter():
+    try:
+        processes = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    for process in processes:
         kind = _kind(process)
         if kind is None:
             continue
@@ -88,22 +94,52 @@ def _largest_rss() -> dict[str, float]:
     return dict(by_kind)
 
 
+def _write_part(raw: str, part: int, rows: int) -> None:
+    """Sample rows into ``raw/part``; keys carry the part (each part numbers its rows from 0)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from diffusion import schema
+    from diffusion.kit.sample import write_sample_data
+    folder = os.path.join(raw, f"{part:02d}")
+    write_sample_data(folder, n=rows, seed=part, rows_per_shard=1000)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".parquet"):
+            table = pq.read_table(os.path.join(folder, name))
+            keys = pa.array([f"{part:02d}-{k}" for k in table.column(schema.RAW_KEY).to_pylist()])
+            pq.write_table(table.set_column(table.schema.get_field_index(schema.RAW_KEY), schema.RAW_KEY, keys),
+                           os.path.join(folder, name))
+    os.remove(os.path.join(folder, "manifest.json"))
+
+
+def write_input(raw: str, rows: int, processes: int) -> None:
+    """``rows`` sample rows under ``raw``, written by ``processes`` processes side by side."""
+    import multiprocessing
+    os.makedirs(raw, exist_ok=True)
+    share = [rows // processes + (i < rows % processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.starmap(_write_part, [(raw, i, n) for i, n in enumerate(share)])
+    open(os.path.join(raw, "done"), "w").close()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=50_000)
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--kit", default=str(ROOT / ".cache" / "kit" / "tiny"))
     p.add_argument("--interval", type=float, default=5.0)
-    p.add_argument("--work", help="folder for the input and output (default: a temporary one)")
+    p.add_argument("--work", help="folder for the output (default: a temporary one)")
+    p.add_argument("--raw", help="keep the input here and reuse it when it is already there (default: temporary)")
+    p.add_argument("--processes", type=int, default=2, help="processes writing the input")
     args = p.parse_args(argv)
     from diffusion.kit.build import ensure_kit
-    from diffusion.kit.sample import write_sample_data
     ensure_kit("tiny", args.kit) if args.kit == str(ROOT / ".cache" / "kit" / "tiny") else None
     with tempfile.TemporaryDirectory(dir=args.work) as work:
-        raw, out = os.path.join(work, "raw"), os.path.join(work, "mds")
-        started = time.time()
-        write_sample_data(raw, n=args.rows, seed=0, rows_per_shard=1000)
-        print(f"input: {args.rows:,} sample rows written in {time.time() - started:.0f} s")
+        raw, out = args.raw or os.path.join(work, "raw"), os.path.join(work, "mds")
+        if not os.path.exists(os.path.join(raw, "done")):
+            started = time.time()
+            write_input(raw, args.rows, args.processes)
+            print(f"input: {args.rows:,} sample rows written in {time.time() - started:.0f} s")
         command = [sys.executable, "convert/laion_to_mds.py", "--input", raw, "--output", out, "--model", args.kit,
                    "--resolutions", str(args.resolution), "--no-progress"]
         code, samples = watch(command, out, args.interval)
