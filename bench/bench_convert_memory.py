@@ -4,9 +4,10 @@
 
 Writes ``--rows`` rows of the procedurally generated sample data (``diffusion.kit.sample``), converts
 them with ``convert/laion_to_mds.py`` (tiny kit by default) and samples, every ``--interval`` seconds,
-the resident memory (RSS) of every Ray worker process of the run, grouped by what it runs (its process
+the private memory (USS: resident pages not shared; a worker's RSS also counts the object store's
+shared pages it touched) of every Ray worker process of the run, grouped by what it runs (its process
 title: ``ray::MapWorker(MapBatches(ImageCaptionTransform))``, ``ray::Write`` ...), with the rows the
-output holds so far. Prints, per kind of worker, the largest RSS of one process at each tenth of the
+output holds so far. Prints, per kind of worker, the largest USS of one process at each tenth of the
 run and the high-water mark, and the growth over the second half of the run against the first: a
 leak keeps growing with rows; a worker that levels off grows in the first half (imports, model,
 buffers) and not after.
@@ -56,7 +57,7 @@ def _rows_written(out: str) -> int:
 
 
 def watch(command: list[str], out: str, interval: float) -> tuple[int, list[tuple[float, int, dict[str, float]]]]:
-    """Run ``command``; every ``interval`` s: (seconds, rows written, {worker kind: largest RSS MB})."""
+    """Run ``command``; every ``interval`` s: (seconds, rows written, {worker kind: largest USS MB})."""
     samples = []
     start = time.time()
     with tempfile.TemporaryFile("w+") as log:
@@ -75,9 +76,10 @@ def watch(command: list[str], out: str, interval: float) -> tuple[int, list[tupl
 
 
 def _largest_rss(root: int) -> dict[str, float]:
-    """{worker kind: RSS in MB of its largest process} over the Ray workers of the conversion ``root``
-    started (its local Ray instance's processes descend from it; other Ray instances on the machine do not
-    count)."""
+    """{worker kind: private memory (USS) in MB of its largest process} over the Ray workers of the
+    conversion ``root`` started (its local Ray instance's processes descend from it; other Ray instances
+    on the machine do not count). USS, not RSS: a Ray worker's RSS also counts the pages of the shared
+    object store it has read or written, which grow with the store's use, not with the worker."""
     by_kind: dict[str, float] = collections.defaultdict(float)
     try:
         processes = psutil.Process(root).children(recursive=True)
@@ -88,7 +90,7 @@ def _largest_rss(root: int) -> dict[str, float]:
         if kind is None:
             continue
         try:
-            by_kind[kind] = max(by_kind[kind], process.memory_info().rss / 2 ** 20)
+            by_kind[kind] = max(by_kind[kind], process.memory_full_info().uss / 2 ** 20)
         except psutil.NoSuchProcess:
             pass
     return dict(by_kind)
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
               f"{' '.join(command[1:])}")
     kinds = sorted({k for _, _, by_kind in samples for k in by_kind})
     tenths = [samples[min(len(samples) - 1, int(len(samples) * i / 10))] for i in range(1, 11)]
-    print(f"{'worker (largest process of the kind)':<58} " + " ".join(f"{int(100 * i / 10):>6}%" for i in range(1, 11))
+    print(f"{'worker: USS MB of its largest process':<58} " + " ".join(f"{int(100 * i / 10):>6}%" for i in range(1, 11))
           + f" {'peak MB':>8} {'1st half':>9} {'2nd half':>9}")
     half = len(samples) // 2
     for kind in kinds:
