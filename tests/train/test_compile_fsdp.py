@@ -72,3 +72,25 @@ def test_compile_under_fsdp_compiles_each_block_whole_and_trains_as_eager(train_
             assert 0 < compiled["graphs"] <= blocks
             for name, weight in eager["final"].items():
                 torch.testing.assert_close(compiled["final"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_without_fsdp_compiles_the_whole_step_and_trains_as_eager(train_kit, tmp_path):
+    """One process: Composer compiles the whole model with the configured backend (no graph breaks in the
+    training forward, tests/loader/test_batches.py), and the weights are the eager step's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from diffusion.train.config import load_config
+    from train_fixtures import fit_in_process
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=16)
+    common = tiny_overrides(train_kit, mds, batches=2, batch_size=8,
+                            extra=("algorithms={}", "optimizer.lr=1e-2", "optimizer.eps=1.0"))
+    yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "yamls",
+                        "tiny-cpu.yaml")
+    eager, _ = fit_in_process(load_config(yaml, common))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = fit_in_process(load_config(yaml, [*common, "trainer.compile=true", "trainer.compile_backend=aot_eager"]))
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    for name, weight in eager.items():
+        torch.testing.assert_close(compiled[name], weight, rtol=1e-4, atol=1e-6, msg=name)
