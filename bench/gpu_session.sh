@@ -38,7 +38,7 @@ case $part in
   text) bench text-256 bench/bench_train.py --resolutions 256 --batch-size 64 --steps 20 --warmup 5 \
           --variants eager channels_last --text embeds ids ;;
   encode) bench encode bench/bench_encode.py --kit sd2-base --resolutions 256 512 --batches 5 ;;
-  mmdit) bench mmdit bench/bench_train.py --denoisers mmdit --resolutions 256 512 --batch-size 32 8 \
+  mmdit) bench mmdit bench/bench_train.py --denoisers mmdit --resolutions 256 512 --batch-size 32 8 --masked-batch-size 64 32 \
           --variants eager compile --mask-ratio 0.75 --mixer-blocks 2 --steps 10 --warmup 3 ;;
   *) echo "unknown part $part: train256, train512, text, encode or mmdit" >&2; exit 2 ;;
 esac
