@@ -12,10 +12,17 @@ MDS columns (one row per image-caption pair):
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
 | ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
+| ``caption_{N}``     | ``str``                     | ``--captions``: the input's caption column N ("" if empty) |
+| ``text_embeds_{N}``/``input_ids_{N}`` | as above  | caption N encoded as the first caption is           |
 
 With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
 each with its own ``dataset.json``) and a root ``dataset.json`` whose ``buckets`` lists them with their
 counts; there ``vae_moments_{R}`` is ``8,H/f,W/f`` of the bucket, R naming the pixel budget R x R.
+
+With ``--captions caption,N,...`` the dataset holds several captions per image: the first (``caption``,
+from ``--caption-column``) as always, and each further input column N in ``caption_{N}`` with its own
+text columns (:func:`caption_columns`); ``dataset.json`` lists them in ``captions`` and counts their
+empty values in ``empty_captions``. Training draws one per sample and epoch (``data.train.captions``).
 
 ``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
 *text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
@@ -48,6 +55,22 @@ BUCKET = "bucket"  # between the transform and the sink only: the bucket's direc
 BUCKET_PREFIX = "bucket-"  # one MDS dataset per bucket below the output root: bucket-<W>x<H>
 
 MAX_TOKENS = 77  # CLIP context length
+
+
+def caption_columns(name: str) -> tuple[str, str, str]:
+    """(text, embeddings, token ids) columns of caption ``name``: ``caption``, ``text_embeds`` and
+    ``input_ids`` for the first caption (``name`` == ``caption``), ``caption_{name}``,
+    ``text_embeds_{name}`` and ``input_ids_{name}`` for another one (``--captions``)."""
+    if name == CAPTION:
+        return CAPTION, TEXT_EMBEDS, INPUT_IDS
+    return f"{CAPTION}_{name}", f"{TEXT_EMBEDS}_{name}", f"{INPUT_IDS}_{name}"
+
+
+def check_caption_name(name: str, where: str = "--captions") -> str:
+    """A caption name is a column name of letters, digits and underscores (it names MDS columns)."""
+    if not name or not all(ch.isalnum() or ch == "_" for ch in name) or not name.isascii():
+        raise ValueError(f"{where}: caption name {name!r} must be letters, digits and underscores")
+    return name
 
 # ---- text storage: which text columns a dataset holds ----------------------------------------------
 TEXT_EMBEDS_ONLY, TEXT_IDS_ONLY, TEXT_BOTH = "embeds", "ids", "both"
@@ -124,10 +147,11 @@ def bucket_size(name: str) -> tuple[int, int]:
 
 
 def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
-                bucket: tuple[int, int] | None = None) -> dict[str, str]:
+                bucket: tuple[int, int] | None = None, captions=()) -> dict[str, str]:
     """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
     ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
-    the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left."""
+    the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left. ``captions``: the names of the
+    captions beyond the first (``--captions``), each with its text and text columns."""
     columns = {}
     if bucket is not None and len(resolutions) != 1:
         raise ValueError(f"a bucket dataset holds one resolution (its pixel budget), got {list(resolutions)}")
@@ -148,6 +172,13 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
     if bucket is not None:
         columns[CROP_TOP] = "int"
         columns[CROP_LEFT] = "int"
+    for name in captions:
+        caption, embeds, ids = caption_columns(check_caption_name(name))
+        columns[caption] = "str"
+        if TEXT_EMBEDS in stored:
+            columns[embeds] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
+        if INPUT_IDS in stored:
+            columns[ids] = f"ndarray:int32:{MAX_TOKENS}"
     return columns
 
 
@@ -172,6 +203,10 @@ class DatasetInfo:
     # Aspect-ratio buckets (``--buckets``), each {"name", "width", "height", "count"}: one MDS dataset per
     # bucket in the directory ``name`` below this one (with its own dataset.json); None: a square dataset.
     buckets: list[dict] | None = None
+    # Several captions per image (``--captions``): their names, the first "caption" (None: one caption),
+    # and how many samples have an empty one (name -> count; the first caption is never empty).
+    captions: list[str] | None = None
+    empty_captions: dict[str, int] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property

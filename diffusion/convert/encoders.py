@@ -88,7 +88,7 @@ class LatentTextEncoder:
     """Ray ``map_batches`` callable: the transform's output in, the MDS columns out."""
 
     def __init__(self, model: str, resolutions, device=None, cpu_threads: int | None = None,
-                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY):
+                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY, captions=()):
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.vae = VaeEncoder(model, device)
@@ -96,6 +96,7 @@ class LatentTextEncoder:
         self.text = TextEncoder(model, device) if schema.TEXT_EMBEDS in self.text_columns else None
         self.resolutions = sorted({int(r) for r in resolutions})
         self.record_timing = record_timing
+        self.captions = tuple(captions)  # further captions (--captions): encoded or passed on as the first
 
     def bucket_moments(self, buckets, images) -> np.ndarray:
         """Moments of crops that travel as uint8 HWC bytes, each of its bucket's shape; out as bytes
@@ -128,6 +129,13 @@ class LatentTextEncoder:
             out[schema.INPUT_IDS] = ids
         if self.text is not None:
             out[schema.TEXT_EMBEDS] = self.text.encode_ids(ids)
+        for name in self.captions:
+            text, embeds, extra_ids = schema.caption_columns(name)
+            out[text] = batch[text]
+            if schema.INPUT_IDS in self.text_columns:
+                out[extra_ids] = np.asarray(batch[extra_ids], dtype=np.int32)
+            if self.text is not None:
+                out[embeds] = self.text.encode_ids(np.asarray(batch[extra_ids], dtype=np.int32))
         for name, value in batch.items():  # carry the earlier stages' timings through to the sink
             if name.startswith("_") and name.endswith("_seconds"):
                 out[name] = value

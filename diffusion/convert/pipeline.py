@@ -87,6 +87,11 @@ class ConvertConfig(PipelineSettings):
                                      "one --resolutions value, within --max-aspect) or WxH,WxH,...; each image is cropped "
                                      "minimally to the bucket nearest its aspect ratio, one MDS dataset per bucket "
                                      "under --output", metavar="preset|WxH,...")
+    captions: str | None = flag(None, "several captions per image: the input's caption columns, comma-separated, e.g. "
+                                      "caption,recap_llava (the first is --caption-column); each further one is stored "
+                                      "as caption_NAME and encoded (or tokenized) as the first; an empty one is kept "
+                                      "and counted; training draws one per sample (data.train.captions)",
+                                metavar="NAME,...")
 
     def __post_init__(self):
         if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
@@ -109,6 +114,10 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--text must be one of {', '.join(schema.TEXT_STORAGE)}, got {self.text!r}")
         if self.dedupe not in DEDUPE_MODES:
             raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
+        try:
+            self.extra_captions()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.buckets is not None:
             self.bucket_sizes()  # a malformed list fails here, naming it
             if self.visualize:
@@ -119,9 +128,17 @@ class ConvertConfig(PipelineSettings):
         from diffusion.convert.buckets import parse_buckets
         return parse_buckets(self.buckets, self.resolutions, self.max_aspect) if self.buckets else None
 
+    def extra_captions(self) -> tuple[str, ...]:
+        """The captions ``--captions`` adds to the first one (``--caption-column``, named ``caption``)."""
+        names = [n.strip() for n in (self.captions or "").split(",") if n.strip()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--captions {self.captions}: a caption is named twice")
+        return tuple(schema.check_caption_name(n) for n in names if n not in (schema.CAPTION, self.caption_column))
+
     def raw_columns(self) -> RawColumns:
         return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
-                          where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars)
+                          where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars,
+                          captions=self.extra_captions())
 
     def output_settings(self) -> dict:
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
@@ -133,7 +150,8 @@ class ConvertConfig(PipelineSettings):
                 "max_bytes": self.max_bytes, "max_scans": self.max_scans, "max_caption_chars": self.max_caption_chars,
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
                 "dedupe": self.dedupe, "text": self.text,
-                "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None}
+                "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
+                "captions": list(self.extra_captions())}
 
     @property
     def is_remote(self) -> bool:
@@ -193,6 +211,9 @@ class _DatasetInfoWriter:
         np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
         summary = summarize(out)
         info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
+        if self.cfg.extra_captions():
+            info.captions = [schema.CAPTION, *self.cfg.extra_captions()]
+            info.empty_captions = {n: summary.empty_captions.get(n, 0) for n in self.cfg.extra_captions()}
         info.extra = {"compression": self.cfg.compression, "min_size": self.cfg.min_size,
                       "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels,
                       "where": parse_where(self.cfg.where).text if self.cfg.where else None,
@@ -229,7 +250,7 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
                                    rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True,
-                                   buckets=cfg.bucket_sizes()),
+                                   buckets=cfg.bucket_sizes(), captions=cfg.extra_captions()),
         compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
     if plan.gpus_per_encoder:
@@ -240,7 +261,7 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     return ds.map_batches(
         LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, cpu_threads=threads,
-                                   record_timing=True, text=cfg.text),
+                                   record_timing=True, text=cfg.text, captions=cfg.extra_captions()),
         **encoder_options)
 
 
@@ -277,7 +298,8 @@ def check_output_settings(out: str, settings: dict) -> None:
     """Refuse to add to an output made with other settings, before anything in it is touched."""
     recorded = recorded_settings(out)
     if recorded:  # recorded before these settings existed: made without them
-        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, **recorded}
+        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
+                    **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
@@ -295,7 +317,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text)
+    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions())
     out = cfg.staging_dir()
     settings = cfg.output_settings()
     check_output_settings(out, settings)
@@ -312,8 +334,8 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     return summary
 
 
-def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, name: str) -> dict[str, str]:
-    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name))
+def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, captions, name: str) -> dict[str, str]:
+    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name), captions=captions)
 
 
 def _holds_progress(out: str) -> bool:
@@ -335,7 +357,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     if cfg.buckets:
         text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
         downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-        bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, downsample, cfg.text)
+        bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, downsample, cfg.text,
+                                           cfg.extra_captions())
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg), bucket_columns=bucket_columns)
 

@@ -91,6 +91,13 @@ class RawColumns:
     where: str | None = None  # --where: rows failing it are rejects, before anything is decoded (convert.filters)
     max_bytes: int = settings.MAX_BYTES  # a larger tar member, tfrecord record or image file is not read: too_large
     max_caption_chars: int = settings.MAX_CAPTION_CHARS  # a longer caption is a caption_too_long reject
+    # --captions: further caption columns (parquet columns, webdataset .json fields, tfrecord features;
+    # a folder's KEY.NAME.txt), each carried in the row under schema.caption_columns(name)[0]
+    captions: tuple[str, ...] = ()
+
+    def extra_captions(self, row_get) -> dict:
+        """The further captions of one row, read with ``row_get(input name)``."""
+        return {schema.caption_columns(n)[0]: row_get(n) for n in self.captions}
 
 
 # ---- locating files ------------------------------------------------------------------------------
@@ -273,9 +280,10 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
         row_filter.check_columns(names, uri)
         row_filter.check_types(arrow_schema, uri)
     required = (columns.image, columns.caption) if columns.caption_required else (columns.image,)
+    required = (*required, *columns.captions)
     missing = [c for c in required if c not in names]
     if missing:
-        hint = "choose with --image-column/--caption-column"
+        hint = "choose with --image-column/--caption-column" + ("/--captions" if columns.captions else "")
         if columns.image in missing and schema.RAW_URL in names:
             hint += ("; a parquet of URLs without images (a URL list, or img2dataset's metadata of a shard "
                      "whose .tar or folder is missing) is downloaded first: convert/download_laion.py")
@@ -302,7 +310,8 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
             kind = pf.schema_arrow.field(columns.image).type
             stand_in = b"" if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) else ""
         wanted = [c for c in {columns.image if images else None, columns.caption, columns.key, schema.WIDTH,
-                              schema.HEIGHT, schema.RAW_STATUS, *(row_filter.columns if row_filter else ())}
+                              schema.HEIGHT, schema.RAW_STATUS, *columns.captions,
+                              *(row_filter.columns if row_filter else ())}
                   if c in names]
         for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
             blame = row_filter.blame(record_batch) if row_filter else itertools.repeat(None)
@@ -316,7 +325,7 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
                     continue
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
                        schema.RAW_IMAGE: row[columns.image] if images else stand_in, schema.WIDTH: row.get(schema.WIDTH),
-                       schema.HEIGHT: row.get(schema.HEIGHT)}
+                       schema.HEIGHT: row.get(schema.HEIGHT), **columns.extra_captions(row.get)}
 
 
 # ---- webdataset ----------------------------------------------------------------------------------
@@ -348,7 +357,8 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
             return {REJECT: TOO_LARGE, schema.RAW_KEY: row_key}
         caption = parts[".txt"] if ".txt" in parts else meta.get(schema.RAW_CAPTION)
         return {schema.RAW_KEY: row_key, schema.RAW_CAPTION: caption,
-                schema.RAW_IMAGE: image, schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT)}
+                schema.RAW_IMAGE: image, schema.WIDTH: meta.get(schema.WIDTH), schema.HEIGHT: meta.get(schema.HEIGHT),
+                **columns.extra_captions(meta.get)}
 
     with _open(uri) as f:
         try:
@@ -398,8 +408,19 @@ def _folder_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> Ite
             caption = f.read().strip()
     except (FileNotFoundError, OSError):
         pass
+    extra = {}  # --captions: NAME's caption from IMAGE.NAME.txt beside the image
+    for caption_name in columns.captions:
+        extra[schema.caption_columns(caption_name)[0]] = None
+        try:
+            with fs.open_input_file(f"{posixpath.splitext(path)[0]}.{caption_name}.txt") as f:
+                if f.size() > columns.max_bytes:
+                    yield {REJECT: TOO_LARGE, schema.RAW_KEY: name}
+                    return
+                extra[schema.caption_columns(caption_name)[0]] = f.read().strip()
+        except (FileNotFoundError, OSError):
+            pass
     # the name keeps the suffix: img0.jpg and img0.png are two samples
-    yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image}
+    yield {schema.RAW_KEY: name, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image, **extra}
 
 
 # ---- tfrecord (the wire format: diffusion.tfrecord) ------------------------------------
@@ -441,7 +462,8 @@ def _tfrecord_rows(uri: str, name: str, columns: RawColumns = RawColumns()) -> I
             caption = features["txt"][0] if features.get("txt") else first(features, schema.RAW_CAPTION)
             yield {schema.RAW_KEY: first(features, columns.key), schema.RAW_CAPTION: caption,
                    schema.RAW_IMAGE: first(features, schema.RAW_IMAGE),
-                   **{side: _sized(first(features, side)) for side in (schema.WIDTH, schema.HEIGHT)}}
+                   **{side: _sized(first(features, side)) for side in (schema.WIDTH, schema.HEIGHT)},
+                   **columns.extra_captions(lambda n: first(features, n))}
 
 
 _RECORD_SLACK = 2**20  # a tfrecord record holds the image and its caption and metadata
@@ -460,7 +482,8 @@ def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), na
     read raises (see :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
     for keys several files give (:func:`keys_taken_by_earlier_files`)."""
     name = name or posixpath.basename(uri)
-    yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken, columns.max_caption_chars)
+    yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken, columns.max_caption_chars,
+                           columns.captions)
 
 
 def file_rows(uri: str, fmt: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict | None]:
@@ -553,8 +576,12 @@ def _arrow_batch(batch: dict):
     import pyarrow as pa
     arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
-                              (schema.HEIGHT, pa.int64())])
+                              (schema.HEIGHT, pa.int64()),
+                              *((c, pa.string()) for c in batch if c.startswith(EXTRA_CAPTION))])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
+
+
+EXTRA_CAPTION = schema.caption_columns("_")[0][:-1]  # "caption_": the raw columns of further captions
 
 
 def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:

@@ -81,7 +81,17 @@ def _size(value, what: str) -> int | None:
     return value or None
 
 
-def valid_row(row: dict, name: str, index: int, max_caption_chars: int | None = None) -> dict:
+def _caption_text(caption, max_caption_chars: int | None, what: str) -> str | None:
+    if max_caption_chars is not None and isinstance(caption, bytes) and len(caption) > 4 * max_caption_chars:
+        # more bytes than the longest caption in UTF-8 can take: a huge caption is not even decoded
+        raise Rejected(CAPTION_TOO_LONG, f"{what}: {len(caption)} bytes (at most {max_caption_chars} characters)")
+    caption = None if _is_missing(caption) else _text(caption, BAD_CAPTION, what)
+    if max_caption_chars is not None and len(caption or "") > max_caption_chars:
+        raise Rejected(CAPTION_TOO_LONG, f"{what}: {len(caption)} characters (at most {max_caption_chars})")
+    return caption
+
+
+def valid_row(row: dict, name: str, index: int, max_caption_chars: int | None = None, captions=()) -> dict:
     """``row`` with every value of the type Ray's raw schema holds, or :class:`Rejected` with a reason.
 
     The key must be text or a whole number (else ``bad_key``); the caption text, bytes in UTF-8 or
@@ -89,28 +99,29 @@ def valid_row(row: dict, name: str, index: int, max_caption_chars: int | None = 
     at most ``max_caption_chars`` characters (else ``caption_too_long``, before it is tokenized);
     width and height whole numbers >= 0 or missing (else ``bad_size``; they are the input's word
     only, the transform measures the image); the image bytes or missing (else ``undecodable``).
+    ``captions``: the names of further captions (``--captions``), each checked as the caption is, in
+    the row under its text column (:func:`diffusion.schema.caption_columns`).
     """
     key = row_key(row.get(schema.RAW_KEY), name, index)
-    caption = row.get(schema.RAW_CAPTION)
-    if max_caption_chars is not None and isinstance(caption, bytes) and len(caption) > 4 * max_caption_chars:
-        # more bytes than the longest caption in UTF-8 can take: a huge caption is not even decoded
-        raise Rejected(CAPTION_TOO_LONG, f"{len(caption)} bytes (at most {max_caption_chars} characters)")
-    caption = None if _is_missing(caption) else _text(caption, BAD_CAPTION, "caption")
-    if max_caption_chars is not None and len(caption or "") > max_caption_chars:
-        raise Rejected(CAPTION_TOO_LONG, f"{len(caption)} characters (at most {max_caption_chars})")
+    caption = _caption_text(row.get(schema.RAW_CAPTION), max_caption_chars, "caption")
+    extra = {}
+    for extra_name in captions:
+        column = schema.caption_columns(extra_name)[0]
+        extra[column] = _caption_text(row.get(column), max_caption_chars, f"caption {extra_name!r}")
     image = row.get(schema.RAW_IMAGE)
     if isinstance(image, (bytearray, memoryview)):
         image = bytes(image)
     if image is not None and not isinstance(image, bytes):
         raise Rejected(UNDECODABLE, f"image must be bytes, got {type(image).__name__}")
     return {schema.RAW_KEY: key, schema.RAW_CAPTION: caption, schema.RAW_IMAGE: image,
-            schema.WIDTH: _size(row.get(schema.WIDTH), "width"), schema.HEIGHT: _size(row.get(schema.HEIGHT), "height")}
+            schema.WIDTH: _size(row.get(schema.WIDTH), "width"), schema.HEIGHT: _size(row.get(schema.HEIGHT), "height"),
+            **extra}
 
 
 
 
 def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None,
-                max_caption_chars: int | None = None) -> Iterator[dict]:
+                max_caption_chars: int | None = None, captions=()) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
     was seen before in this file or is ``taken`` ({key: the file that keeps it, or None}) by another
     file (``duplicate_key``; :mod:`diffusion.convert.shared_keys`), is not a row but a reject, reported to
@@ -118,7 +129,8 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
     file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
     (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
     part-way, the rows before the failure are still yielded, then the error is raised."""
-    batch = {c: [] for c in RAW_COLUMNS}
+    columns = RAW_COLUMNS + tuple(schema.caption_columns(n)[0] for n in captions)
+    batch = {c: [] for c in columns}
     seen: set[str] = set()
     position = -1  # among the rows that are not None: what duplicate ids have always been numbered by
     rows = enumerate(rows)
@@ -139,7 +151,7 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
             key = row_key(row.get(schema.RAW_KEY), name, index)
             if REJECT in row:
                 raise Rejected(row[REJECT])
-            row = valid_row(row, name, index, max_caption_chars)
+            row = valid_row(row, name, index, max_caption_chars, captions)
         except Rejected as e:
             if on_reject is not None:  # a key other files give too is theirs to record: this row's id names its file
                 usable = key is not None and key not in seen and not (taken and key in taken)
@@ -152,10 +164,10 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
                 on_reject({f"{key}#{name}:{position}": DUPLICATE_KEY})
             continue
         seen.add(key)
-        for c in RAW_COLUMNS:
+        for c in columns:
             batch[c].append(row[c])
         if len(batch[schema.RAW_KEY]) == ROWS_PER_BATCH:
             yield batch
-            batch = {c: [] for c in RAW_COLUMNS}
+            batch = {c: [] for c in columns}
     if batch[schema.RAW_KEY]:
         yield batch

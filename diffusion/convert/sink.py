@@ -57,6 +57,9 @@ KEYS_RECORD = "keys" + RECORD_SUFFIX  # a part's keys, in order: one line of JSO
 STATS_RECORD = "stats" + RECORD_SUFFIX  # a part's sample count and stage seconds: one line of JSON
 REJECTS_DIR = "rejects"
 SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
+# A part's stats count the empty values of each further caption (--captions) as "empty_caption_NAME".
+EMPTY_COUNTED = schema.caption_columns("_")[0][:-1]  # "caption_": the text columns of further captions
+EMPTY_PREFIX = "empty_"
 
 
 def write_json_atomic(path: str, obj) -> None:
@@ -314,6 +317,9 @@ class MDSPartSink(Datasink):
                         if c.startswith("_") and c.endswith("_seconds"):
                             part["seconds"][c.strip("_")] = part["seconds"].get(c.strip("_"), 0.0) + float(v)
                     part["writer"].write({c: _as_mds_value(row[c], part["columns"][c]) for c in part["columns"]})
+                    for c in part["columns"]:  # --captions: a further caption that is empty is counted
+                        if c.startswith(EMPTY_COUNTED) and row[c] == "":
+                            part["seconds"][EMPTY_PREFIX + c] = part["seconds"].get(EMPTY_PREFIX + c, 0) + 1
                     part["keys"].append(str(row[schema.KEY]))
             names = [self._commit(part, start) for part in parts.values()]
         except BaseException:

@@ -14,7 +14,7 @@ import json
 import os
 
 from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR, read_failed_inputs
-from diffusion.convert.sink import (KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, part_roots,
+from diffusion.convert.sink import (EMPTY_COUNTED, EMPTY_PREFIX, KEYS_RECORD, REJECTS_DIR, STATS_RECORD, committed_parts, is_record, part_roots,
                                     read_rejects)
 
 
@@ -30,6 +30,7 @@ class ConversionSummary:
     written_this_run: int = 0
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over workers
     failed_inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # input file -> why it was skipped
+    empty_captions: dict[str, int] = dataclasses.field(default_factory=dict)  # --captions: name -> empty ones
 
     @property
     def rows_in(self) -> int:
@@ -41,6 +42,8 @@ class ConversionSummary:
         lines = [f"{'rows in':<{label}}{self.rows_in:>10}", f"{'written':<{label}}{self.written:>10}"]
         for reason, n in sorted(self.rejects.items()):
             lines.append(f"{'rejected: ' + reason:<{label}}{n:>10}")
+        for caption, n in sorted(self.empty_captions.items()):
+            lines.append(f"{'empty caption ' + caption + ' (kept)':<{label}}{n:>10}")
         if self.failed_inputs:
             lines.append(f"{'input files failed, skipped':<{label}}{len(self.failed_inputs):>10}")
         lines.append(f"{'parts':<{label}}{self.parts:>10}")
@@ -104,6 +107,9 @@ def summarize(out: str) -> ConversionSummary:
             for name, value in json.load(f).items():
                 if name == "count":
                     summary.written += int(value)
+                elif name.startswith(EMPTY_PREFIX + EMPTY_COUNTED):
+                    caption = name[len(EMPTY_PREFIX + EMPTY_COUNTED):]
+                    summary.empty_captions[caption] = summary.empty_captions.get(caption, 0) + int(value)
                 elif name.endswith("_seconds") and isinstance(value, (int, float)):
                     summary.stage_seconds[name] = summary.stage_seconds.get(name, 0.0) + value
     return summary

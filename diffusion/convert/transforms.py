@@ -168,6 +168,17 @@ def clean_caption(caption) -> str:
     return caption
 
 
+def clean_extra_caption(caption) -> str:
+    """A further caption (``--captions``): cleaned as the first one, but an empty one is kept as ""
+    (counted, and left out of the training draw) rather than rejecting the image."""
+    try:
+        return clean_caption(caption)
+    except Rejected as e:
+        if e.reason == EMPTY_CAPTION:
+            return ""
+        raise
+
+
 def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks()) -> tuple[Image.Image, int, int]:
     """Decode ``data`` once, as small as covering a ``largest``-pixel square crop allows.
 
@@ -234,12 +245,13 @@ class ImageCaptionTransform:
     """Ray ``map_batches`` callable: raw columns in; key, caption, size, token ids and crops out.
 
     Output columns: ``KEY, CAPTION, WIDTH, HEIGHT, INPUT_IDS`` (int32, 77) and, per resolution R,
-    ``schema.image_column(R)`` (uint8 R x R x 3). Rejected rows are dropped; ``self.rejects`` counts
+    ``schema.image_column(R)`` (uint8 R x R x 3); per further caption (``captions``), its text and
+    token ids columns (:func:`diffusion.schema.caption_columns`). Rejected rows are dropped; ``self.rejects`` counts
     them by reason, and ``rejects_dir`` (when given) receives one file of ``{key: reason}`` per batch.
     """
 
     def __init__(self, model: str, resolutions, checks: ImageChecks = ImageChecks(),
-                 rejects_dir: str | None = None, record_timing: bool = False, buckets=None):
+                 rejects_dir: str | None = None, record_timing: bool = False, buckets=None, captions=()):
         from diffusion.models.loading import load_tokenizer
         self.tokenizer = load_tokenizer(model)
         self.resolutions = sorted({int(r) for r in resolutions}, reverse=True)
@@ -249,6 +261,19 @@ class ImageCaptionTransform:
         self.rejects_dir = rejects_dir
         self.record_timing = record_timing
         self.rejects: dict[str, int] = {}
+        self.captions = tuple(captions)
+
+    def extra_captions(self, batch: dict, i: int) -> dict:
+        """Row ``i``'s further captions, cleaned (a bad one rejects the row, an empty one is "")."""
+        return {c: clean_extra_caption(batch[c][i]) for c in (schema.caption_columns(n)[0] for n in self.captions)}
+
+    def add_extra_captions(self, result: dict, extras: list[dict]) -> None:
+        """The further captions' text and token ids columns, from each kept row's :meth:`extra_captions`."""
+        for name in self.captions:
+            text, _, ids = schema.caption_columns(name)
+            values = [e[text] for e in extras]
+            result[text] = np.array(values, dtype=object)
+            result[ids] = self.tokenize(values) if values else np.zeros((0, schema.MAX_TOKENS), np.int32)
 
     def tokenize(self, captions: list[str]) -> np.ndarray:
         ids = self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
@@ -273,11 +298,13 @@ class ImageCaptionTransform:
         bucket's name and the crop's corner."""
         names = (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT, schema.BUCKET, schema.CROP_TOP,
                  schema.CROP_LEFT, schema.image_column(self.resolutions[0]))
-        out, rejected = {c: [] for c in names}, {}
-        for key, caption, data in zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION], batch[schema.RAW_IMAGE]):
+        out, rejected, extras = {c: [] for c in names}, {}, []
+        for i, (key, caption, data) in enumerate(zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
+                                                     batch[schema.RAW_IMAGE])):
             key = str(key)
             try:
                 caption = clean_caption(caption)
+                extra = self.extra_captions(batch, i)
                 crop, width, height, bucket, top, left = self.bucket_one(data)
             except Rejected as e:
                 rejected[key] = e.reason
@@ -286,6 +313,7 @@ class ImageCaptionTransform:
             for c, v in zip(names, (key, caption, width, height, schema.bucket_name(*bucket), top, left,
                                     crop.tobytes())):
                 out[c].append(v)
+            extras.append(extra)
         if rejected and self.rejects_dir:
             write_rejects(self.rejects_dir, rejected)
         n = len(out[schema.KEY])
@@ -294,6 +322,7 @@ class ImageCaptionTransform:
             result[c] = np.array(out[c], dtype=np.int64)
         result[schema.INPUT_IDS] = (self.tokenize(out[schema.CAPTION]) if n
                                     else np.zeros((0, schema.MAX_TOKENS), np.int32))
+        self.add_extra_captions(result, extras)
         if self.record_timing:
             result[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
         return result
@@ -304,12 +333,13 @@ class ImageCaptionTransform:
             return self._call_buckets(batch, start)
         out = {c: [] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
         crops = {r: [] for r in self.resolutions}
-        rejected = {}
-        for key, caption, data in zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
-                                      batch[schema.RAW_IMAGE]):
+        rejected, extras = {}, []
+        for i, (key, caption, data) in enumerate(zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
+                                                     batch[schema.RAW_IMAGE])):
             key = str(key)
             try:
                 caption = clean_caption(caption)
+                extra = self.extra_captions(batch, i)
                 images, width, height = self.transform_one(data, caption)
             except Rejected as e:
                 rejected[key] = e.reason
@@ -321,6 +351,7 @@ class ImageCaptionTransform:
             out[schema.HEIGHT].append(height)
             for r in self.resolutions:
                 crops[r].append(images[r])
+            extras.append(extra)
         if rejected and self.rejects_dir:
             write_rejects(self.rejects_dir, rejected)
         n = len(out[schema.KEY])
@@ -332,6 +363,7 @@ class ImageCaptionTransform:
                                        else np.zeros((0, schema.MAX_TOKENS), np.int32))}
         for r in self.resolutions:
             result[schema.image_column(r)] = np.stack(crops[r]) if n else np.zeros((0, r, r, 3), np.uint8)
+        self.add_extra_captions(result, extras)
         if self.record_timing:
             result[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
         return result

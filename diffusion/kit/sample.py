@@ -7,7 +7,10 @@ converter's ``--where`` filters on). Each good row is a drawn scene with a
 compositional caption ("a red circle above a blue square"), a random size and aspect ratio, stored as
 JPEG or PNG, sometimes grayscale, RGBA or CMYK. A small known set of rows is bad on purpose (truncated
 bytes, not an image, empty caption, a 1x1 image); ``manifest.json`` says how many of each, so tests can
-expect exact counts. The output is a pure function of ``(n, seed)``.
+expect exact counts. A second caption column, ``recap``, stands in for a dense synthetic caption (what a
+captioning model writes beside the alt-text: longer, and empty for about one row in ten, as when the
+captioner skipped an image; ``manifest.json`` counts them), for ``--captions caption,recap``. The output
+is a pure function of ``(n, seed)``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ BACKGROUNDS = {"gray": (128, 128, 128), "white": (235, 235, 235), "black": (25, 
 BAD_KINDS = ("truncated", "not_image", "empty_caption", "tiny")
 BAD_FRACTION = 0.02  # of each kind, at least one each
 MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 1024, 2.5
+RECAP = "recap"  # the second caption column
+RECAP_EMPTY = 0.1  # share of rows whose recap is empty
+
+
+def recap(caption: str, width: int, height: int, seed: int, index: int) -> str:
+    """Row ``index``'s synthetic dense caption, from its own stream (the scenes are those drawn without
+    it): the caption in a longer sentence with the picture's shape, or "" for about one row in ten."""
+    rng = np.random.default_rng([seed, index, 2])
+    if rng.random() < RECAP_EMPTY or not caption:
+        return ""
+    layout = "a square" if width == height else ("a wide" if width > height else "a tall")
+    opening = ("The image shows", "This picture contains", "In this flat illustration there is")[int(rng.integers(3))]
+    return f"{opening} {caption}, drawn with flat colours in {layout} {width} by {height} pixel frame."
 
 
 def _a(word: str) -> str:
@@ -172,8 +188,8 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
     rng = np.random.default_rng(seed)
     plan = _bad_rows_plan(n, rng)
     rows = {name: [] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE,
-                                  schema.WIDTH, schema.HEIGHT, schema.RAW_URL, *METADATA)}
-    shards = []
+                                  schema.WIDTH, schema.HEIGHT, schema.RAW_URL, *METADATA, RECAP)}
+    shards, all_recaps = [], []
 
     def flush():
         if not rows[schema.RAW_KEY]:
@@ -182,7 +198,8 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
         arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                                   (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int32()),
                                   (schema.HEIGHT, pa.int32()), (schema.RAW_URL, pa.string()),
-                                  *((m, pa.float64()) for m in METADATA[:-1]), ("LANGUAGE", pa.string())])
+                                  *((m, pa.float64()) for m in METADATA[:-1]), ("LANGUAGE", pa.string()),
+                                  (RECAP, pa.string())])
         pq.write_table(pa.table(rows, schema=arrow_schema), path + ".tmp")
         os.replace(path + ".tmp", path)
         shards.append(os.path.basename(path))
@@ -205,12 +222,16 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
         rows[schema.RAW_URL].append(f"https://example.invalid/sample/{seed}/{i:09d}.jpg")
         for name, value in laion_metadata(seed, i).items():
             rows[name].append(value)
+        rows[RECAP].append(recap(caption, w, h, seed, i))
+        all_recaps.append(rows[RECAP][-1])
         if len(rows[schema.RAW_KEY]) == rows_per_shard:
             flush()
     flush()
 
     bad = {kind: sum(1 for k in plan.values() if k == kind) for kind in BAD_KINDS}
+    empty_recaps = sum(1 for i, text in enumerate(all_recaps) if not text and i not in plan)
     manifest = {"rows": n, "good": n - len(plan), "bad": bad, "seed": seed, "shards": shards,
+                "empty_recaps": empty_recaps,  # among the good rows
                 "bad_keys": {f"{i:09d}": kind for i, kind in sorted(plan.items())}}
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)

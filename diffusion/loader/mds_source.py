@@ -52,7 +52,8 @@ from diffusion.storage import share_endpoint_with_streaming
 from diffusion.loader.batches import SAMPLE_COPY, SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
 from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_embedding, load_empty_input_ids,
                                            loader_streams,
-                                           one_line, read_loader_info, section_name)
+                                           one_line, read_dataset_info, read_loader_info, section_name)
+from diffusion.loader.captions import CaptionChoice
 from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
                                            pick_hash, shared_flags, size_problem)
 
@@ -120,7 +121,7 @@ class LatentDataset(StreamingDataset):
 
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
                  streams: Sequence[CheckedStream] | None = None, verify_hashes: bool = True,
-                 text_column: str = schema.TEXT_EMBEDS, **streaming_kwargs: Any):
+                 text_column: str = schema.TEXT_EMBEDS, captions=None, **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
             streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
@@ -130,7 +131,16 @@ class LatentDataset(StreamingDataset):
         self.verify_hashes = verify_hashes
         self._epoch = 0
         self.text_column = text_column  # text_embeds, or input_ids for a model that encodes them
-        self._wanted = (self.moments_column, text_column, schema.KEY)
+        # data.train.captions (a CaptionChoice): each sample's text column is its drawn caption's; a
+        # further caption that is empty ("") gives the first one
+        self.captions = captions
+        self._caption_columns = {}  # further caption name -> (its text column, its stored text_column)
+        for name in (captions.columns if captions is not None else ()):
+            if name != schema.CAPTION:
+                text, embeds, ids = schema.caption_columns(name)
+                self._caption_columns[name] = (text, embeds if text_column == schema.TEXT_EMBEDS else ids)
+        self._wanted = (self.moments_column, text_column, schema.KEY,
+                        *(c for pair in self._caption_columns.values() for c in pair))
         self._layouts: dict[int, _ShardLayout | None] = {}
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._failure: BaseException | None = None  # the first error of a prefetch thread or a read
@@ -405,6 +415,13 @@ class LatentDataset(StreamingDataset):
             stream_id = int(self.stream_per_shard[self.spanner[index][0]])
             if stream_id:
                 row[schema.KEY] = f"{stream_id}/{row[schema.KEY]}"
+        if self._caption_columns:
+            chosen = self._caption_columns.get(self.captions.choose(row[schema.KEY], self._epoch))
+            if chosen is not None and row[chosen[0]] != "":
+                row[self.text_column] = row[chosen[1]]
+            for pair in self._caption_columns.values():
+                for column in pair:
+                    row.pop(column, None)
         row[schema.BATCH_SAMPLE_INDEX] = int(index)
         row[SAMPLE_EPOCH] = self._epoch
         return row
@@ -438,7 +455,7 @@ def _checked_stream(entry) -> CheckedStream:
 
 
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int,
-                  text_column: str = schema.TEXT_EMBEDS) -> LatentDataset:
+                  text_column: str = schema.TEXT_EMBEDS, seed: int = 0) -> LatentDataset:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
 
     A local dataset is read in place, except compressed shards whose directory cannot be written (a
@@ -448,14 +465,33 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     need a ``local`` each. ``data.train.streams`` mixes datasets with streaming's stream weights, each
     stream read (and its shards checked) as a single ``path`` would be."""
     read_loader_info(loader_cfg, resolution, text_dim)
+    captions = caption_choice(loader_cfg, seed)
     streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
     bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
     return LatentDataset(
         streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
-        verify_hashes=loader_cfg.verify_shards,
+        captions=captions, verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
+
+
+def caption_choice(loader_cfg, seed: int) -> CaptionChoice | None:
+    """``captions`` of a loader section as a :class:`CaptionChoice` (keyed by the run's seed), once every
+    dataset it reads holds each caption it names; None when it names none."""
+    if not getattr(loader_cfg, "captions", None):
+        return None
+    section = section_name(loader_cfg)
+    choice = CaptionChoice.from_mapping(loader_cfg.captions, seed, where=f"{section}.captions")
+    for name, entry in loader_streams(loader_cfg):
+        held = read_dataset_info(entry.path, loader_cfg.download_timeout).captions or [schema.CAPTION]
+        lacking = [c for c in choice.columns if c not in held]
+        if lacking:
+            raise DatasetMismatchError(
+                f"{section}.captions names {', '.join(lacking)}, which {name} does not hold (it holds "
+                f"{', '.join(held)}): convert it with --captions {','.join([schema.CAPTION, *lacking])}, or "
+                f"leave {'them' if len(lacking) > 1 else 'it'} out")
+    return choice
 
 
 def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) -> None:
@@ -487,7 +523,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
-                            device_batch_size=device_batch_size, text_column=text_column)
+                            device_batch_size=device_batch_size, text_column=text_column, seed=seed)
     check_batch_fits(loader_cfg, dataset, world_size)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,

@@ -113,6 +113,9 @@ class TrainLoaderConfig:
     local: Optional[str] = None  # cache directory for remote shards (default: a temp dir per remote)
     batch_size: int = 2048  # global: divided evenly across ranks
     caption_dropout: float = 0.1  # fraction of samples given the empty-caption embedding
+    # Several captions per image (a dataset converted with --captions): {caption name: probability}, one
+    # drawn per sample and epoch, e.g. {caption: 0.3, recap: 0.7}; None: the first caption only
+    captions: Optional[dict[str, float]] = None
     shuffle: bool = True
     shuffle_seed: int = 9176
     num_workers: int = 8
@@ -501,6 +504,14 @@ def _check_consistency(cfg: Config) -> None:
         _check_streams(name, loader)
         if not 0.0 <= loader.caption_dropout < 1.0:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
+        if loader.captions is not None:
+            from diffusion.loader.captions import CaptionChoice
+            try:
+                CaptionChoice.from_mapping(loader.captions, where=f"data.{name}.captions")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            _require(loader.source == "mds", f"data.{name}.captions: several captions are read from stored "
+                                             f"shards (data.{name}.source: mds)")
         _require(loader.batch_size > 0, f"data.{name}.batch_size={loader.batch_size} must be a positive number "
                                         f"of samples (the global batch, split across ranks)")
         _require(loader.num_workers >= 0, f"data.{name}.num_workers={loader.num_workers} must be 0 (load in the "
