@@ -12,6 +12,7 @@ MDS columns (one row per image-caption pair):
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
 | ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
+| ``recaption``       | ``str``                     | ``--recaption`` only: the caption an image-to-text model wrote (``--recaption-column`` names it) |
 
 With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
 each with its own ``dataset.json``) and a root ``dataset.json`` whose ``buckets`` lists them with their
@@ -46,6 +47,7 @@ CROP_TOP = "crop_top"
 CROP_LEFT = "crop_left"
 BUCKET = "bucket"  # between the transform and the sink only: the bucket's directory name
 BUCKET_PREFIX = "bucket-"  # one MDS dataset per bucket below the output root: bucket-<W>x<H>
+RECAPTION = "recaption"  # the converter's --recaption: the caption an image-to-text model wrote (the default name)
 
 MAX_TOKENS = 77  # CLIP context length
 
@@ -124,10 +126,11 @@ def bucket_size(name: str) -> tuple[int, int]:
 
 
 def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
-                bucket: tuple[int, int] | None = None) -> dict[str, str]:
+                bucket: tuple[int, int] | None = None, recaption: str | None = None) -> dict[str, str]:
     """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
     ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
-    the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left."""
+    the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left. ``recaption`` names a ``str`` column
+    of model-written captions (the converter's ``--recaption``)."""
     columns = {}
     if bucket is not None and len(resolutions) != 1:
         raise ValueError(f"a bucket dataset holds one resolution (its pixel budget), got {list(resolutions)}")
@@ -148,6 +151,10 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
     if bucket is not None:
         columns[CROP_TOP] = "int"
         columns[CROP_LEFT] = "int"
+    if recaption is not None:
+        if recaption in columns:
+            raise ValueError(f"the recaption column {recaption!r} would replace the dataset's own column of that name")
+        columns[recaption] = "str"
     return columns
 
 

@@ -88,7 +88,8 @@ class LatentTextEncoder:
     """Ray ``map_batches`` callable: the transform's output in, the MDS columns out."""
 
     def __init__(self, model: str, resolutions, device=None, cpu_threads: int | None = None,
-                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY):
+                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY, carry: tuple[str, ...] = ()):
+        self.carry = tuple(carry)  # columns an earlier stage added, passed to the sink as they are (--recaption)
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.vae = VaeEncoder(model, device)
@@ -113,7 +114,7 @@ class LatentTextEncoder:
 
     def __call__(self, batch: dict) -> dict:
         start = time.perf_counter()
-        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
+        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT, *self.carry)}
         ids = np.asarray(batch[schema.INPUT_IDS], dtype=np.int32)
         n = len(out[schema.KEY])
         if schema.BUCKET in batch:  # aspect-ratio buckets: one VAE call per bucket in the batch
