@@ -221,7 +221,7 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     free = max(cpus - max(1.0, 0.1 * cpus), 0.5)
     gpu_each = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if gpus else 0.0)
     captioners, cap_cpus, cap_gpus = 0, 0.0, 0.0
-    if getattr(cfg, "recaption", None) is not None:
+    if cfg.recaption is not None:
         cap_gpus = (1.0 if gpus >= 2 else 0.5) if gpus else 0.0
         captioners = cfg.recaption_actors or (max(1, int(gpus // 2)) if gpus else 1)
         cap_cpus = min(1.0, free / (4 * captioners)) if gpus else RECAPTION_CPUS
@@ -490,7 +490,7 @@ CONVERT_EXAMPLES = """examples:
   python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --resolutions 512 --buckets preset
   python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --dedupe bytes \\
       --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8"   # LAION metadata filter
-  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR \
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR \\
       --recaption Salesforce/blip-image-captioning-large    # a new caption per image, column "recaption"
 
 Re-running the same command after a crash or Ctrl-C resumes: the output ends up with exactly the
