@@ -145,6 +145,18 @@ def test_crops_of_bucketed_rows_caption_as_the_same_arrays(tiny_captioner):
     assert set(out) >= set(batch)
 
 
+def test_bucketed_rows_are_captioned_in_every_bucket(recaption_config, small_sample, tmp_path):
+    out = tmp_path / "bucketed"
+    summary = run_conversion(recaption_config(out, buckets="48x80,64x64,80x48", recaption_column="blip"))
+    info = schema.DatasetInfo.load(out)
+    captions = {}
+    for bucket in info.buckets:
+        if bucket["count"]:
+            captions.update(_captions(out / bucket["name"], column="blip"))
+    assert summary.written == len(captions) == small_sample[1]["good"]
+    assert sum(1 for b in info.buckets if b["count"]) > 1 and all(captions.values())
+
+
 @pytest.mark.parametrize("column", [schema.CAPTION, schema.KEY, schema.vae_moments_column(RES), "_x", ""])
 def test_a_recaption_column_that_would_replace_another_is_refused(column):
     with pytest.raises(ConfigError, match="--recaption-column"):
