@@ -14,6 +14,7 @@ MDS columns (one row per image-caption pair):
 | ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
 | ``caption_{N}``     | ``str``                     | ``--captions``: the input's caption column N ("" if empty) |
 | ``text_embeds_{N}``/``input_ids_{N}`` | as above  | caption N encoded as the first caption is           |
+| ``caption_recaption`` etc. | as above  | ``--recaption``: the caption an image-to-text model wrote, one more caption (``--recaption-column`` names it) |
 
 With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
 each with its own ``dataset.json``) and a root ``dataset.json`` whose ``buckets`` lists them with their
@@ -53,6 +54,7 @@ CROP_TOP = "crop_top"
 CROP_LEFT = "crop_left"
 BUCKET = "bucket"  # between the transform and the sink only: the bucket's directory name
 BUCKET_PREFIX = "bucket-"  # one MDS dataset per bucket below the output root: bucket-<W>x<H>
+RECAPTION = "recaption"  # the converter's --recaption: the caption an image-to-text model wrote (the default name)
 
 MAX_TOKENS = 77  # CLIP context length
 

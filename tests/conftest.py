@@ -61,6 +61,13 @@ def tiny_clip() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_captioner() -> str:
+    """A tiny random BLIP image-to-text model with its processor (the converter's --recaption)."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-captioner", CACHE / "kit" / "tiny-captioner"))
+
+
+@pytest.fixture(scope="session")
 def sample_data(tmp_path_factory) -> str:
     """A small LAION-style parquet dataset with its bad rows (see diffusion.kit.sample)."""
     from diffusion.kit.sample import write_sample_data

@@ -2,6 +2,9 @@
 
     read (tasks) -> ImageCaptionTransform (CPU actors) -> LatentTextEncoder (GPU or CPU actors) -> MDSPartSink
 
+With ``--recaption MODEL_REF`` a Recaptioner stage (GPU or CPU actors) runs between the transform and
+the encoder: an image-to-text model writes a new caption per image, stored as one more str column.
+
 ``run_conversion(ConvertConfig(...))`` is the whole job; ``convert/laion_to_mds.py`` is its command
 line. Re-running after a kill skips every key already written or rejected, so the finished output
 holds exactly what a clean run would.
@@ -37,11 +40,14 @@ from diffusion.convert.dedupe import MODES as DEDUPE_MODES, find_duplicates, lat
 from diffusion.convert.where_check import check_where
 from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
+from diffusion.convert.recaption import MAX_NEW_TOKENS, Recaptioner
 from diffusion.models import loading
 
 # Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
 GPU_BATCH = {256: 120, 512: 40}
 CPU_BATCH = 8
+RECAPTION_BATCH = 16
+RECAPTION_CPUS = 0.25  # a CPU captioning actor's share: with the other pools it still leaves the read tasks a CPU
 SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
 
 
@@ -92,6 +98,19 @@ class ConvertConfig(PipelineSettings):
                                       "as caption_NAME and encoded (or tokenized) as the first; an empty one is kept "
                                       "and counted; training draws one per sample (data.train.captions)",
                                 metavar="NAME,...")
+    recaption: str | None = flag(None, "caption every image again with this image-to-text model (hub id or local "
+                                       "transformers directory: BLIP, Florence-2, LLaVA, ...; the kit's tiny-captioner "
+                                       "offline): a GPU (else CPU) actor stage before encoding whose text is stored "
+                                       "and encoded as one more caption (caption_NAME, --recaption-column names it; training draws it with data.train.captions)",
+                                 metavar="MODEL_REF")
+    recaption_column: str = flag(schema.RECAPTION, "--recaption: name of the new caption column")
+    recaption_batch_size: int = flag(RECAPTION_BATCH, "--recaption: images per generate call", type=int)
+    recaption_actors: int | None = flag(None, "--recaption: captioning actors (default: half the GPUs, at least 1; "
+                                              "1 without GPUs)", type=int)
+    recaption_max_tokens: int = flag(MAX_NEW_TOKENS, "--recaption: most tokens generated per caption", type=int)
+    recaption_prompt: str | None = flag(None, "--recaption: text given to the model with each image, for models "
+                                              "that take an instruction (Florence-2: '<MORE_DETAILED_CAPTION>'; "
+                                              "LLaVA: its chat prompt); an echoed prompt is cut from the caption")
 
     def __post_init__(self):
         if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
@@ -122,6 +141,23 @@ class ConvertConfig(PipelineSettings):
             self.bucket_sizes()  # a malformed list fails here, naming it
             if self.visualize:
                 raise ConfigError("--visualize is for square outputs: leave it out with --buckets")
+        if self.recaption is not None:
+            self._check_recaption()
+
+    def _check_recaption(self) -> None:
+        for name in ("recaption_batch_size", "recaption_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.recaption_actors is not None and self.recaption_actors < 1:
+            raise ConfigError(f"--recaption-actors must be positive, got {self.recaption_actors}")
+        column = self.recaption_column
+        try:
+            schema.check_caption_name(column, "--recaption-column")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if column in (schema.CAPTION, self.caption_column, *self.input_captions()):
+            raise ConfigError(f"--recaption-column {column!r}: the input's captions already take that name "
+                              f"(--caption-column, --captions); choose another")
 
     def bucket_sizes(self) -> list[tuple[int, int]] | None:
         """The (width, height) buckets ``--buckets`` names, or None for square crops."""
@@ -129,7 +165,12 @@ class ConvertConfig(PipelineSettings):
         return parse_buckets(self.buckets, self.resolutions, self.max_aspect) if self.buckets else None
 
     def extra_captions(self) -> tuple[str, ...]:
-        """The captions ``--captions`` adds to the first one (``--caption-column``, named ``caption``)."""
+        """Every caption beyond the first (``--caption-column``, named ``caption``): the input's
+        (``--captions``), then the one ``--recaption`` writes."""
+        return self.input_captions() + ((self.recaption_column,) if self.recaption is not None else ())
+
+    def input_captions(self) -> tuple[str, ...]:
+        """The captions ``--captions`` reads from the input beside the first one."""
         names = [n.strip() for n in (self.captions or "").split(",") if n.strip()]
         if len(set(names)) != len(names):
             raise ValueError(f"--captions {self.captions}: a caption is named twice")
@@ -138,7 +179,7 @@ class ConvertConfig(PipelineSettings):
     def raw_columns(self) -> RawColumns:
         return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
                           where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars,
-                          captions=self.extra_captions())
+                          captions=self.input_captions())
 
     def output_settings(self) -> dict:
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
@@ -151,7 +192,17 @@ class ConvertConfig(PipelineSettings):
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
                 "dedupe": self.dedupe, "text": self.text,
                 "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
-                "captions": list(self.extra_captions())}
+                "captions": list(self.input_captions()),
+                "recaption": self.recaption_settings()}
+
+    def recaption_settings(self) -> dict | None:
+        """What decides the generated captions (None without --recaption); dataset.json records it too."""
+        if self.recaption is None:
+            return None
+        ref = self.recaption
+        model = os.path.abspath(os.path.expanduser(ref)) if os.path.isdir(os.path.expanduser(ref)) else ref
+        return {"model": model, "column": self.recaption_column, "prompt": self.recaption_prompt,
+                "max_tokens": self.recaption_max_tokens}
 
     @property
     def is_remote(self) -> bool:
@@ -175,6 +226,10 @@ class PoolPlan:
     cpus_per_encoder: float
     gpus_per_encoder: float
     encoder_batch: int
+    num_recaptioners: int = 0  # --recaption's pool (none without it)
+    cpus_per_recaptioner: float = 0.0
+    gpus_per_recaptioner: float = 0.0
+    recaption_batch: int = 0
 
 
 def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
@@ -182,10 +237,23 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
 
     A pool holding every CPU starves the read tasks and Ray Data stalls, so ~10% (at least one CPU)
     stays free; on a 2-CPU machine that means one transformer and one encoder at half a CPU each.
+
+    With ``--recaption`` the captioners come first: on GPUs they take half of them (at least one
+    captioner; on one GPU a captioner and an encoder share it, half each), else a quarter CPU each.
     """
     cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
     free = max(cpus - max(1.0, 0.1 * cpus), 0.5)
     gpu_each = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if gpus else 0.0)
+    captioners, cap_cpus, cap_gpus = 0, 0.0, 0.0
+    if cfg.recaption is not None:
+        cap_gpus = (1.0 if gpus >= 2 else 0.5) if gpus else 0.0
+        captioners = cfg.recaption_actors or (max(1, int(gpus // 2)) if gpus else 1)
+        cap_cpus = min(1.0, free / (4 * captioners)) if gpus else RECAPTION_CPUS
+        free = max(free - captioners * cap_cpus, 0.5)
+        if gpus:
+            if cfg.encoder_gpus is None and gpus < 2:
+                gpu_each = 0.5  # one GPU: the encoder shares it with the captioner
+            gpus = max(gpus - captioners * cap_gpus, gpu_each)
     if gpu_each:
         encoders = cfg.num_encoders or max(1, int(gpus // gpu_each))
         enc_cpus = min(1.0, free / (2 * encoders))
@@ -197,7 +265,8 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
     tr_cpus = max(tr_cpus, 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
-    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch)
+    return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch,
+                    captioners, cap_cpus, cap_gpus, cfg.recaption_batch_size if captioners else 0)
 
 
 class _DatasetInfoWriter:
@@ -218,6 +287,8 @@ class _DatasetInfoWriter:
                       "max_aspect": self.cfg.max_aspect, "max_pixels": self.cfg.max_pixels,
                       "where": parse_where(self.cfg.where).text if self.cfg.where else None,
                       "dedupe": self.cfg.dedupe}
+        if self.cfg.recaption is not None:
+            info.extra["recaption"] = self.cfg.recaption_settings()
         if summary.failed_inputs:  # skipped input files: the dataset lacks their unread rows
             info.extra["failed_inputs"] = dict(summary.failed_inputs)
         if self.cfg.buckets:
@@ -250,8 +321,17 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
                                    rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True,
-                                   buckets=cfg.bucket_sizes(), captions=cfg.extra_captions()),
+                                   buckets=cfg.bucket_sizes(), captions=cfg.input_captions()),
         compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
+    if cfg.recaption is not None:
+        ds = ds.map_batches(
+            Recaptioner, batch_size=plan.recaption_batch, batch_format="numpy",
+            fn_constructor_kwargs=dict(model=cfg.recaption, resolution=max(cfg.resolutions),
+                                       column=cfg.recaption_column, tokenizer=cfg.model, max_new_tokens=cfg.recaption_max_tokens,
+                                       prompt=cfg.recaption_prompt, record_timing=True,
+                                       cpu_threads=None if plan.gpus_per_recaptioner else 1),
+            compute=ActorPoolStrategy(size=plan.num_recaptioners), num_cpus=plan.cpus_per_recaptioner,
+            **({"num_gpus": plan.gpus_per_recaptioner} if plan.gpus_per_recaptioner else {}))
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
     if plan.gpus_per_encoder:
         encoder_options["num_gpus"] = plan.gpus_per_encoder
@@ -299,6 +379,7 @@ def check_output_settings(out: str, settings: dict) -> None:
     recorded = recorded_settings(out)
     if recorded:  # recorded before these settings existed: made without them
         recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
+                    "recaption": None,
                     **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
@@ -315,6 +396,8 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     if cfg.where:
         check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
+    if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
+        loading.resolve_captioner(cfg.recaption)
     text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
     columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions())
@@ -429,10 +512,12 @@ CONVERT_EXAMPLES = """examples:
   python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --resolutions 512 --buckets preset
   python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR --dedupe bytes \\
       --where "aesthetic >= 5.0 and punsafe < 0.1 and pwatermark < 0.8"   # LAION metadata filter
+  python convert/laion_to_mds.py --input raw/ --output mds/ --model DIR \\
+      --recaption Salesforce/blip-image-captioning-large    # a new caption per image, column "recaption"
 
 Re-running the same command after a crash or Ctrl-C resumes: the output ends up with exactly the
 samples of a clean run. A re-run with other settings (model, resolutions, columns, image checks,
---where, --dedupe) is refused before anything is touched."""
+--where, --dedupe, --recaption) is refused before anything is touched."""
 
 
 def main(argv=None) -> ConversionSummary:

@@ -1,6 +1,6 @@
 """The offline model kit: diffusers-layout model directories written without hub access.
 
-``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip,tiny-mmdit} --out DIR``
+``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip,tiny-mmdit,tiny-captioner} --out DIR``
 
 - ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
   no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
@@ -14,6 +14,8 @@
   and text encoder, with a flow-matching scheduler (yamls/micro-budget/).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
+- ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
+  with its processor and a small word vocabulary, for the converter's ``--recaption`` tests.
 
 :func:`ensure_kit` builds a kit only when it is missing or incomplete. It builds in a temporary
 directory beside the target, writes the stamp file last and renames the directory into place, so a
@@ -47,7 +49,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
-PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base")
+PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -61,6 +63,9 @@ LEGACY_TOP_LEVEL = {
         "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
         "added_tokens.json", "preprocessor_config.json",
     }),
+    "tiny-captioner": frozenset({STAMP, "config.json", "model.safetensors", "generation_config.json", "vocab.txt",
+                                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
+                                 "preprocessor_config.json", "processor_config.json"}),
 }
 
 
@@ -255,6 +260,43 @@ def build_tiny_clip(out: pathlib.Path) -> dict:
     return {}
 
 
+# The tiny captioner's vocabulary: BERT's special tokens (BLIP's tokenizer is BERT's), then words, so
+# that even a random model's captions read as words.
+CAPTIONER_SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+CAPTIONER_WORDS = tuple("a an the photo picture painting drawing of with on in under and near red green blue yellow "
+                        "white black orange purple grey circle square triangle stripe shape sky sun tree house field "
+                        "grass water road cat dog bird small large bright dark".split())
+
+
+def build_tiny_captioner(out: pathlib.Path) -> dict:
+    """A tiny random BLIP captioner (``BlipForConditionalGeneration``, 64 px) with its processor: an
+    image processor and a BERT tokenizer over :data:`CAPTIONER_WORDS`. Its word head never picks a
+    special token, end of text included, so every caption is ``max_new_tokens`` words; its weights are
+    initialised wide enough that different images get different captions."""
+    from transformers import (BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor,
+                              BlipProcessor)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = out / "vocab.txt"
+    vocab.write_text("\n".join(CAPTIONER_SPECIAL + CAPTIONER_WORDS) + "\n")
+    tokenizer = BertTokenizer(str(vocab), model_max_length=32)
+    pad, _, cls, sep, _ = range(len(CAPTIONER_SPECIAL))
+    text = dict(vocab_size=len(CAPTIONER_SPECIAL) + len(CAPTIONER_WORDS), hidden_size=32, intermediate_size=64,
+                num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=32, encoder_hidden_size=32,
+                bos_token_id=cls, eos_token_id=sep, sep_token_id=sep, pad_token_id=pad, initializer_range=0.2)
+    vision = dict(image_size=64, patch_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_hidden_layers=2, initializer_range=0.02)  # BLIP's default, 1e-10, blinds a random model
+    torch.manual_seed(4)
+    model = BlipForConditionalGeneration(BlipConfig(text_config=text, vision_config=vision, projection_dim=32,
+                                                    image_text_hidden_size=32))
+    with torch.no_grad():  # the head's bias (tied to its output layer's), saved with the weights
+        model.text_decoder.cls.predictions.bias[list(range(len(CAPTIONER_SPECIAL)))] = -1e4
+    model.save_pretrained(out)
+    vocab.unlink()  # the processor writes the tokenizer's files, vocab.txt among them
+    BlipProcessor(image_processor=BlipImageProcessor(size={"height": 64, "width": 64}),
+                  tokenizer=tokenizer).save_pretrained(out)
+    return {}
+
+
 def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) -> pathlib.Path:
     """Write ``preset`` into ``out`` (not atomically; see :func:`ensure_kit`), stamp file last."""
     _check_preset(preset, refit_vae)
@@ -269,6 +311,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny_mmdit(out)
     elif preset == "mmdit-base":
         info = build_mmdit_base(out)
+    elif preset == "tiny-captioner":
+        info = build_tiny_captioner(out)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -408,16 +452,18 @@ DESCRIPTION = """Write an offline model kit: a diffusers-layout model directory 
 Presets: tiny (a CPU-fast SD-layout model: random seeded UNet and text encoder, the real CLIP tokenizer,
 the shipped fitted tiny VAE), sd2-base (SD2-base's exact configs and tokenizer, no weights: the UNet is
 trained from scratch, the VAE and text encoder weights come from the hub), tiny-clip (a tiny random
-CLIPModel with tokenizer and image processor, for diffusion.evaluate).
+CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-captioner (a tiny random
+BLIP image-to-text model with its processor, for the converter's --recaption).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
-(tiny-clip: a transformers CLIP directory) and kit.json, which lists the files the kit wrote. An
+(tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
 EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny --out .cache/kit/tiny          # what make demo and the tests use
   python -m diffusion.kit --preset sd2-base --out kits/sd2-base        # model.ref for yamls/sd2-base-256.yaml
   python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip
   python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml
-  python -m diffusion.kit --preset mmdit-base --out kits/mmdit-base       # yamls/micro-budget/"""
+  python -m diffusion.kit --preset mmdit-base --out kits/mmdit-base       # yamls/micro-budget/
+  python -m diffusion.kit --preset tiny-captioner --out .cache/kit/tiny-captioner  # --recaption offline"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -167,3 +167,40 @@ def noise_schedule_of(scheduler_config) -> dict:
 def vae_downsample(vae_config: dict) -> int:
     """Spatial downsampling factor of an AutoencoderKL config (8 for SD2)."""
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+# ---- image-to-text models (the converter's --recaption) ---------------------------------------------
+# A captioner is a transformers directory (config.json, weights and its processor's files), not a
+# diffusers layout: a hub id (Salesforce/blip-image-captioning-base) or a local directory such as
+# the ``tiny-captioner`` kit.
+_CAPTIONER_SKIP = ["*.h5", "*.msgpack", "*.onnx*", "*.ckpt", "*.tflite", "*.ot", "*.gguf"]
+
+
+def resolve_captioner(ref: str) -> str:
+    """A local directory holding the image-to-text model ``ref`` (a hub id is fetched, or found in the
+    local hub cache)."""
+    ref = os.fspath(ref)
+    expanded = os.path.expanduser(ref)
+    if os.path.isdir(expanded):
+        if not os.path.exists(os.path.join(expanded, "config.json")):
+            raise ModelReferenceError(f"{ref!r} is a directory but not a transformers model: no config.json")
+        return os.path.abspath(expanded)
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        raise ModelReferenceError(f"captioning model {ref!r}: no such directory, and not a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(ref, ignore_patterns=_CAPTIONER_SKIP)
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ModelReferenceError(
+            f"could not fetch captioning model {ref!r} from the hub ({type(e).__name__}: {e}); pass a local "
+            f"directory instead, e.g. one written by `python -m diffusion.kit --preset tiny-captioner`") from e
+
+
+def load_captioner(ref: str, dtype=None):
+    """(processor, model) of the image-to-text model ``ref``, through transformers' Auto classes
+    (``AutoModelForImageTextToText`` covers BLIP, Florence-2, LLaVA, ...), in eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    path = resolve_captioner(ref)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    return processor, model.eval().requires_grad_(False)

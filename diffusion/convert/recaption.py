@@ -1,0 +1,93 @@
+"""The captioning stage (``--recaption``): an image-to-text model writes a new caption for every image.
+
+    read -> ImageCaptionTransform -> Recaptioner -> LatentTextEncoder -> MDSPartSink
+
+:class:`Recaptioner` is a Ray Data ``map_batches`` callable (a class, so the model loads once per
+actor). It reads the transform's uint8 crops (the largest resolution, or each row's bucket crop),
+generates greedily and adds the decoded text as one more caption (``--captions``' columns: its text in
+``caption_NAME`` and its token ids from the dataset's own tokenizer in ``input_ids_NAME``), which the
+encode stage encodes as it encodes the others; the original caption and its encoding are untouched. The model is any
+transformers image-to-text model :func:`diffusion.models.loading.load_captioner` loads (BLIP,
+Florence-2, LLaVA, ...; ``--recaption-prompt`` for those that need an instruction). It runs on CUDA
+in bf16 (fp16 where bf16 is unsupported) when a GPU is visible, else on CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from diffusion import schema
+from diffusion.convert.encoders import pick_device_and_dtype
+from diffusion.models import loading
+
+STAGE_SECONDS = "_recaption_seconds"  # per-row share of the batch's wall time, when timing is on
+MAX_NEW_TOKENS = 30
+
+
+def crops_of(batch: dict, resolution: int) -> list[np.ndarray]:
+    """The batch's uint8 HWC crops at ``resolution``; with buckets, each row's crop in its bucket's shape."""
+    images = batch[schema.image_column(resolution)]
+    if schema.BUCKET not in batch:
+        return list(images)
+    crops = []
+    for name, data in zip(batch[schema.BUCKET], images):
+        w, h = schema.bucket_size(name)
+        crops.append(np.frombuffer(data, np.uint8).reshape(h, w, 3))
+    return crops
+
+
+class Recaptioner:
+    """Ray ``map_batches`` callable: the transform's output in, the same columns and ``column`` out."""
+
+    def __init__(self, model: str, resolution: int, column: str = schema.RECAPTION, tokenizer: str | None = None,
+                 max_new_tokens: int = MAX_NEW_TOKENS, prompt: str | None = None, device=None,
+                 cpu_threads: int | None = None, record_timing: bool = False):
+        if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
+            torch.set_num_threads(max(1, int(cpu_threads)))
+        self.device, self.dtype = pick_device_and_dtype(device)
+        self.processor, self.model = loading.load_captioner(model, dtype=self.dtype)
+        self.model.to(self.device)
+        self.resolution, self.column = int(resolution), column
+        self.max_new_tokens, self.prompt = int(max_new_tokens), prompt
+        self.record_timing = record_timing
+        # the dataset's tokenizer (the text encoder's), for the new caption's token ids; None: text only
+        self.tokenizer = loading.load_tokenizer(tokenizer) if tokenizer is not None else None
+
+    @torch.inference_mode()
+    def caption(self, images: list[np.ndarray]) -> list[str]:
+        """One caption per uint8 HWC image: greedy decoding, special tokens dropped, whitespace stripped."""
+        if not images:
+            return []
+        kwargs = {"images": images, "return_tensors": "pt"}
+        if self.prompt is not None:
+            kwargs["text"] = [self.prompt] * len(images)
+        inputs = {k: v.to(self.device, dtype=self.dtype if v.is_floating_point() else None)
+                  for k, v in self.processor(**kwargs).items() if isinstance(v, torch.Tensor)}
+        ids = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens)
+        prompt_ids = inputs.get("input_ids")
+        if prompt_ids is None:
+            return [text.strip() for text in self.processor.batch_decode(ids, skip_special_tokens=True)]
+        n = prompt_ids.shape[1]  # decoder-only models (LLaVA) echo the prompt's tokens: keep what follows
+        if ids.shape[1] >= n and torch.equal(ids[:, :n], prompt_ids.to(ids.device)):
+            ids = ids[:, n:]
+        echo = self.processor.batch_decode(prompt_ids[:1], skip_special_tokens=True)[0].strip()
+        texts = [text.strip() for text in self.processor.batch_decode(ids, skip_special_tokens=True)]
+        # BLIP continues the prompt's text (its tokens re-marked): cut that too
+        return [text[len(echo):].strip() if echo and text.startswith(echo) else text for text in texts]
+
+    def __call__(self, batch: dict) -> dict:
+        start = time.perf_counter()
+        captions = self.caption(crops_of(batch, self.resolution))
+        out = dict(batch)
+        text, _, ids = schema.caption_columns(self.column)
+        out[text] = np.array(captions, dtype=object)
+        if self.tokenizer is not None:
+            out[ids] = (self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
+                                       return_tensors="np")["input_ids"].astype(np.int32) if captions
+                        else np.zeros((0, schema.MAX_TOKENS), np.int32))
+        if self.record_timing:
+            out[STAGE_SECONDS] = np.full(len(captions), (time.perf_counter() - start) / max(len(captions), 1))
+        return out

@@ -1,0 +1,190 @@
+"""--recaption: an image-to-text model writes a new caption column (issue 27 item 3), on the tiny kit's
+random BLIP captioner over a small sample."""
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from diffusion import schema
+from diffusion.convert import pipeline
+from diffusion.convert.pipeline import ConvertConfig, plan_pools, run_conversion
+from diffusion.convert.recaption import Recaptioner
+from diffusion.errors import ConfigError, OutputMismatchError
+
+RES = 64
+MAX_TOKENS = 5  # the tiny captioner never ends early: every caption is this many words
+
+
+@pytest.fixture(scope="module")
+def small_sample(tmp_path_factory):
+    """(input dir, manifest): 40 rows in 3 parquet files, bad rows among them."""
+    from diffusion.kit.sample import write_sample_data
+    out = tmp_path_factory.mktemp("recaption_sample")
+    return str(out), write_sample_data(out, n=40, seed=3, rows_per_shard=16)
+
+
+@pytest.fixture(scope="module")
+def recaption_config(small_sample, tiny_kit, tiny_captioner):
+    def make(output, **overrides):
+        options = dict(input=small_sample[0], output=str(output), model=tiny_kit, resolutions=(RES,), progress=False,
+                       recaption=tiny_captioner, recaption_batch_size=8, recaption_max_tokens=MAX_TOKENS)
+        return ConvertConfig(**{**options, **overrides})
+    return make
+
+
+@pytest.fixture(scope="module")
+def recaptioned(recaption_config, ray_local, tmp_path_factory):
+    """(output dir, summary) of a clean conversion with --recaption."""
+    out = tmp_path_factory.mktemp("recaptioned")
+    return str(out), run_conversion(recaption_config(out))
+
+
+def _read_back(local):
+    from streaming import StreamingDataset
+    ds = StreamingDataset(local=str(local), shuffle=False, batch_size=1)
+    return [ds[i] for i in range(len(ds))]
+
+
+def _captions(out, name=schema.RECAPTION) -> dict[str, str]:
+    column = schema.caption_columns(name)[0]
+    samples = _read_back(out)
+    keys = [s[schema.KEY] for s in samples]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    return {s[schema.KEY]: s[column] for s in samples}
+
+
+def test_every_image_gets_a_caption_stored_and_encoded_as_one_more_caption(recaptioned, small_sample, tiny_kit,
+                                                                             tiny_captioner):
+    from diffusion.convert.encoders import TextEncoder
+    out, summary = recaptioned
+    manifest = small_sample[1]
+    captions = _captions(out)
+    assert summary.written == len(captions) == manifest["good"]
+    assert all(isinstance(c, str) and len(c.split()) == MAX_TOKENS for c in captions.values())
+    assert len(set(captions.values())) > len(captions) // 2  # the model looks at each row's own image
+    with open(os.path.join(out, "index.json")) as f:
+        shard = json.load(f)["shards"][0]
+    text, embeds, ids = schema.caption_columns(schema.RECAPTION)
+    assert dict(zip(shard["column_names"], shard["column_encodings"]))[text] == "str"
+    info = schema.DatasetInfo.load(out)
+    # one more caption: encoded as the first (training draws it with data.train.captions), none empty
+    assert info.captions == [schema.CAPTION, schema.RECAPTION] and info.empty_captions == {schema.RECAPTION: 0}
+    encoder = TextEncoder(tiny_kit, device="cpu")
+    for s in _read_back(out)[:3]:
+        assert ids not in s  # --text embeds: the embeddings only, as for the first caption
+        np.testing.assert_allclose(s[embeds].astype(np.float32),
+                                   encoder.encode_captions([s[text]])[0].astype(np.float32), atol=2e-3)
+    assert info.extra["recaption"]["model"] == os.path.abspath(tiny_captioner)
+    assert info.extra["recaption"]["column"] == schema.RECAPTION
+    # the original captions are kept and encoded as before
+    originals = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(out)}
+    assert originals.keys() == captions.keys() and all(originals[k] != captions[k] for k in captions)
+    assert "recaption_seconds" in summary.stage_seconds
+
+
+def test_each_caption_is_the_models_caption_of_that_rows_image(recaptioned, small_sample, tiny_kit, tiny_captioner):
+    """Not shuffled between rows: a sample's stored caption is what the captioner says of its own crop."""
+    from diffusion.convert.readers import iter_rows
+    from diffusion.convert.transforms import ImageCaptionTransform
+    rows = list(iter_rows(small_sample[0], on_reject=lambda rejects: None))
+    crops = ImageCaptionTransform(tiny_kit, (RES,))({c: np.array([r[c] for r in rows], dtype=object)
+                                                     for c in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE)})
+    direct = Recaptioner(tiny_captioner, RES, max_new_tokens=MAX_TOKENS).caption(list(crops[schema.image_column(RES)]))
+    assert dict(zip(crops[schema.KEY], direct)) == _captions(recaptioned[0])
+
+
+def test_a_killed_captioning_actor_is_restarted_and_every_image_still_gets_its_caption(
+        recaption_config, recaptioned, monkeypatch, tmp_path):
+    """The captioning actor's process is killed (SIGKILL) on its second batch, once: Ray restarts the
+    actor and retries the batch, and the output is the clean run's, row for row."""
+    marker = tmp_path / "killed"
+    monkeypatch.setattr(pipeline, "Recaptioner", _dies_once(str(marker)))
+    out = tmp_path / "out"
+    summary = run_conversion(recaption_config(out))
+    assert marker.exists(), "the actor was never killed"
+    assert summary.written == recaptioned[1].written
+    assert _captions(out) == _captions(recaptioned[0])
+
+
+def _dies_once(marker: str):
+    """A Recaptioner whose process kills itself on its second batch unless ``marker`` exists (a class
+    made here is pickled by value, so the Ray workers need not import this test module)."""
+    class DiesOnce(Recaptioner):
+        batches = 0
+
+        def __call__(self, batch):
+            self.batches += 1
+            if self.batches == 2 and not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__call__(batch)
+    return DiesOnce
+
+
+def test_resume_keeps_the_captions_and_other_recaption_settings_are_refused(recaption_config, recaptioned,
+                                                                            tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(recaptioned[0], out)
+    lost = sorted(p for p in os.listdir(out) if p.startswith("part-"))[0]
+    shutil.rmtree(out / lost)  # a part the "killed" run never committed
+    (out / "index.json").unlink()
+    with pytest.raises(OutputMismatchError, match="recaption"):
+        run_conversion(recaption_config(out, recaption_column="blip_caption"))
+    with pytest.raises(OutputMismatchError, match="recaption"):
+        run_conversion(recaption_config(out, recaption=None))
+    summary = run_conversion(recaption_config(out))
+    assert 0 < summary.written_this_run < summary.written == recaptioned[1].written
+    assert _captions(out) == _captions(recaptioned[0])
+
+
+def test_crops_of_bucketed_rows_caption_as_the_same_arrays(tiny_captioner):
+    from diffusion.convert.recaption import crops_of
+    rng = np.random.default_rng(0)
+    crops = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for w, h in ((96, 64), (64, 96), (96, 64))]
+    names = [schema.bucket_name(c.shape[1], c.shape[0]) for c in crops]
+    batch = {schema.BUCKET: np.array(names, dtype=object),
+             schema.image_column(RES): np.array([c.tobytes() for c in crops], dtype=object)}
+    assert all(np.array_equal(a, b) for a, b in zip(crops_of(batch, RES), crops))
+    captioner = Recaptioner(tiny_captioner, RES, column="blip", max_new_tokens=3)
+    out = captioner(batch)
+    text = schema.caption_columns("blip")[0]
+    assert list(out[text]) == captioner.caption(crops) and all(out[text])
+    assert set(out) >= set(batch)
+
+
+def test_bucketed_rows_are_captioned_in_every_bucket(recaption_config, small_sample, tmp_path):
+    out = tmp_path / "bucketed"
+    summary = run_conversion(recaption_config(out, buckets="48x80,64x64,80x48", recaption_column="blip"))
+    info = schema.DatasetInfo.load(out)
+    captions = {}
+    for bucket in info.buckets:
+        if bucket["count"]:
+            captions.update(_captions(out / bucket["name"], name="blip"))
+    assert summary.written == len(captions) == small_sample[1]["good"]
+    assert sum(1 for b in info.buckets if b["count"]) > 1 and all(captions.values())
+
+
+@pytest.mark.parametrize("column", [schema.CAPTION, "recap", "re-cap", ""])
+def test_a_recaption_column_that_would_replace_another_is_refused(column):
+    with pytest.raises(ConfigError, match="--recaption-column"):
+        ConvertConfig(input="x", output="y", model="m", resolutions=(RES,), recaption="m2", recaption_column=column,
+                      captions="caption,recap")
+
+
+def test_pools_with_recaption_leave_room_for_read_tasks_and_share_one_gpu():
+    two_cpus = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m", recaption="c"))
+    assert (two_cpus.num_recaptioners, two_cpus.gpus_per_recaptioner) == (1, 0.0)
+    assert (two_cpus.num_transformers * two_cpus.cpus_per_transformer + two_cpus.cpus_per_encoder
+            + two_cpus.cpus_per_recaptioner) <= 1.0
+    one_gpu = plan_pools({"CPU": 8.0, "GPU": 1.0}, ConvertConfig(input="x", output="y", model="m", recaption="c"))
+    assert one_gpu.gpus_per_recaptioner + one_gpu.num_encoders * one_gpu.gpus_per_encoder <= 1.0
+    eight = plan_pools({"CPU": 64.0, "GPU": 8.0}, ConvertConfig(input="x", output="y", model="m", recaption="c"))
+    assert (eight.num_recaptioners, eight.num_encoders) == (4, 4)
+    assert eight.num_recaptioners * eight.gpus_per_recaptioner + eight.num_encoders * eight.gpus_per_encoder == 8
+    off = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m"))
+    assert off.num_recaptioners == 0
