@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from diffusion import schema
-from diffusion.kit.sample import MAX_ASPECT, MAX_SIDE, METADATA, MIN_SIDE, main, write_sample_data
+from diffusion.kit.sample import MAX_ASPECT, MAX_SIDE, METADATA, MIN_SIDE, RECAP, main, write_sample_data
 
 
 def _digest(directory: pathlib.Path) -> str:
@@ -35,8 +35,14 @@ def test_rows_follow_the_manifest(tmp_path):
     manifest = write_sample_data(tmp_path, n=100, seed=0, rows_per_shard=50)
     rows = _rows(tmp_path)
     assert set(rows[0]) == {schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE, schema.WIDTH,
-                            schema.HEIGHT, schema.RAW_URL, *METADATA}
+                            schema.HEIGHT, schema.RAW_URL, *METADATA, RECAP}
     assert len(rows) == manifest["rows"] == 100
+    # the second caption: longer than the first and saying what it says, empty on about one row in ten
+    good = [r for r in rows if r[schema.RAW_KEY] not in manifest["bad_keys"]]
+    empty = [r for r in good if r[RECAP] == ""]
+    assert len(empty) == manifest["empty_recaps"] and 3 <= len(empty) <= 20
+    assert all(r[schema.RAW_CAPTION] in r[RECAP] and len(r[RECAP]) > len(r[schema.RAW_CAPTION]) + 20
+               for r in good if r[RECAP])
     assert manifest["bad"] == {"truncated": 2, "not_image": 2, "empty_caption": 2, "tiny": 2}
     assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
     assert len({r[schema.RAW_KEY] for r in rows}) == 100
