@@ -297,7 +297,8 @@ class _DatasetInfoWriter:
 
     def _describe_buckets(self, out: str, info: schema.DatasetInfo, empty: np.ndarray) -> None:
         """Each bucket is a dataset of its own (dataset.json, empty_text_embeds.npy); the root lists them."""
-        counts = bucket_counts(out)
+        empty_captions: dict[str, dict] = {}
+        counts = bucket_counts(out, empty_captions)
         info.buckets = []
         for w, h in self.cfg.bucket_sizes():
             name = schema.bucket_name(w, h)
@@ -305,7 +306,9 @@ class _DatasetInfoWriter:
             if name in counts:
                 np.save(os.path.join(out, name, schema.EMPTY_TEXT_EMBEDS), empty)
                 part = dataclasses.replace(info, buckets=None, count=counts[name], rows_in=counts[name], rejects={},
-                                           extra={**info.extra, "bucket": [w, h]})
+                                           extra={**info.extra, "bucket": [w, h]},
+                                           empty_captions={c: empty_captions[name].get(c, 0)
+                                                           for c in info.empty_captions})
                 part.save(os.path.join(out, name))
 
 

@@ -68,14 +68,22 @@ def _parts(out: str) -> list[str]:
     return [os.path.join(root, part) for root in part_roots(out) for part in committed_parts(root)]
 
 
-def bucket_counts(out: str) -> dict[str, int]:
-    """Samples per bucket of a bucketed output (bucket directory name -> count)."""
+def bucket_counts(out: str, empty_captions: dict | None = None) -> dict[str, int]:
+    """Samples per bucket of a bucketed output (bucket directory name -> count); ``empty_captions``, when
+    given, is filled with each bucket's empty further captions (bucket name -> {caption name: count})."""
     counts = {}
+    prefix = EMPTY_PREFIX + EMPTY_COUNTED
     for root in part_roots(out)[1:]:
-        counts[os.path.basename(root)] = 0
+        name = os.path.basename(root)
+        counts[name] = 0
+        empty = {} if empty_captions is None else empty_captions.setdefault(name, {})
         for part in committed_parts(root):
             with open(os.path.join(root, part, STATS_RECORD)) as f:
-                counts[os.path.basename(root)] += int(json.load(f).get("count", 0))
+                stats = json.load(f)
+            counts[name] += int(stats.get("count", 0))
+            for key, value in stats.items():
+                if key.startswith(prefix):
+                    empty[key[len(prefix):]] = empty.get(key[len(prefix):], 0) + int(value)
     return counts
 
 

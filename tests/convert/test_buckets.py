@@ -45,7 +45,7 @@ def test_bad_bucket_lists_are_one_line():
 def bucketed(convert_config, ray_local, tmp_path_factory):
     from diffusion.convert.pipeline import run_conversion
     out = tmp_path_factory.mktemp("bucketed")
-    summary = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both"))
+    summary = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap"))
     return str(out), summary
 
 
@@ -72,6 +72,12 @@ def test_images_land_in_the_bucket_nearest_their_aspect(bucketed, manifest):
                 centred = (max(b[size], round(row[side] * scale)) - b[size]) / 2  # ±1: JPEGs decode at a draft scale
                 assert abs(row[corner] - centred) <= 1
             assert row[schema.INPUT_IDS].shape == (schema.MAX_TOKENS,)
+            assert row["input_ids_recap"].shape == (schema.MAX_TOKENS,)
+        # --captions: each bucket counts its own empty second captions, and they add up to the root's
+        empty = sum(ds[i]["caption_recap"] == "" for i in range(ds.num_samples))
+        assert schema.DatasetInfo.load(os.path.join(out, b["name"])).empty_captions == {"recap": empty}
+    assert sum(schema.DatasetInfo.load(os.path.join(out, b["name"])).empty_captions["recap"] for b in info.buckets) \
+        == info.empty_captions["recap"] == summary.empty_captions["recap"] > 0
 
 
 def _bucket_keys(out):
@@ -88,12 +94,12 @@ def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_confi
     from diffusion.convert.pipeline import run_conversion
     from diffusion.convert.sink import TMP_PREFIX
     out = tmp_path / "resumed"
-    first = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", limit=40))
+    first = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap", limit=40))
     assert 0 < first.written < bucketed[1].written
     stale = out / "bucket-64x64" / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
     stale.mkdir(parents=True, exist_ok=True)
     (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
-    second = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both"))
+    second = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap"))
     assert _bucket_keys(str(out)) == _bucket_keys(bucketed[0])
     assert second.written_this_run == bucketed[1].written - first.written and not stale.exists()
     assert schema.DatasetInfo.load(str(out)).buckets == schema.DatasetInfo.load(bucketed[0]).buckets
@@ -103,4 +109,4 @@ def test_rerun_with_other_buckets_is_refused(bucketed, convert_config):
     from diffusion.convert.pipeline import run_conversion
     from diffusion.errors import OutputMismatchError
     with pytest.raises(OutputMismatchError, match="buckets"):
-        run_conversion(convert_config(bucketed[0], resolutions=(64,), buckets="64x64", text="both"))
+        run_conversion(convert_config(bucketed[0], resolutions=(64,), buckets="64x64", text="both", captions="caption,recap"))
