@@ -1,6 +1,7 @@
 """--recaption: an image-to-text model writes a new caption column (issue 27 item 3), on the tiny kit's
 random BLIP captioner over a small sample."""
 
+import functools
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ def recaptioned(recaption_config, ray_local, tmp_path_factory):
     return str(out), run_conversion(recaption_config(out))
 
 
+@functools.lru_cache(maxsize=None)  # an output is read once: each StreamingDataset holds descriptors till exit
 def _read_back(local):
     from streaming import StreamingDataset
     ds = StreamingDataset(local=str(local), shuffle=False, batch_size=1)
@@ -51,7 +53,7 @@ def _read_back(local):
 
 def _captions(out, name=schema.RECAPTION) -> dict[str, str]:
     column = schema.caption_columns(name)[0]
-    samples = _read_back(out)
+    samples = _read_back(str(out))
     keys = [s[schema.KEY] for s in samples]
     assert len(keys) == len(set(keys)), "a row was written twice"
     return {s[schema.KEY]: s[column] for s in samples}
@@ -74,14 +76,14 @@ def test_every_image_gets_a_caption_stored_and_encoded_as_one_more_caption(recap
     # one more caption: encoded as the first (training draws it with data.train.captions), none empty
     assert info.captions == [schema.CAPTION, schema.RECAPTION] and info.empty_captions == {schema.RECAPTION: 0}
     encoder = TextEncoder(tiny_kit, device="cpu")
-    for s in _read_back(out)[:3]:
+    for s in _read_back(str(out))[:3]:
         assert ids not in s  # --text embeds: the embeddings only, as for the first caption
         np.testing.assert_allclose(s[embeds].astype(np.float32),
                                    encoder.encode_captions([s[text]])[0].astype(np.float32), atol=2e-3)
     assert info.extra["recaption"]["model"] == os.path.abspath(tiny_captioner)
     assert info.extra["recaption"]["column"] == schema.RECAPTION
     # the original captions are kept and encoded as before
-    originals = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(out)}
+    originals = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(str(out))}
     assert originals.keys() == captions.keys() and all(originals[k] != captions[k] for k in captions)
     assert "recaption_seconds" in summary.stage_seconds
 
