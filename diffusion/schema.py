@@ -59,13 +59,16 @@ RECAPTION = "recaption"  # the converter's --recaption: the caption an image-to-
 MAX_TOKENS = 77  # CLIP context length
 
 
+EXTRA_CAPTION_PREFIX = f"{CAPTION}_"  # the text column of every caption beyond the first: caption_NAME
+
+
 def caption_columns(name: str) -> tuple[str, str, str]:
     """(text, embeddings, token ids) columns of caption ``name``: ``caption``, ``text_embeds`` and
     ``input_ids`` for the first caption (``name`` == ``caption``), ``caption_{name}``,
     ``text_embeds_{name}`` and ``input_ids_{name}`` for another one (``--captions``)."""
     if name == CAPTION:
         return CAPTION, TEXT_EMBEDS, INPUT_IDS
-    return f"{CAPTION}_{name}", f"{TEXT_EMBEDS}_{name}", f"{INPUT_IDS}_{name}"
+    return f"{EXTRA_CAPTION_PREFIX}{name}", f"{TEXT_EMBEDS}_{name}", f"{INPUT_IDS}_{name}"
 
 
 def check_caption_name(name: str, where: str = "--captions") -> str:

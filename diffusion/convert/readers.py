@@ -577,11 +577,9 @@ def _arrow_batch(batch: dict):
     arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
                               (schema.HEIGHT, pa.int64()),
-                              *((c, pa.string()) for c in batch if c.startswith(EXTRA_CAPTION))])
+                              *((c, pa.string()) for c in batch if c.startswith(schema.EXTRA_CAPTION_PREFIX))])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
 
-
-EXTRA_CAPTION = schema.caption_columns("_")[0][:-1]  # "caption_": the raw columns of further captions
 
 
 def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:

@@ -58,7 +58,7 @@ STATS_RECORD = "stats" + RECORD_SUFFIX  # a part's sample count and stage second
 REJECTS_DIR = "rejects"
 SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
 # A part's stats count the empty values of each further caption (--captions) as "empty_caption_NAME".
-EMPTY_COUNTED = schema.caption_columns("_")[0][:-1]  # "caption_": the text columns of further captions
+EMPTY_COUNTED = schema.EXTRA_CAPTION_PREFIX
 EMPTY_PREFIX = "empty_"
 
 
