@@ -9,11 +9,12 @@ MDS columns (one row per image-caption pair):
 | ``vae_moments_{R}`` | ``ndarray:float16:8,R/f,R/f`` | VAE posterior mean (4 ch) and log-variance (4 ch) |
 | ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state (``--text embeds``) |
 | ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
+| ``text_tokens``     | ``int``                     | the caption's token count before padding: its attention mask |
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
 | ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
 | ``caption_{N}``     | ``str``                     | ``--captions``: the input's caption column N ("" if empty) |
-| ``text_embeds_{N}``/``input_ids_{N}`` | as above  | caption N encoded as the first caption is           |
+| ``text_embeds_{N}``/``input_ids_{N}``/``text_tokens_{N}`` | as above | caption N encoded as the first caption is |
 | ``caption_recaption`` etc. | as above  | ``--recaption``: the caption an image-to-text model wrote, one more caption (``--recaption-column`` names it) |
 
 With ``--buckets`` the output root holds one such dataset per aspect-ratio bucket (``bucket-<W>x<H>/``,
@@ -24,6 +25,11 @@ With ``--captions caption,N,...`` the dataset holds several captions per image: 
 from ``--caption-column``) as always, and each further input column N in ``caption_{N}`` with its own
 text columns (:func:`caption_columns`); ``dataset.json`` lists them in ``captions`` and counts their
 empty values in ``empty_captions``. Training draws one per sample and epoch (``data.train.captions``).
+
+The text length (77 above) is CLIP's context; ``--text-length`` sets another (e.g. 256 for a T5 text
+encoder), recorded as ``dataset.json``'s ``text_length``. ``text_tokens`` (in datasets written since
+token counts were stored; ``dataset.json`` then has ``empty_text_tokens``) gives each caption's attention
+mask, ``arange(L) < text_tokens``, for embeddings and ids alike.
 
 ``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
 *text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
@@ -43,6 +49,7 @@ from typing import Any
 # ---- MDS columns -------------------------------------------------------------------------------
 TEXT_EMBEDS = "text_embeds"
 INPUT_IDS = "input_ids"
+TEXT_TOKENS = "text_tokens"  # int: the caption's tokens before the padding (its attention mask)
 CAPTION = "caption"
 KEY = "key"
 WIDTH = "width"
@@ -56,7 +63,7 @@ BUCKET = "bucket"  # between the transform and the sink only: the bucket's direc
 BUCKET_PREFIX = "bucket-"  # one MDS dataset per bucket below the output root: bucket-<W>x<H>
 RECAPTION = "recaption"  # the converter's --recaption: the caption an image-to-text model wrote (the default name)
 
-MAX_TOKENS = 77  # CLIP context length
+MAX_TOKENS = 77  # CLIP context length: the text length unless --text-length sets another
 
 
 EXTRA_CAPTION_PREFIX = f"{CAPTION}_"  # the text column of every caption beyond the first: caption_NAME
@@ -69,6 +76,11 @@ def caption_columns(name: str) -> tuple[str, str, str]:
     if name == CAPTION:
         return CAPTION, TEXT_EMBEDS, INPUT_IDS
     return f"{EXTRA_CAPTION_PREFIX}{name}", f"{TEXT_EMBEDS}_{name}", f"{INPUT_IDS}_{name}"
+
+
+def tokens_column(name: str = CAPTION) -> str:
+    """The token-count column of caption ``name``: ``text_tokens``, or ``text_tokens_{name}``."""
+    return TEXT_TOKENS if name == CAPTION else f"{TEXT_TOKENS}_{name}"
 
 
 def check_caption_name(name: str, where: str = "--captions") -> str:
@@ -119,6 +131,7 @@ def image_column(resolution: int) -> str:
 BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-variance, unscaled
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
+BATCH_TEXT_TOKENS = TEXT_TOKENS  # (B,) long: token counts, the attention mask (models with model.text_mask)
 BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
 # Training batches also carry each sample's random draws (diffusion.loader.batches.NoiseDraws), float32:
 BATCH_POSTERIOR_NOISE = "posterior_noise"  # (B, 4, h, w) ε of the latent's draw from its moments
@@ -152,11 +165,13 @@ def bucket_size(name: str) -> tuple[int, int]:
 
 
 def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
-                bucket: tuple[int, int] | None = None, captions=()) -> dict[str, str]:
+                bucket: tuple[int, int] | None = None, captions=(), text_length: int = MAX_TOKENS,
+                tokens: bool = True) -> dict[str, str]:
     """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
     ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
     the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left. ``captions``: the names of the
-    captions beyond the first (``--captions``), each with its text and text columns."""
+    captions beyond the first (``--captions``), each with its text and text columns. ``text_length``: the
+    token length of ids and embeddings; ``tokens``: with the token counts (``text_tokens``)."""
     columns = {}
     if bucket is not None and len(resolutions) != 1:
         raise ValueError(f"a bucket dataset holds one resolution (its pixel budget), got {list(resolutions)}")
@@ -167,9 +182,11 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
         columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h // downsample},{w // downsample}"
     stored = text_columns(text)
     if TEXT_EMBEDS in stored:
-        columns[TEXT_EMBEDS] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
+        columns[TEXT_EMBEDS] = f"ndarray:float16:{int(text_length)},{int(text_dim)}"
     if INPUT_IDS in stored:
-        columns[INPUT_IDS] = f"ndarray:int32:{MAX_TOKENS}"
+        columns[INPUT_IDS] = f"ndarray:int32:{int(text_length)}"
+    if tokens:
+        columns[TEXT_TOKENS] = "int"
     columns[CAPTION] = "str"
     columns[KEY] = "str"
     columns[WIDTH] = "int"
@@ -181,9 +198,11 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
         caption, embeds, ids = caption_columns(check_caption_name(name))
         columns[caption] = "str"
         if TEXT_EMBEDS in stored:
-            columns[embeds] = f"ndarray:float16:{MAX_TOKENS},{int(text_dim)}"
+            columns[embeds] = f"ndarray:float16:{int(text_length)},{int(text_dim)}"
         if INPUT_IDS in stored:
-            columns[ids] = f"ndarray:int32:{MAX_TOKENS}"
+            columns[ids] = f"ndarray:int32:{int(text_length)}"
+        if tokens:
+            columns[tokens_column(name)] = "int"
     return columns
 
 
@@ -212,7 +231,18 @@ class DatasetInfo:
     # and how many samples have an empty one (name -> count; the first caption is never empty).
     captions: list[str] | None = None
     empty_captions: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Text length and encoder (``--text-length``, the text encoder's config ``model_type``: None in datasets
+    # written before they were recorded, CLIP's 77), and the token count of "" (None: the dataset has no
+    # ``text_tokens`` columns, written before they were stored).
+    text_length: int = MAX_TOKENS
+    text_encoder_type: str | None = None
+    empty_text_tokens: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the dataset stores token counts (``text_tokens``): attention masks can be made."""
+        return self.empty_text_tokens is not None
 
     @property
     def text_encoder_ref(self) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from diffusion import schema
 from diffusion.models import loading
-from diffusion.models.text_encoder import empty_caption_ids, text_probe
+from diffusion.models.text_encoder import attention_mask, text_probe, tokenize
 
 STAGE_SECONDS = "_encode_seconds"  # per-row share of the batch's wall time, when timing is on
 
@@ -36,26 +36,34 @@ def normalize_images(images: np.ndarray, device, dtype) -> torch.Tensor:
 
 
 class TextEncoder:
-    """Tokenizer + text encoder; the last hidden state is the conditioning (SD2)."""
+    """Tokenizer + text encoder; the last hidden state is the conditioning (SD2). A T5 reads each
+    caption's attention mask (its token count), CLIP the padded ids whole
+    (:func:`diffusion.models.loading.text_encoder_takes_mask`)."""
 
-    def __init__(self, model: str, device=None, dtype=None):
+    def __init__(self, model: str, device=None, dtype=None, text_length: int = schema.MAX_TOKENS):
         self.device, default_dtype = pick_device_and_dtype(device)
         self.dtype = dtype or default_dtype
         self.tokenizer = loading.load_tokenizer(model)
         self.model = loading.load_text_encoder(model, dtype=self.dtype).to(self.device)
         self.dim = int(self.model.config.hidden_size)
+        self.kind = self.model.config.model_type
+        self.takes_mask = loading.text_encoder_takes_mask(self.kind)
+        self.text_length = int(text_length)
 
     @torch.inference_mode()
-    def encode_ids(self, input_ids: np.ndarray) -> np.ndarray:
+    def encode_ids(self, input_ids: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
         if len(input_ids) == 0:
-            return np.zeros((0, schema.MAX_TOKENS, self.dim), np.float16)
+            return np.zeros((0, self.text_length, self.dim), np.float16)
         ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
-        return self.model(ids).last_hidden_state.to(torch.float16).cpu().numpy()
+        mask = None
+        if self.takes_mask:
+            if counts is None:
+                raise ValueError(f"the {self.kind} text encoder reads an attention mask: give the captions' token counts")
+            mask = attention_mask(torch.as_tensor(np.asarray(counts), device=self.device), ids.shape[1]).long()
+        return self.model(ids, attention_mask=mask).last_hidden_state.to(torch.float16).cpu().numpy()
 
     def encode_captions(self, captions: list[str]) -> np.ndarray:
-        ids = self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
-                             return_tensors="np")["input_ids"]
-        return self.encode_ids(ids)
+        return self.encode_ids(*tokenize(self.tokenizer, captions, self.text_length))
 
 
 class VaeEncoder:
@@ -88,12 +96,14 @@ class LatentTextEncoder:
     """Ray ``map_batches`` callable: the transform's output in, the MDS columns out."""
 
     def __init__(self, model: str, resolutions, device=None, cpu_threads: int | None = None,
-                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY, captions=()):
+                 record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY, captions=(),
+                 text_length: int = schema.MAX_TOKENS):
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.vae = VaeEncoder(model, device)
         self.text_columns = schema.text_columns(text)
-        self.text = TextEncoder(model, device) if schema.TEXT_EMBEDS in self.text_columns else None
+        self.text = (TextEncoder(model, device, text_length=text_length) if schema.TEXT_EMBEDS in self.text_columns
+                     else None)
         self.resolutions = sorted({int(r) for r in resolutions})
         self.record_timing = record_timing
         self.captions = tuple(captions)  # further captions (--captions): encoded or passed on as the first
@@ -114,7 +124,9 @@ class LatentTextEncoder:
 
     def __call__(self, batch: dict) -> dict:
         start = time.perf_counter()
-        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT)}
+        # the token counts travel through when the transform made them (it always does; hand-made batches may not)
+        out = {c: batch[c] for c in (schema.KEY, schema.CAPTION, schema.WIDTH, schema.HEIGHT, schema.TEXT_TOKENS)
+               if c in batch}
         ids = np.asarray(batch[schema.INPUT_IDS], dtype=np.int32)
         n = len(out[schema.KEY])
         if schema.BUCKET in batch:  # aspect-ratio buckets: one VAE call per bucket in the batch
@@ -128,14 +140,17 @@ class LatentTextEncoder:
         if schema.INPUT_IDS in self.text_columns:
             out[schema.INPUT_IDS] = ids
         if self.text is not None:
-            out[schema.TEXT_EMBEDS] = self.text.encode_ids(ids)
+            out[schema.TEXT_EMBEDS] = self.text.encode_ids(ids, batch.get(schema.TEXT_TOKENS))
         for name in self.captions:
             text, embeds, extra_ids = schema.caption_columns(name)
+            tokens = schema.tokens_column(name)
             out[text] = batch[text]
+            if tokens in batch:
+                out[tokens] = batch[tokens]
             if schema.INPUT_IDS in self.text_columns:
                 out[extra_ids] = np.asarray(batch[extra_ids], dtype=np.int32)
             if self.text is not None:
-                out[embeds] = self.text.encode_ids(np.asarray(batch[extra_ids], dtype=np.int32))
+                out[embeds] = self.text.encode_ids(np.asarray(batch[extra_ids], dtype=np.int32), batch.get(tokens))
         for name, value in batch.items():  # carry the earlier stages' timings through to the sink
             if name.startswith("_") and name.endswith("_seconds"):
                 out[name] = value
@@ -144,18 +159,21 @@ class LatentTextEncoder:
         return out
 
 
-def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS_ONLY
-                     ) -> tuple[schema.DatasetInfo, np.ndarray]:
+def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS_ONLY,
+                     text_length: int = schema.MAX_TOKENS, tokens: bool = True) -> tuple[schema.DatasetInfo, np.ndarray]:
     """What training needs to know of samples encoded with ``model_ref`` (``dataset.json`` without the
     counts) and the text embedding of "" (``empty_text_embeds.npy``, written whatever the text storage:
     training from ids checks its text encoder reproduces it), from the same tokenizer and text encoder
-    the encoder actors run: one description for the converter's output and the online stream."""
+    the encoder actors run: one description for the converter's output and the online stream. ``tokens``:
+    the samples store token counts (``text_tokens``)."""
     vae_config = loading.load_vae_config(model_ref)
-    encoder = TextEncoder(model_ref, device="cpu")
-    empty_ids = empty_caption_ids(encoder.tokenizer)
+    encoder = TextEncoder(model_ref, device="cpu", text_length=text_length)
+    empty_ids, empty_counts = tokenize(encoder.tokenizer, [""], text_length)
     info = schema.DatasetInfo(model=model_ref, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
                               resolutions=list(resolutions), text_dim=encoder.dim,
                               downsample=loading.vae_downsample(vae_config), text=text, text_encoder=model_ref,
-                              empty_input_ids=[int(i) for i in empty_ids],
-                              text_probe=text_probe(encoder.tokenizer, encoder.encode_ids))
-    return info, encoder.encode_ids(empty_ids[None])[0]
+                              empty_input_ids=[int(i) for i in empty_ids[0]],
+                              text_probe=text_probe(encoder.tokenizer, encoder.encode_ids, text_length),
+                              text_length=int(text_length), text_encoder_type=encoder.kind,
+                              empty_text_tokens=int(empty_counts[0]) if tokens else None)
+    return info, encoder.encode_ids(empty_ids, empty_counts)[0]

@@ -86,6 +86,10 @@ class ConvertConfig(PipelineSettings):
                                               "output (training reads it), 'ids' the 77 token ids only (308 B where "
                                               "SD2's embeddings take 158 KB; training runs the text encoder), 'both'",
                      choices=schema.TEXT_STORAGE)
+    text_length: int = flag(schema.MAX_TOKENS, "tokens per caption, padded or truncated: 77 for CLIP (its "
+                                               "context), e.g. 256 for a T5 text encoder's long captions; each "
+                                               "caption's token count is stored beside it (its attention mask)",
+                            type=int)
     dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
                                "as duplicate_image rejects: a pass over the input before converting",
                        choices=DEDUPE_MODES)
@@ -131,6 +135,9 @@ class ConvertConfig(PipelineSettings):
             parse_where(self.where)  # a malformed filter fails here, showing it
         if self.text not in schema.TEXT_STORAGE:
             raise ConfigError(f"--text must be one of {', '.join(schema.TEXT_STORAGE)}, got {self.text!r}")
+        if self.text_length < 2:
+            raise ConfigError(f"--text-length must be at least 2 (a caption's start and end tokens), got "
+                              f"{self.text_length}")
         if self.dedupe not in DEDUPE_MODES:
             raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
         try:
@@ -190,7 +197,7 @@ class ConvertConfig(PipelineSettings):
                 "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
                 "max_bytes": self.max_bytes, "max_scans": self.max_scans, "max_caption_chars": self.max_caption_chars,
                 "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
-                "dedupe": self.dedupe, "text": self.text,
+                "dedupe": self.dedupe, "text": self.text, "text_length": self.text_length,
                 "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
                 "captions": list(self.input_captions()),
                 "recaption": self.recaption_settings()}
@@ -272,11 +279,13 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
 class _DatasetInfoWriter:
     """Runs after the index merge: dataset.json and empty_text_embeds.npy (the encoder run on "")."""
 
-    def __init__(self, cfg: ConvertConfig):
+    def __init__(self, cfg: ConvertConfig, tokens: bool = True):
         self.cfg = cfg
+        self.tokens = tokens
 
     def __call__(self, out: str) -> None:
-        info, empty = describe_dataset(self.cfg.model, self.cfg.resolutions, self.cfg.text)
+        info, empty = describe_dataset(self.cfg.model, self.cfg.resolutions, self.cfg.text, self.cfg.text_length,
+                                       tokens=self.tokens)
         np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty)
         summary = summarize(out)
         info.count, info.rows_in, info.rejects = summary.written, summary.rows_in, summary.rejects
@@ -324,14 +333,15 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
                                    rejects_dir=os.path.join(out, REJECTS_DIR), record_timing=True,
-                                   buckets=cfg.bucket_sizes(), captions=cfg.input_captions()),
+                                   buckets=cfg.bucket_sizes(), captions=cfg.input_captions(),
+                                   text_length=cfg.text_length),
         compute=ActorPoolStrategy(size=plan.num_transformers), num_cpus=plan.cpus_per_transformer)
     if cfg.recaption is not None:
         ds = ds.map_batches(
             Recaptioner, batch_size=plan.recaption_batch, batch_format="numpy",
             fn_constructor_kwargs=dict(model=cfg.recaption, resolution=max(cfg.resolutions),
                                        column=cfg.recaption_column, tokenizer=cfg.model, max_new_tokens=cfg.recaption_max_tokens,
-                                       prompt=cfg.recaption_prompt, record_timing=True,
+                                       prompt=cfg.recaption_prompt, record_timing=True, text_length=cfg.text_length,
                                        cpu_threads=None if plan.gpus_per_recaptioner else 1),
             compute=ActorPoolStrategy(size=plan.num_recaptioners), num_cpus=plan.cpus_per_recaptioner,
             **({"num_gpus": plan.gpus_per_recaptioner} if plan.gpus_per_recaptioner else {}))
@@ -344,7 +354,8 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     return ds.map_batches(
         LatentTextEncoder, batch_size=plan.encoder_batch, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, cpu_threads=threads,
-                                   record_timing=True, text=cfg.text, captions=cfg.extra_captions()),
+                                   record_timing=True, text=cfg.text, captions=cfg.extra_captions(),
+                                   text_length=cfg.text_length),
         **encoder_options)
 
 
@@ -382,7 +393,7 @@ def check_output_settings(out: str, settings: dict) -> None:
     recorded = recorded_settings(out)
     if recorded:  # recorded before these settings existed: made without them
         recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
-                    "recaption": None,
+                    "recaption": None, "text_length": schema.MAX_TOKENS, "text_tokens": False,
                     **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
@@ -401,12 +412,19 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
         loading.resolve_captioner(cfg.recaption)
-    text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+    text_config = loading.load_text_encoder_config(cfg.model)
+    text_dim = loading.text_encoder_width(text_config)
+    _check_text_length(cfg, text_config)
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions())
     out = cfg.staging_dir()
     settings = cfg.output_settings()
+    # Token counts (text_tokens) are stored since the text length became a setting; an output begun
+    # before goes on without them, so its parts all have one set of columns.
+    recorded = recorded_settings(out)
+    settings["text_tokens"] = bool(recorded.get("text_tokens", True)) if recorded else True
     check_output_settings(out, settings)
+    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions(),
+                                 text_length=cfg.text_length, tokens=settings["text_tokens"])
 
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -420,8 +438,18 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     return summary
 
 
-def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, captions, name: str) -> dict[str, str]:
-    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name), captions=captions)
+def _check_text_length(cfg: ConvertConfig, text_config: dict) -> None:
+    """--text-length within what the text encoder can read: CLIP has learned positions for its context only."""
+    limit = text_config.get("max_position_embeddings")
+    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT and limit and cfg.text_length > int(limit):
+        raise ConfigError(f"--text-length {cfg.text_length}: the text encoder of {cfg.model} is CLIP, which reads at "
+                          f"most {limit} tokens; use a T5 text encoder for longer captions")
+
+
+def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, captions, text_length: int, tokens: bool,
+                    name: str) -> dict[str, str]:
+    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name), captions=captions,
+                              text_length=text_length, tokens=tokens)
 
 
 def _holds_progress(out: str) -> bool:
@@ -441,12 +469,12 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     before = summarize(out).written
     bucket_columns = None
     if cfg.buckets:
-        text_dim = int(loading.load_text_encoder_config(cfg.model)["hidden_size"])
+        text_dim = loading.text_encoder_width(loading.load_text_encoder_config(cfg.model))
         downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
         bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, downsample, cfg.text,
-                                           cfg.extra_captions())
+                                           cfg.extra_captions(), cfg.text_length, settings["text_tokens"])
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
-                       on_complete=_DatasetInfoWriter(cfg), bucket_columns=bucket_columns)
+                       on_complete=_DatasetInfoWriter(cfg, settings["text_tokens"]), bucket_columns=bucket_columns)
 
     ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()

@@ -5,7 +5,8 @@
 :class:`Recaptioner` is a Ray Data ``map_batches`` callable (a class, so the model loads once per
 actor). It reads the transform's uint8 crops (the largest resolution, or each row's bucket crop),
 generates greedily and adds the decoded text as one more caption (``--captions``' columns: its text in
-``caption_NAME`` and its token ids from the dataset's own tokenizer in ``input_ids_NAME``), which the
+``caption_NAME`` and its token ids and count from the dataset's own tokenizer in ``input_ids_NAME`` and
+``text_tokens_NAME``), which the
 encode stage encodes as it encodes the others; the original caption and its encoding are untouched. The model is any
 transformers image-to-text model :func:`diffusion.models.loading.load_captioner` loads (BLIP,
 Florence-2, LLaVA, ...; ``--recaption-prompt`` for those that need an instruction). It runs on CUDA
@@ -22,6 +23,7 @@ import torch
 from diffusion import schema
 from diffusion.convert.encoders import pick_device_and_dtype
 from diffusion.models import loading
+from diffusion.models.text_encoder import tokenize
 
 STAGE_SECONDS = "_recaption_seconds"  # per-row share of the batch's wall time, when timing is on
 MAX_NEW_TOKENS = 30
@@ -44,7 +46,7 @@ class Recaptioner:
 
     def __init__(self, model: str, resolution: int, column: str = schema.RECAPTION, tokenizer: str | None = None,
                  max_new_tokens: int = MAX_NEW_TOKENS, prompt: str | None = None, device=None,
-                 cpu_threads: int | None = None, record_timing: bool = False):
+                 cpu_threads: int | None = None, record_timing: bool = False, text_length: int = schema.MAX_TOKENS):
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.device, self.dtype = pick_device_and_dtype(device)
@@ -55,6 +57,7 @@ class Recaptioner:
         self.record_timing = record_timing
         # the dataset's tokenizer (the text encoder's), for the new caption's token ids; None: text only
         self.tokenizer = loading.load_tokenizer(tokenizer) if tokenizer is not None else None
+        self.text_length = int(text_length)
 
     @torch.inference_mode()
     def caption(self, images: list[np.ndarray]) -> list[str]:
@@ -85,9 +88,7 @@ class Recaptioner:
         text, _, ids = schema.caption_columns(self.column)
         out[text] = np.array(captions, dtype=object)
         if self.tokenizer is not None:
-            out[ids] = (self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
-                                       return_tensors="np")["input_ids"].astype(np.int32) if captions
-                        else np.zeros((0, schema.MAX_TOKENS), np.int32))
+            out[ids], out[schema.tokens_column(self.column)] = tokenize(self.tokenizer, captions, self.text_length)
         if self.record_timing:
             out[STAGE_SECONDS] = np.full(len(captions), (time.perf_counter() - start) / max(len(captions), 1))
         return out

@@ -244,16 +244,19 @@ def center_square_crops(image: Image.Image, resolutions) -> dict[int, np.ndarray
 class ImageCaptionTransform:
     """Ray ``map_batches`` callable: raw columns in; key, caption, size, token ids and crops out.
 
-    Output columns: ``KEY, CAPTION, WIDTH, HEIGHT, INPUT_IDS`` (int32, 77) and, per resolution R,
+    Output columns: ``KEY, CAPTION, WIDTH, HEIGHT, INPUT_IDS`` (int32, ``text_length``), ``TEXT_TOKENS``
+    (the token counts) and, per resolution R,
     ``schema.image_column(R)`` (uint8 R x R x 3); per further caption (``captions``), its text and
     token ids columns (:func:`diffusion.schema.caption_columns`). Rejected rows are dropped; ``self.rejects`` counts
     them by reason, and ``rejects_dir`` (when given) receives one file of ``{key: reason}`` per batch.
     """
 
     def __init__(self, model: str, resolutions, checks: ImageChecks = ImageChecks(),
-                 rejects_dir: str | None = None, record_timing: bool = False, buckets=None, captions=()):
+                 rejects_dir: str | None = None, record_timing: bool = False, buckets=None, captions=(),
+                 text_length: int = schema.MAX_TOKENS):
         from diffusion.models.loading import load_tokenizer
         self.tokenizer = load_tokenizer(model)
+        self.text_length = int(text_length)
         self.resolutions = sorted({int(r) for r in resolutions}, reverse=True)
         # Aspect-ratio buckets [(w, h)]: each image is cropped to its nearest one (one resolution only).
         self.buckets = [tuple(int(v) for v in b) for b in buckets] if buckets else None
@@ -273,12 +276,12 @@ class ImageCaptionTransform:
             text, _, ids = schema.caption_columns(name)
             values = [e[text] for e in extras]
             result[text] = np.array(values, dtype=object)
-            result[ids] = self.tokenize(values) if values else np.zeros((0, schema.MAX_TOKENS), np.int32)
+            result[ids], result[schema.tokens_column(name)] = self.tokenize(values)
 
-    def tokenize(self, captions: list[str]) -> np.ndarray:
-        ids = self.tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
-                             return_tensors="np")["input_ids"]
-        return ids.astype(np.int32)
+    def tokenize(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, token counts) of ``captions`` (:func:`diffusion.models.text_encoder.tokenize`)."""
+        from diffusion.models.text_encoder import tokenize
+        return tokenize(self.tokenizer, captions, self.text_length)
 
     def transform_one(self, data: bytes, caption) -> tuple[dict[int, np.ndarray], int, int]:
         clean_caption(caption)
@@ -320,8 +323,7 @@ class ImageCaptionTransform:
         result = {c: np.array(out[c], dtype=object) for c in names}
         for c in (schema.WIDTH, schema.HEIGHT, schema.CROP_TOP, schema.CROP_LEFT):
             result[c] = np.array(out[c], dtype=np.int64)
-        result[schema.INPUT_IDS] = (self.tokenize(out[schema.CAPTION]) if n
-                                    else np.zeros((0, schema.MAX_TOKENS), np.int32))
+        result[schema.INPUT_IDS], result[schema.TEXT_TOKENS] = self.tokenize(out[schema.CAPTION])
         self.add_extra_captions(result, extras)
         if self.record_timing:
             result[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))
@@ -358,9 +360,8 @@ class ImageCaptionTransform:
         result = {schema.KEY: np.array(out[schema.KEY], dtype=object),
                   schema.CAPTION: np.array(out[schema.CAPTION], dtype=object),
                   schema.WIDTH: np.array(out[schema.WIDTH], dtype=np.int64),
-                  schema.HEIGHT: np.array(out[schema.HEIGHT], dtype=np.int64),
-                  schema.INPUT_IDS: (self.tokenize(out[schema.CAPTION]) if n
-                                       else np.zeros((0, schema.MAX_TOKENS), np.int32))}
+                  schema.HEIGHT: np.array(out[schema.HEIGHT], dtype=np.int64)}
+        result[schema.INPUT_IDS], result[schema.TEXT_TOKENS] = self.tokenize(out[schema.CAPTION])
         for r in self.resolutions:
             result[schema.image_column(r)] = np.stack(crops[r]) if n else np.zeros((0, r, r, 3), np.uint8)
         self.add_extra_captions(result, extras)

@@ -1,6 +1,6 @@
 """The offline model kit: diffusers-layout model directories written without hub access.
 
-``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip,tiny-mmdit,tiny-captioner} --out DIR``
+``python -m diffusion.kit --preset {tiny,sd2-base,tiny-clip,tiny-mmdit,tiny-t5,tiny-captioner} --out DIR``
 
 - ``sd2-base``: SD2-base's exact UNet, VAE, text encoder and scheduler configs plus its tokenizer, and
   no weights (the UNet is trained from scratch; real VAE/text encoder weights come from the hub).
@@ -12,6 +12,10 @@
   ``transformer/`` for its denoiser and a flow-matching scheduler, for the flow recipe.
 - ``mmdit-base``: configs only (as ``sd2-base``): the micro-budget recipe's ~1.3B MMDiT over SD2's VAE
   and text encoder, with a flow-matching scheduler (yamls/micro-budget/).
+- ``tiny-t5``: the long-caption kit: a tiny random ``T5EncoderModel`` as its text encoder, with a
+  T5-style tokenizer trained here on the sample captions (:mod:`diffusion.kit.t5_tokenizer`), and both
+  denoisers at the tiny kits' sizes (``unet/`` and ``transformer/``: ``model.denoiser`` picks; auto
+  takes the transformer), over the shipped fitted VAE.
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -49,7 +53,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
-PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner")
+PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -230,6 +234,34 @@ def _mmdit_index() -> dict:
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
 
 
+# The tiny T5 encoder: the tiny CLIP text encoder's width (so the tiny UNet and MMDiT configs fit it), two
+# layers, relative position buckets (no learned length limit: any --text-length).
+TINY_T5 = dict(d_model=TINY_TEXT["hidden_size"], d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+               feed_forward_proj="relu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+def build_tiny_t5(out: pathlib.Path) -> dict:
+    """A T5 text encoder (random, seeded) with its trained tokenizer, the tiny UNet and MMDiT, the fitted VAE."""
+    import diffusers
+    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+    from transformers import T5Config, T5EncoderModel
+    from diffusion.kit.t5_tokenizer import write_t5_tokenizer
+
+    vocab = write_t5_tokenizer(out / "tokenizer")
+    torch.manual_seed(0)
+    UNet2DConditionModel(**TINY_UNET).save_pretrained(out / "unet")
+    torch.manual_seed(0)
+    SD3Transformer2DModel(**TINY_MMDIT).save_pretrained(out / "transformer")
+    torch.manual_seed(1)
+    T5EncoderModel(T5Config(vocab_size=vocab, **TINY_T5)).save_pretrained(out / "text_encoder")
+    fit = copy_tiny_vae(out / "vae")
+    getattr(diffusers, SCHEDULER_CLASS)(**SCHEDULER).save_config(out / "scheduler")
+    index = model_index()
+    index.update(text_encoder=["transformers", "T5EncoderModel"], tokenizer=["transformers", "PreTrainedTokenizerFast"])
+    _write_json(out / "model_index.json", index)
+    return {"vae": "shipped", "vae_fit": fit, "vocab_size": vocab}
+
+
 def build_mmdit_base(out: pathlib.Path) -> dict:
     """Configs only (as sd2-base): the micro-budget MMDiT, SD2's VAE and text encoder, a flow scheduler."""
     import diffusers
@@ -313,6 +345,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_mmdit_base(out)
     elif preset == "tiny-captioner":
         info = build_tiny_captioner(out)
+    elif preset == "tiny-t5":
+        info = build_tiny_t5(out)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -453,7 +487,8 @@ Presets: tiny (a CPU-fast SD-layout model: random seeded UNet and text encoder, 
 the shipped fitted tiny VAE), sd2-base (SD2-base's exact configs and tokenizer, no weights: the UNet is
 trained from scratch, the VAE and text encoder weights come from the hub), tiny-clip (a tiny random
 CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-captioner (a tiny random
-BLIP image-to-text model with its processor, for the converter's --recaption).
+BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
+text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
@@ -463,7 +498,8 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip
   python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml
   python -m diffusion.kit --preset mmdit-base --out kits/mmdit-base       # yamls/micro-budget/
-  python -m diffusion.kit --preset tiny-captioner --out .cache/kit/tiny-captioner  # --recaption offline"""
+  python -m diffusion.kit --preset tiny-captioner --out .cache/kit/tiny-captioner  # --recaption offline
+  python -m diffusion.kit --preset tiny-t5 --out .cache/kit/tiny-t5    # convert with --text-length 32"""
 
 
 def build_parser() -> argparse.ArgumentParser:

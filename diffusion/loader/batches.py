@@ -147,10 +147,13 @@ class ToModelBatch:
     The text column is ``text_embeds`` (a dropped caption gets ``empty_text``, the embedding of ""), or
     with ``text_column=input_ids`` the token ids (a dropped caption gets ``empty_text``, the ids of "",
     which the model's text encoder turns into the same embedding the sampler's unconditional input is).
+    With ``empty_tokens`` (the token count of "") the batch carries each caption's token count
+    (``text_tokens``, its attention mask), a dropped caption's being ``empty_tokens``.
     """
 
     def __init__(self, resolution: int, empty_text: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
-                 noise: NoiseDraws | None = None, text_column: str = schema.TEXT_EMBEDS):
+                 noise: NoiseDraws | None = None, text_column: str = schema.TEXT_EMBEDS,
+                 empty_tokens: int | None = None):
         if text_column not in (schema.TEXT_EMBEDS, schema.INPUT_IDS):
             raise ValueError(f"text_column {text_column!r}: {schema.TEXT_EMBEDS} or {schema.INPUT_IDS}")
         self.moments_column = schema.vae_moments_column(resolution)
@@ -159,6 +162,7 @@ class ToModelBatch:
         self.empty_text = np.asarray(empty_text, dtype=dtype)
         self.dropout = dropout
         self.noise = noise
+        self.empty_tokens = empty_tokens
         self.phase = 0
 
     def __call__(self, columns: dict, epoch: int) -> dict[str, torch.Tensor]:
@@ -174,6 +178,11 @@ class ToModelBatch:
         batch_key = schema.BATCH_TEXT_EMBEDS if self.text_column == schema.TEXT_EMBEDS else schema.BATCH_INPUT_IDS
         batch = {schema.BATCH_MOMENTS: torch.from_numpy(np.ascontiguousarray(columns[self.moments_column])),
                  batch_key: torch.from_numpy(np.ascontiguousarray(text))}
+        if self.empty_tokens is not None:
+            tokens = np.array(columns[schema.TEXT_TOKENS], dtype=np.int64)
+            if drop is not None:
+                tokens[drop] = self.empty_tokens
+            batch[schema.BATCH_TEXT_TOKENS] = torch.from_numpy(tokens)
         if schema.BATCH_SAMPLE_INDEX in columns:
             batch[schema.BATCH_SAMPLE_INDEX] = torch.as_tensor(np.asarray(columns[schema.BATCH_SAMPLE_INDEX]))
         if self.noise is not None:
@@ -191,7 +200,8 @@ class StackSamples:
         self.to_batch = to_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        arrays = (self.to_batch.moments_column, self.to_batch.text_column)
+        arrays = (self.to_batch.moments_column, self.to_batch.text_column,
+                  *((schema.TEXT_TOKENS,) if self.to_batch.empty_tokens is not None else ()))
         columns = {name: np.stack([s[name] for s in samples]) for name in arrays}
         columns[schema.KEY] = [s[schema.KEY] for s in samples]
         columns[schema.BATCH_SAMPLE_INDEX] = np.array([s[schema.BATCH_SAMPLE_INDEX] for s in samples])

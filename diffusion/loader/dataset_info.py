@@ -131,7 +131,7 @@ def bucket_streams(loader_cfg) -> list[tuple[str, Any]]:
 
 
 # What training depends on in dataset.json: every stream of a mix must record the same.
-AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim")
+AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim", "text_length")
 
 
 def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | None = None) -> schema.DatasetInfo:
@@ -210,6 +210,23 @@ def load_empty_input_ids(loader_cfg) -> np.ndarray:
                                        f"{loaded[0][0]}: every stream of a mix must be tokenized by the same tokenizer")
         loaded.append((name, ids))
     return loaded[0][1]
+
+
+def load_empty_tokens(loader_cfg) -> int:
+    """The token count of "" (``dataset.json``'s ``empty_text_tokens``): what caption dropout substitutes
+    for a dropped caption's attention mask; every dataset must store token counts."""
+    counts = set()
+    for name, entry in loader_streams(loader_cfg):
+        info = read_dataset_info(entry.path, loader_cfg.download_timeout)
+        if not info.has_tokens:
+            raise DatasetMismatchError(
+                f"{name} stores no token counts (text_tokens; converted before they were stored), which "
+                f"model.text_mask needs for the attention masks: convert it again, or set model.text_mask=false")
+        counts.add(int(info.empty_text_tokens))
+    if len(counts) > 1:
+        raise DatasetMismatchError(f"{section_name(loader_cfg)}: the datasets' empty captions have different token "
+                                   f"counts ({sorted(counts)}): every stream of a mix must use the same tokenizer")
+    return counts.pop()
 
 
 def load_empty_embedding(loader_cfg) -> np.ndarray:

@@ -51,6 +51,7 @@ from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchErr
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.loader.batches import SAMPLE_COPY, SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
 from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_embedding, load_empty_input_ids,
+                                           load_empty_tokens,
                                            loader_streams,
                                            one_line, read_dataset_info, read_loader_info, section_name)
 from diffusion.loader.captions import CaptionChoice
@@ -121,7 +122,8 @@ class LatentDataset(StreamingDataset):
 
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
                  streams: Sequence[CheckedStream] | None = None, verify_hashes: bool = True,
-                 text_column: str = schema.TEXT_EMBEDS, captions=None, **streaming_kwargs: Any):
+                 text_column: str = schema.TEXT_EMBEDS, captions=None, tokens: bool = False,
+                 **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
             streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
@@ -134,12 +136,15 @@ class LatentDataset(StreamingDataset):
         # data.train.captions (a CaptionChoice): each sample's text column is its drawn caption's; a
         # further caption that is empty ("") gives the first one
         self.captions = captions
-        self._caption_columns = {}  # further caption name -> (its text column, its stored text_column)
+        # further caption name -> (its text column, its stored text_column[, its token counts])
+        self._caption_columns = {}
         for name in (captions.columns if captions is not None else ()):
             if name != schema.CAPTION:
                 text, embeds, ids = schema.caption_columns(name)
-                self._caption_columns[name] = (text, embeds if text_column == schema.TEXT_EMBEDS else ids)
-        self._wanted = (self.moments_column, text_column, schema.KEY,
+                self._caption_columns[name] = (text, embeds if text_column == schema.TEXT_EMBEDS else ids,
+                                               *((schema.tokens_column(name),) if tokens else ()))
+        # tokens: each sample's token count too (text_tokens, its attention mask; models with model.text_mask)
+        self._wanted = (self.moments_column, text_column, *((schema.TEXT_TOKENS,) if tokens else ()), schema.KEY,
                         *(c for pair in self._caption_columns.values() for c in pair))
         self._layouts: dict[int, _ShardLayout | None] = {}
         self._maps: collections.OrderedDict = collections.OrderedDict()
@@ -419,6 +424,8 @@ class LatentDataset(StreamingDataset):
             chosen = self._caption_columns.get(self.captions.choose(row[schema.KEY], self._epoch))
             if chosen is not None and row[chosen[0]] != "":
                 row[self.text_column] = row[chosen[1]]
+                if len(chosen) > 2:
+                    row[schema.TEXT_TOKENS] = row[chosen[2]]
             for pair in self._caption_columns.values():
                 for column in pair:
                     row.pop(column, None)
@@ -455,7 +462,7 @@ def _checked_stream(entry) -> CheckedStream:
 
 
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int,
-                  text_column: str = schema.TEXT_EMBEDS, seed: int = 0) -> LatentDataset:
+                  text_column: str = schema.TEXT_EMBEDS, seed: int = 0, tokens: bool = False) -> LatentDataset:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
 
     A local dataset is read in place, except compressed shards whose directory cannot be written (a
@@ -470,7 +477,7 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
     return LatentDataset(
         streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
-        captions=captions, verify_hashes=loader_cfg.verify_shards,
+        captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
@@ -515,19 +522,20 @@ def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) ->
 
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
                      seed: int = 0, noise: NoiseDraws | None = None,
-                     text_column: str = schema.TEXT_EMBEDS) -> StreamingDataLoader:
+                     text_column: str = schema.TEXT_EMBEDS, tokens: bool = False) -> StreamingDataLoader:
     """A StreamingDataLoader yielding device batches (the global ``batch_size`` split across ranks),
     with each sample's training draws when ``noise`` is given, conditioned on ``text_column``
-    (``text_embeds``, or ``input_ids`` for a model with a text encoder: :func:`text_column`)."""
+    (``text_embeds``, or ``input_ids`` for a model with a text encoder: :func:`text_column`), with the
+    captions' token counts (``text_tokens``: attention masks) when ``tokens``."""
     if loader_cfg.batch_size % world_size:
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
-                            device_batch_size=device_batch_size, text_column=text_column, seed=seed)
+                            device_batch_size=device_batch_size, text_column=text_column, seed=seed, tokens=tokens)
     check_batch_fits(loader_cfg, dataset, world_size)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
-                            text_column=text_column)
+                            text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.

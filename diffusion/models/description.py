@@ -23,7 +23,8 @@ class ModelDescription:
     scaling_factor: float | None  # the VAE latent scaling training multiplied by (None: the VAE config's)
     resolution: int | None  # training resolution in pixels, the default sample size
     text_dim: int
-    text_length: int = schema.MAX_TOKENS
+    text_length: int = schema.MAX_TOKENS  # tokens per caption the model was trained on (sampling pads to it)
+    text_mask: bool = False  # the denoiser attends to each caption's tokens only (not its padding)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -63,8 +64,11 @@ class ModelDescription:
         return objectives.from_description(self.objective, params)
 
     def build_denoiser(self):
-        """The denoiser of the recorded config, weights not loaded."""
-        return self.adapter.model_class.from_config(self.denoiser_config)
+        """The denoiser of the recorded config, weights not loaded (reading text masks if trained with them)."""
+        denoiser = self.adapter.model_class.from_config(self.denoiser_config)
+        if self.text_mask:
+            self.adapter.enable_text_mask(denoiser)
+        return denoiser
 
     @property
     def prediction_type(self) -> str | None:

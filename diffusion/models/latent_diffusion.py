@@ -11,7 +11,8 @@ the number of ranks, and the forward has no generator or host sync for ``torch.c
 Eval uses the same path with noise and levels pinned per held-out sample, so evals are comparable;
 with ``eval_bins`` it also reports the held-out loss at fixed noise levels (``loss_bin{k}``).
 The conditioning is the batch's text embeddings, or, from a dataset of token ids, the frozen text
-encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), computed in the step.
+encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), computed in the step; with
+``text_mask`` the denoiser attends only to each caption's tokens (the batch's token counts), not its padding.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from diffusion import schema
 from diffusion.errors import ConfigError
 from diffusion.models import denoisers, loading, objectives
 from diffusion.models.description import ModelDescription
-from diffusion.models.text_encoder import FrozenTextEncoder
+from diffusion.models.text_encoder import FrozenTextEncoder, attention_mask
 
 LEGACY_PREFIX, PREFIX = "unet.", "denoiser."  # checkpoints before the model wing named the UNet "unet"
 
@@ -40,7 +41,8 @@ class LatentDiffusion(ComposerModel):
                  model_ref: str, resolution: int, downsample: int = 8, offset_noise: float = 0.0,
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
-                 route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1)):
+                 route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
+                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter_for(denoiser)
@@ -51,6 +53,12 @@ class LatentDiffusion(ComposerModel):
         self.resolution = int(resolution)
         self.latent_size = self.resolution // downsample
         self.text_dim = self.adapter.text_dim(dict(denoiser.config))
+        self.text_length = int(text_length)
+        # Attention over the caption's tokens only (T5's long padded captions): the batch's token counts
+        # reach the denoiser as a mask (the UNet's encoder_attention_mask, the MMDiT's joint attention).
+        self.text_mask = bool(text_mask)
+        if self.text_mask:
+            self.adapter.enable_text_mask(denoiser)
         self.offset_noise = offset_noise
         self.input_perturbation = input_perturbation
         self.eval_seed = eval_seed
@@ -79,7 +87,8 @@ class LatentDiffusion(ComposerModel):
         return ModelDescription(model_ref=self.model_ref, denoiser=self.adapter.class_name,
                                 denoiser_config=dict(self.denoiser.config), objective=self.objective.name,
                                 objective_params=self.objective.settings(), scaling_factor=self.scaling_factor,
-                                resolution=self.resolution, text_dim=self.text_dim)
+                                resolution=self.resolution, text_dim=self.text_dim, text_length=self.text_length,
+                                text_mask=self.text_mask)
 
     # ---- the one place latents are scaled ------------------------------------------------------------
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,16 +119,24 @@ class LatentDiffusion(ComposerModel):
             perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
         keep = batch.get(schema.BATCH_PATCH_KEEP) if self.training and self.mask_ratio else None
         route = batch.get(schema.BATCH_ROUTE_KEEP) if self.training and self.route_ratio else None
-        return self._denoise(latents, noise, perturbed, levels, self.conditioning(batch), keep=keep, route=route)
+        return self._denoise(latents, noise, perturbed, levels, *self.conditioning(batch), keep=keep, route=route)
 
-    def conditioning(self, batch: dict) -> torch.Tensor:
-        """The batch's text embeddings: stored ones, or the frozen text encoder's output on its token ids."""
+    def conditioning(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's text embeddings (stored ones, or the frozen text encoder's output on its token ids)
+        and, with ``text_mask``, their attention mask (B, L) bool from the batch's token counts."""
+        counts = batch.get(schema.BATCH_TEXT_TOKENS)
         if schema.BATCH_TEXT_EMBEDS in batch:
-            return batch[schema.BATCH_TEXT_EMBEDS]
-        if self.text_encoder is None:
+            embeds = batch[schema.BATCH_TEXT_EMBEDS]
+        elif self.text_encoder is None:
             raise ValueError("the batch holds token ids but no text embeddings, and this model has no text encoder "
                              "to encode them (model.text=ids builds one)")
-        return self.text_encoder(batch[schema.BATCH_INPUT_IDS])
+        else:
+            embeds = self.text_encoder(batch[schema.BATCH_INPUT_IDS], counts)
+        if not self.text_mask:
+            return embeds, None
+        if counts is None:
+            raise ValueError(f"model.text_mask needs the captions' token counts ({schema.BATCH_TEXT_TOKENS}) in the batch")
+        return embeds, attention_mask(counts.to(embeds.device), embeds.shape[1])
 
     @staticmethod
     def _draw(batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
@@ -133,11 +150,12 @@ class LatentDiffusion(ComposerModel):
             return torch.randn(n, latent_channels, device=moments.device)
         return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
 
-    def _denoise(self, latents, noise, input_noise, levels, text_embeds, keep=None, route=None) -> dict:
+    def _denoise(self, latents, noise, input_noise, levels, text_embeds, text_mask=None, keep=None, route=None) -> dict:
         noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
         routing = {"route": route, "route_span": self.route_span} if route is not None else {}
+        masked = {"text_mask": text_mask} if text_mask is not None else {}
         prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
-                                  mixer_blocks=self.mixer_blocks, **routing)
+                                  mixer_blocks=self.mixer_blocks, **routing, **masked)
         outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
         if keep is not None:  # the loss is taken over the kept patches only
             outputs["loss_mask"] = self.adapter.loss_mask(self.denoiser, keep.to(latents.device), latents.shape)
@@ -168,9 +186,9 @@ class LatentDiffusion(ComposerModel):
         levels = torch.cat(levels).to(moments.device)
         text = self.conditioning(batch)
         with torch.no_grad():
-            outputs = self._denoise(latents, noise, noise, levels, text)
+            outputs = self._denoise(latents, noise, noise, levels, *text)
             if self.eval_bins:  # every held-out sample at each fixed level, same latent and noise
-                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), text))
+                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text))
                                    for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
         return outputs
 
@@ -196,7 +214,7 @@ class LatentDiffusion(ComposerModel):
             self.route_ratio and schema.BATCH_ROUTE_KEEP in batch) else {}
         moments = batch[schema.BATCH_MOMENTS]
         per_image = self.adapter.forward_flops(dict(self.denoiser.config), tuple(moments.shape[2:]), self.text_dim,
-                                               schema.MAX_TOKENS, mask_ratio=masked, mixer_blocks=self.mixer_blocks,
+                                               self.text_length, mask_ratio=masked, mixer_blocks=self.mixer_blocks,
                                                **routed)
         return 3.0 * per_image * moments.shape[0]
 
@@ -280,6 +298,14 @@ def build_denoiser(model_cfg, model_ref: str, seed: int = 0) -> torch.nn.Module:
     return adapter.build(adapter.load_config(model_ref), seed=seed)
 
 
+def text_mask_of(model_cfg, info: schema.DatasetInfo) -> bool:
+    """``model.text_mask``, else (null) on for a text encoder that reads masks itself (T5), off for CLIP (SD2
+    trains on the padded embeddings, as its pipeline samples)."""
+    if model_cfg.text_mask is not None:
+        return bool(model_cfg.text_mask)
+    return loading.text_encoder_takes_mask(info.text_encoder_type or loading.CLIP_TEXT)
+
+
 def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
                 text_encoder: FrozenTextEncoder | None = None) -> LatentDiffusion:
     """The ComposerModel for ``model_cfg`` (a :class:`diffusion.train.config.ModelConfig`) on data ``info``;
@@ -299,4 +325,5 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
         eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
-        route_span=(model_cfg.routing.start, model_cfg.routing.end))
+        route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
+        text_mask=text_mask_of(model_cfg, info))

@@ -94,17 +94,51 @@ def require_weights(ref: str, components=("vae", "text_encoder")) -> None:
             raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
 
 
+# Text encoders by their config's ``model_type``: CLIP's text tower (SD2) or an encoder-only T5 (long
+# captions: PixArt, SD3's third encoder). Each is read as its last hidden state; T5 reads its padding
+# through an attention mask (:func:`text_encoder_takes_mask`), CLIP as SD2 was trained, without one.
+TEXT_ENCODERS = {"clip_text_model": "CLIPTextModel", "t5": "T5EncoderModel", "umt5": "UMT5EncoderModel",
+                 "mt5": "MT5EncoderModel"}
+CLIP_TEXT = "clip_text_model"
+
+
+def text_encoder_type(config: dict) -> str:
+    """The ``model_type`` of a text encoder config, checked against :data:`TEXT_ENCODERS`."""
+    kind = config.get("model_type") or CLIP_TEXT
+    if kind not in TEXT_ENCODERS:
+        raise ModelReferenceError(f"text encoder of type {kind!r} is not supported; the text encoder must be one of "
+                                  f"{', '.join(TEXT_ENCODERS.values())} (config model_type {', '.join(TEXT_ENCODERS)})")
+    return kind
+
+
+def text_encoder_width(config: dict) -> int:
+    """D of ``text_embeds``: CLIP's ``hidden_size``, T5's ``d_model``."""
+    return int(config.get("hidden_size") or config["d_model"])
+
+
+def text_encoder_takes_mask(kind: str) -> bool:
+    """Whether the text encoder reads an attention mask over its padding (T5: bidirectional, trained with
+    one), or reads the padded sequence whole (CLIP, causal: SD2's conditioning includes the padding)."""
+    return kind != CLIP_TEXT
+
+
 def load_tokenizer(ref: str):
-    """The CLIP tokenizer of ``ref`` (max length 77, pad ``!`` = 0 for SD2)."""
-    from transformers import CLIPTokenizer
-    return CLIPTokenizer.from_pretrained(component_path(ref, "tokenizer"))
+    """The tokenizer of ``ref``'s text encoder: CLIP's (max length 77, pad ``!`` = 0 for SD2), or the one
+    ``tokenizer/`` names for another encoder (T5's)."""
+    if text_encoder_type(load_text_encoder_config(ref)) == CLIP_TEXT:
+        from transformers import CLIPTokenizer
+        return CLIPTokenizer.from_pretrained(component_path(ref, "tokenizer"))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(component_path(ref, "tokenizer"))
 
 
 def load_text_encoder(ref: str, dtype=None):
-    from transformers import CLIPTextModel
+    """The text encoder of ``ref`` by its config's ``model_type`` (:data:`TEXT_ENCODERS`), frozen."""
+    import transformers
     require_weights(ref, ("text_encoder",))
     path = component_path(ref, "text_encoder")
-    model = CLIPTextModel.from_pretrained(path, dtype=dtype)
+    model_class = getattr(transformers, TEXT_ENCODERS[text_encoder_type(load_text_encoder_config(ref))])
+    model = model_class.from_pretrained(path, dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -122,7 +156,7 @@ def load_unet_config(ref: str) -> dict:
 
 
 def load_text_encoder_config(ref: str) -> dict:
-    """The text encoder's config.json (``hidden_size`` is the D of ``text_embeds``), without weights."""
+    """The text encoder's config.json (:func:`text_encoder_width` is the D of ``text_embeds``), without weights."""
     with open(os.path.join(component_path(ref, "text_encoder"), "config.json")) as f:
         return json.load(f)
 

@@ -200,6 +200,9 @@ class Sampler:
                 frozen.to(device=device, dtype=first.dtype)
         pipe = self.pipeline(denoiser)
         adapter = denoisers.adapter_for(denoiser)
+        length, masked = self.description.text_length, self.description.text_mask
+        if masked:
+            adapter.enable_text_mask(denoiser)
         pipe.set_progress_bar_config(disable=not progress)
         expanded = [p for p in prompts for _ in range(images_per_prompt)]
         images = []
@@ -207,9 +210,10 @@ class Sampler:
             for start in range(0, len(expanded), batch_size):
                 chunk = expanded[start:start + batch_size]
                 generators = [torch.Generator("cpu").manual_seed(seed + start + i) for i in range(len(chunk))]
-                out = pipe(**adapter.prompt_kwargs(pipe, chunk, negative_prompt, guidance_rescale),
-                           height=height, width=width, num_inference_steps=steps, guidance_scale=guidance_scale,
-                           generator=generators, output_type="pil")
+                kwargs = adapter.prompt_kwargs(pipe, chunk, negative_prompt, guidance_rescale, length, masked)
+                with adapter.text_mask_hook(denoiser, kwargs.pop("text_masks", None)):
+                    out = pipe(**kwargs, height=height, width=width, num_inference_steps=steps,
+                               guidance_scale=guidance_scale, generator=generators, output_type="pil")
                 images.extend(out.images)
         return images
 

@@ -36,14 +36,30 @@ PROBE_CAPTIONS = ("a red bicycle leaning against a brick wall at noon",
                   "an oil painting of two grey cats asleep on a blue sofa, evening light")
 
 
-def text_probe(tokenizer, encode_ids) -> dict:
+def tokenize(tokenizer, captions, length: int = schema.MAX_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """The one way captions become token ids, everywhere (converter, training, sampling): padded to
+    ``length`` and truncated. Returns (ids int32 (B, length), token counts int32 (B,)): the count is the
+    caption's tokens before the padding, special tokens included, so ``arange(length) < count`` is its
+    attention mask (:func:`attention_mask`)."""
+    captions = list(captions)
+    if not captions:
+        return np.zeros((0, int(length)), np.int32), np.zeros((0,), np.int32)
+    out = tokenizer(captions, padding="max_length", max_length=int(length), truncation=True, return_tensors="np")
+    return out["input_ids"].astype(np.int32), out["attention_mask"].sum(axis=1).astype(np.int32)
+
+
+def attention_mask(counts: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) bool, True on each caption's tokens: from the token counts :func:`tokenize` gives."""
+    return torch.arange(int(length), device=counts.device)[None, :] < counts.to(torch.long)[:, None]
+
+
+def text_probe(tokenizer, encode_ids, length: int = schema.MAX_TOKENS) -> dict:
     """The fingerprint of a text encoder the converter records for training from ids: the ids of
-    :data:`PROBE_CAPTIONS` and the mean over tokens of their embeddings (``encode_ids(ids)`` → (B, 77, D)),
-    rounded to 5 significant digits."""
-    ids = tokenizer(list(PROBE_CAPTIONS), padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
-                    return_tensors="np")["input_ids"].astype(np.int32)
-    means = np.asarray(encode_ids(ids), dtype=np.float32).mean(axis=1)
-    return {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(),
+    :data:`PROBE_CAPTIONS` and the mean over tokens of their embeddings (``encode_ids(ids, counts)`` →
+    (B, length, D)), rounded to 5 significant digits."""
+    ids, counts = tokenize(tokenizer, PROBE_CAPTIONS, length)
+    means = np.asarray(encode_ids(ids, counts), dtype=np.float32).mean(axis=1)
+    return {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(), "text_tokens": counts.tolist(),
             "mean_embedding": [[float(f"{v:.5g}") for v in row] for row in means]}
 
 
@@ -51,21 +67,23 @@ def _probe_difference(encoder: "FrozenTextEncoder", probe: dict) -> float:
     """Largest difference between the probe's recorded mean embeddings and ``encoder``'s, relative to the
     recorded ones' largest magnitude (inf where the shapes differ)."""
     ids = torch.as_tensor(np.asarray(probe["input_ids"], dtype=np.int64))
-    mine = encoder(ids).float().mean(dim=1).numpy()
+    counts = probe.get("text_tokens")  # absent in probes recorded before token counts: CLIP's, maskless
+    counts = torch.as_tensor(counts) if counts is not None else None
+    mine = encoder(ids, counts).float().mean(dim=1).numpy()
     theirs = np.asarray(probe["mean_embedding"], dtype=np.float32)
     if mine.shape != theirs.shape:
         return float("inf")
     return float(np.abs(mine - theirs).max()) / (float(np.abs(theirs).max()) or 1.0)
 
 
-def empty_caption_ids(tokenizer) -> np.ndarray:
-    """The token ids of "" (int32, 77): what caption dropout substitutes in a batch of ids."""
-    return tokenizer([""], padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
-                     return_tensors="np")["input_ids"][0].astype(np.int32)
+def empty_caption_ids(tokenizer, length: int = schema.MAX_TOKENS) -> np.ndarray:
+    """The token ids of "" (int32, ``length``): what caption dropout substitutes in a batch of ids."""
+    return tokenize(tokenizer, [""], length)[0][0]
 
 
 class FrozenTextEncoder:
-    """``encoder(input_ids)`` → float16 (B, 77, D) text embeddings, on the device of the ids.
+    """``encoder(input_ids, counts)`` → float16 (B, L, D) text embeddings, on the device of the ids (a T5
+    reads the token ``counts`` as its attention mask; CLIP reads the padded ids whole, as SD2 does).
 
     The weights move to the ids' device (bf16 on CUDA, fp16 where bf16 is unsupported) the first time
     they are needed there; the time each call takes is summed (CUDA events on a GPU, read only by
@@ -76,6 +94,7 @@ class FrozenTextEncoder:
         self.model = model.eval().requires_grad_(False)
         self.ref = ref
         self.dim = int(model.config.hidden_size)
+        self.takes_mask = loading.text_encoder_takes_mask(model.config.model_type)
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -89,8 +108,14 @@ class FrozenTextEncoder:
         self.model.to(device=device, dtype=dtype)
 
     @torch.compiler.disable  # eager, timed; under trainer.compile the UNet's graph takes the embeddings as input
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         self._on(input_ids.device)
+        mask = None
+        if self.takes_mask:
+            if counts is None:
+                raise ValueError(f"text encoder {self.ref!r} reads an attention mask: the batch must carry "
+                                 f"{schema.BATCH_TEXT_TOKENS} (the captions' token counts)")
+            mask = attention_mask(counts.to(input_ids.device), input_ids.shape[1]).long()
         cuda = input_ids.device.type == "cuda"
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,7 +123,7 @@ class FrozenTextEncoder:
         else:
             start = time.perf_counter()
         with torch.no_grad():  # not inference_mode: the UNet's backward saves these embeddings
-            embeds = self.model(input_ids.long()).last_hidden_state.to(torch.float16)
+            embeds = self.model(input_ids.long(), attention_mask=mask).last_hidden_state.to(torch.float16)
         if cuda:
             end.record()
             self._events.append((begin, end))
@@ -117,7 +142,8 @@ class FrozenTextEncoder:
 
 
 def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
-                             probe: dict | None = None, where: str = "") -> FrozenTextEncoder:
+                             probe: dict | None = None, where: str = "", empty_tokens: int | None = None
+                             ) -> FrozenTextEncoder:
     """The text encoder of ``ref`` for training from ids, checked before the first step: it loads, its
     width is the UNet's ``text_dim``, the ids fit its vocabulary, and where the dataset's empty-caption
     embedding is given, it reproduces it from ``empty_input_ids``, and where the dataset recorded a
@@ -138,11 +164,12 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
                                    f"cross_attention_dim is {text_dim}: name the text encoder the UNet is made for")
     ids = np.asarray(empty_input_ids, dtype=np.int64)
     vocab = int(model.config.vocab_size)
-    if ids.shape != (schema.MAX_TOKENS,) or ids.min() < 0 or ids.max() >= vocab:
+    if ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
         raise DatasetMismatchError(f"the dataset's token ids do not fit text encoder {ref!r}{where} (ids up to "
                                    f"{int(ids.max())}, vocabulary {vocab}): name the text encoder it was converted for")
     if empty_text_embeds is not None:
-        mine = encoder(torch.from_numpy(ids)[None])[0].float().numpy()
+        counts = torch.tensor([int(empty_tokens)]) if empty_tokens is not None else None
+        mine = encoder(torch.from_numpy(ids)[None], counts)[0].float().numpy()
         theirs = np.asarray(empty_text_embeds, dtype=np.float32)
         scale = float(np.abs(theirs).max()) or 1.0
         difference = float(np.abs(mine - theirs).max()) / scale if mine.shape == theirs.shape else float("inf")

@@ -87,6 +87,10 @@ class ModelConfig:
     # --text ids); "auto" embeddings where every dataset holds them, else ids.
     text: Literal["auto", "embeds", "ids"] = "auto"
     text_encoder: Optional[str] = None  # text=ids: model reference of the text encoder (None: the dataset's)
+    # The denoiser attends to each caption's tokens only, not its padding (the UNet's encoder_attention_mask,
+    # the MMDiT's joint attention), from the token counts the dataset stores; None: on for a T5 text
+    # encoder (long padded captions), off for CLIP (SD2 trained on the padded embeddings).
+    text_mask: Optional[bool] = None
 
 
 DEFAULT_MDS_PATH = "out/demo/mds"  # data.train.path (and data.eval.path) when neither path nor streams is set

@@ -23,6 +23,7 @@ from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
 from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
 from diffusion.train.config import Config
 from diffusion import schema
+from diffusion.errors import ConfigError
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
@@ -272,7 +273,7 @@ def attach_text_encoder(cfg: Config, model: LatentDiffusion, info: schema.Datase
         empty_ids = dataset_info.load_empty_input_ids(cfg.data.train)
     model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
                                                   empty_text_embeds=empty_text_embeds, probe=info.text_probe,
-                                                  where=where)
+                                                  where=where, empty_tokens=info.empty_text_tokens)
 
 
 def _empty_embedding_or_none(loader_cfg):
@@ -308,8 +309,14 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         dataset_info.text_column("ids" if text_column == schema.INPUT_IDS else "embeds", [cfg.data.eval])
     if text_column == schema.INPUT_IDS:
         attach_text_encoder(cfg, model, info, empty_text_embeds)
+    # the captions' token counts: attention masks for the denoiser, or for a text encoder that reads them
+    tokens = model.text_mask or bool(model.text_encoder is not None and model.text_encoder.takes_mask)
+    if tokens and train_dataloader is not None:
+        raise ConfigError("online mode does not carry the captions' token counts yet, which model.text_mask (and a "
+                          "T5 text encoder) need: train from converted shards, or set model.text_mask=false with a "
+                          "CLIP text encoder")
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
-                       world_size=dist.get_world_size(), seed=t.seed, text_column=text_column)
+                       world_size=dist.get_world_size(), seed=t.seed, text_column=text_column, tokens=tokens)
     train_loader = (train_dataloader if train_dataloader is not None
                     else mds_source.build_dataloader(cfg.data.train, noise=noise_draws(cfg), **loader_args))
     eval_loader = mds_source.build_dataloader(cfg.data.eval, **loader_args) if cfg.data.eval else None

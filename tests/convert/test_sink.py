@@ -21,6 +21,7 @@ def _block(keys):
         schema.vae_moments_column(32): [rng.standard_normal((8, 4, 4)).astype(np.float16) for _ in keys],
         schema.TEXT_EMBEDS: [rng.standard_normal((77, DIM)).astype(np.float16) for _ in keys],
         schema.INPUT_IDS: [np.arange(77, dtype=np.int32) for _ in keys],
+        schema.TEXT_TOKENS: [5] * len(keys),
         schema.CAPTION: [f"caption {k}" for k in keys], schema.KEY: list(keys),
         schema.WIDTH: [32] * len(keys), schema.HEIGHT: [32] * len(keys),
         "_encode_seconds": [0.01] * len(keys),

@@ -90,7 +90,7 @@ def test_caption_dropout_with_ids_gives_the_empty_captions_embedding(train_kit, 
     dropped = kept = 0
     for batch in trainer.state.train_dataloader:
         assert schema.BATCH_TEXT_EMBEDS not in batch  # the step encodes the ids
-        embeds = model.conditioning(batch)
+        embeds, _ = model.conditioning(batch)
         for row, ids in enumerate(batch[schema.BATCH_INPUT_IDS]):
             if torch.equal(ids, empty_ids):
                 dropped += 1

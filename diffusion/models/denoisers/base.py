@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -59,10 +60,15 @@ class DenoiserAdapter:
         """The width of the text states the denoiser attends to."""
         raise NotImplementedError
 
+    def enable_text_mask(self, module) -> None:
+        """Make ``module`` read the ``text_mask`` its calls pass (nothing to do where diffusers' own forward
+        takes one)."""
+
     # ---- the call ------------------------------------------------------------------------------------
     def __call__(self, module, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor, keep=None,
-                 mixer_blocks: int = 0, route=None, route_span=None) -> torch.Tensor:
-        """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text``; with
+                 mixer_blocks: int = 0, route=None, route_span=None, text_mask=None) -> torch.Tensor:
+        """The prediction for ``noisy`` latents at ``timesteps`` given the text states ``text`` (with
+        ``text_mask``, (B, L) bool, attending to the True tokens only: the caption, not its padding); with
         ``keep`` (adapters with :attr:`masking`) only the kept patches pass the blocks after the first
         ``mixer_blocks``, and the prediction is zero on the others; with ``route`` only the listed patches
         pass the blocks of ``route_span``, the others skip them (token routing)."""
@@ -98,9 +104,38 @@ class DenoiserAdapter:
         """A diffusers pipeline around ``module`` and the frozen parts."""
         raise NotImplementedError
 
-    def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float) -> dict:
-        """The pipeline call's prompt arguments (text, or the embeddings our conditioning makes)."""
+    def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,
+                      length: int | None = None, masked: bool = False) -> dict:
+        """The pipeline call's prompt arguments (text, or the embeddings our conditioning makes), prompts
+        padded to ``length`` tokens; with ``masked`` also ``text_masks``: (negative, positive) (B, L) masks
+        for :meth:`text_mask_hook`, which the caller pops before calling the pipeline."""
         raise NotImplementedError
+
+    def mask_kwargs(self, mask: torch.Tensor, dtype) -> dict:
+        """The denoiser call's keyword arguments that carry a (B, L) bool text mask."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def text_mask_hook(self, module, masks):
+        """While sampling, each denoiser call gets the prompts' text mask (``masks`` = (negative, positive)
+        from :meth:`prompt_kwargs`; None: nothing): the pipelines do not pass one themselves. A call on
+        the doubled batch of classifier-free guidance gets them concatenated in the pipelines' order,
+        negative first."""
+        if masks is None:
+            yield
+            return
+        negative, positive = masks
+
+        def inject(_, args, kwargs):
+            states = kwargs["encoder_hidden_states"]
+            mask = positive if states.shape[0] == positive.shape[0] else torch.cat([negative, positive])
+            return args, {**kwargs, **self.mask_kwargs(mask.to(states.device), states.dtype)}
+
+        handle = module.register_forward_pre_hook(inject, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def _is_block(blocks, module: torch.nn.Module) -> bool:

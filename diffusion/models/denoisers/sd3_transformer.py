@@ -2,7 +2,9 @@
 
 Conditioning: the text encoder's last hidden state (what the converter stores, or what the frozen text
 encoder computes from token ids) as ``encoder_hidden_states`` (``joint_attention_dim`` = its width), and
-its mean over the tokens as ``pooled_projections`` (``pooled_projection_dim`` = the same width). SD3
+its mean over the tokens as ``pooled_projections`` (``pooled_projection_dim`` = the same width). With
+a text mask (``model.text_mask``: T5's long, padded captions) every joint attention reads the caption's
+tokens only, through :class:`MaskedJointAttention`, and the pooled vector is the mean over them. SD3
 itself feeds two CLIPs and a T5; one text encoder keeps the data contract of the UNet recipe, so both
 train on the same converted data.
 
@@ -16,9 +18,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from diffusion.models.denoisers.base import DenoiserAdapter
-from diffusion import schema
 from diffusion.models.masking import patch_mask
 
 
@@ -27,19 +29,66 @@ from diffusion.models.masking import patch_mask
 EMPTY_SLOTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
 
 
-def pooled(text: torch.Tensor) -> torch.Tensor:
-    """The pooled text vector: the mean of the token states."""
-    return text.mean(dim=1)
+def pooled(text: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The pooled text vector: the mean of the token states (with ``mask``, of the caption's tokens)."""
+    if mask is None:
+        return text.mean(dim=1)
+    weights = mask.to(text.dtype)[..., None]
+    return (text * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+
+
+class MaskedJointAttention:
+    """SD3's joint attention (diffusers' ``JointAttnProcessor2_0`` computes the same) with a text mask:
+    image and text tokens attend together, and no query reads a key of the text's padding.
+
+    ``attention_mask`` is (B, L) bool over the text tokens, True on the caption's (the model call's
+    ``joint_attention_kwargs``); image tokens are always read, whatever their number (masked patches cut
+    it), so no row is empty. Without a mask, or in an image-only attention, it is the plain computation.
+    """
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        batch, image_tokens = hidden_states.shape[:2]
+
+        def heads(x, norm=None):
+            x = x.view(batch, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
+            return norm(x) if norm is not None else x
+
+        query = heads(attn.to_q(hidden_states), attn.norm_q)
+        key = heads(attn.to_k(hidden_states), attn.norm_k)
+        value = heads(attn.to_v(hidden_states))
+        keep = None
+        if encoder_hidden_states is not None:
+            query = torch.cat([query, heads(attn.add_q_proj(encoder_hidden_states), attn.norm_added_q)], dim=2)
+            key = torch.cat([key, heads(attn.add_k_proj(encoder_hidden_states), attn.norm_added_k)], dim=2)
+            value = torch.cat([value, heads(attn.add_v_proj(encoder_hidden_states))], dim=2)
+            if attention_mask is not None:
+                image = attention_mask.new_ones(batch, image_tokens)
+                keep = torch.cat([image, attention_mask.to(torch.bool)], dim=1)[:, None, None, :]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=keep, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * out.shape[-1]).to(query.dtype)
+        image_out = attn.to_out[1](attn.to_out[0](out[:, :image_tokens]))
+        if encoder_hidden_states is None:
+            return image_out
+        text_out = out[:, image_tokens:]
+        if not attn.context_pre_only:
+            text_out = attn.to_add_out(text_out)
+        return image_out, text_out
 
 
 @torch.no_grad()
-def encode_prompts(text_encoder, tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prompt_embeds, pooled_prompt_embeds)`` for ``StableDiffusion3Pipeline``: the prompts padded to
-    the tokenizer's length and encoded as training's conditioning is."""
-    ids = tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids
-    states = text_encoder(ids.to(text_encoder.device))[0]
-    return states, pooled(states)
+def encode_prompts(text_encoder, tokenizer, prompts: list[str], length: int | None = None,
+                   masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(prompt_embeds, pooled_prompt_embeds, text mask)`` for ``StableDiffusion3Pipeline``: the prompts
+    padded to ``length`` (the tokenizer's own by default) and encoded as training's conditioning is (the
+    pooled vector over the caption's tokens when ``masked``)."""
+    from diffusion.models import loading
+    from diffusion.models.text_encoder import attention_mask, tokenize
+    ids, counts = tokenize(tokenizer, prompts, length or tokenizer.model_max_length)
+    ids, counts = torch.from_numpy(ids).long(), torch.from_numpy(counts)
+    mask = attention_mask(counts, ids.shape[1]).to(text_encoder.device)
+    reads = mask.long() if loading.text_encoder_takes_mask(text_encoder.config.model_type) else None
+    states = text_encoder(ids.to(text_encoder.device), attention_mask=reads)[0]
+    return states, pooled(states, mask if masked else None), mask
 
 
 @contextlib.contextmanager
@@ -145,11 +194,16 @@ class SD3TransformerAdapter(DenoiserAdapter):
     def route_span(self, module, span):
         return resolve_span(len(module.transformer_blocks), span)
 
-    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0, route=None, route_span=None):
+    def enable_text_mask(self, module):
+        module.set_attn_processor(MaskedJointAttention())
+
+    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0, route=None, route_span=None,
+                 text_mask=None):
         text = text.to(noisy.dtype)
+        masked = {"joint_attention_kwargs": {"attention_mask": text_mask}} if text_mask is not None else {}
         with _masked(module, keep, mixer_blocks, noisy.shape), _routed(module, route, route_span):
-            return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text),
-                          timestep=timesteps).sample
+            return module(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled(text, text_mask),
+                          timestep=timesteps, **masked).sample
 
     def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
         from diffusers import StableDiffusion3Pipeline
@@ -160,13 +214,20 @@ class SD3TransformerAdapter(DenoiserAdapter):
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are SD3's three
         return pipe
 
-    def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale):
+    def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
         text_encoder, tokenizer = pipe.conditioning
-        embeds, pooled_embeds = encode_prompts(text_encoder, tokenizer, prompts)
-        negative, negative_pooled = encode_prompts(text_encoder, tokenizer, [negative_prompt or ""] * len(prompts))
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds,
-                "negative_prompt_embeds": negative, "negative_pooled_prompt_embeds": negative_pooled,
-                "max_sequence_length": schema.MAX_TOKENS}
+        embeds, pooled_embeds, mask = encode_prompts(text_encoder, tokenizer, prompts, length, masked)
+        negative, negative_pooled, negative_mask = encode_prompts(text_encoder, tokenizer,
+                                                                  [negative_prompt or ""] * len(prompts), length, masked)
+        kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds,
+                  "negative_prompt_embeds": negative, "negative_pooled_prompt_embeds": negative_pooled,
+                  "max_sequence_length": embeds.shape[1]}
+        if masked:
+            kwargs["text_masks"] = (negative_mask, mask)
+        return kwargs
+
+    def mask_kwargs(self, mask, dtype):
+        return {"joint_attention_kwargs": {"attention_mask": mask}}
 
 
 DENOISERS = {SD3TransformerAdapter.class_name: SD3TransformerAdapter()}
