@@ -47,7 +47,7 @@ def write_synthetic(out: str, n: int, resolution: int = 256, text_dim: int = 102
     from streaming import MDSWriter
     rng = np.random.default_rng(seed)
     h = resolution // 8
-    columns = schema.mds_columns([resolution], text_dim)
+    columns = schema.mds_columns([resolution], text_dim, tokens=False)
     with MDSWriter(out=out, columns=columns, size_limit=1 << 26, hashes=sorted(hashes)) as writer:
         for i in range(n):
             writer.write({  # the converter's default columns (--text embeds: no token ids)

@@ -206,7 +206,7 @@ def write_sd2_shapes(out: str, n: int, resolutions, text: str, seed: int = 0) ->
     ids = tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
                     return_tensors="np")["input_ids"].astype(np.int32)
     assert ids.max() < CLIP_VOCAB
-    columns = schema.mds_columns(resolutions, SD2_TEXT_DIM, text=text)
+    columns = schema.mds_columns(resolutions, SD2_TEXT_DIM, text=text, tokens=False)  # a 4-byte count aside
     with MDSWriter(out=out, columns=columns, compression="zstd", size_limit=1 << 26,
                    hashes=["sha1", "xxh3_64"]) as writer:
         for i in range(n):

@@ -47,6 +47,14 @@ def tiny_mmdit_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_t5_kit() -> str:
+    """The tiny-t5 kit (random T5 text encoder, its tokenizer trained on the sample captions, the tiny UNet
+    and MMDiT, the shipped fitted VAE): built in seconds, cached."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-t5", CACHE / "kit" / "tiny-t5"))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.kit.build import ensure_kit

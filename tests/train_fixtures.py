@@ -95,7 +95,7 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
         empty_ids = empty_caption_ids(encoder.tokenizer)
         empty_embeds = encoder.encode_ids(empty_ids[None])[0]
         probe = text_probe(encoder.tokenizer, encoder.encode_ids)
-    columns = schema.mds_columns([resolution], text_dim, text=text)
+    columns = schema.mds_columns([resolution], text_dim, text=text, tokens=False)  # no text_tokens: CLIP, unmasked
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     # A shard holds samples_per_shard samples whichever text columns are stored (the same rows give the
     # same shards, so the same training order): array bytes plus a little for the strings and header.
