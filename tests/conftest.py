@@ -121,43 +121,34 @@ def fake_checkpoint(tiny_kit, tmp_path) -> str:
     return str(path)
 
 
-def _release_streaming_memory(dataset) -> None:
-    """Close the shared memory a StreamingDataset made: streaming keeps it open (two file descriptors
-    a block, held by its atexit handlers) until the process exits, and a test session that builds
-    hundreds of datasets runs out of descriptors."""
-    from streaming.base.shared.memory import SharedMemory
-    found, queue = [], list(vars(dataset).values())
-    for _ in range(3):  # SharedArray/SharedScalar/SharedBarrier hold theirs a level or two down
-        nested = []
-        for value in queue:
-            if isinstance(value, SharedMemory):
-                found.append(value)
-            elif hasattr(value, "__dict__") and type(value).__module__.startswith("streaming.base.shared"):
-                nested.extend(vars(value).values())
-        queue = nested
-    for shm in found:  # closed, not unlinked: the names stay taken (streaming picks prefixes by the names
-        # in use, and a reused prefix would meet this dataset's per-node state); its atexit handler unlinks
-        for block in (*shm.created_shms, *shm.opened_shms):
-            try:
-                block.close()
-            except BufferError:  # still viewed by an array someone holds: left to exit
-                pass
+def _close_blocks(shared) -> None:
+    """Close (not unlink) the blocks of one of streaming's SharedMemory objects: the names stay taken, so
+    streaming never picks a prefix again that a dataset of this session used; its atexit handler unlinks
+    them when the session ends."""
+    for block in (*shared.created_shms, *shared.opened_shms):
+        try:
+            block.close()
+        except BufferError:  # still viewed by an array someone holds: left to exit
+            pass
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """Datasets a test body builds are released when it ends (fixtures' datasets live on)."""
-    from streaming import StreamingDataset
-    created, original = [], StreamingDataset.__init__
+    """The shared memory streaming opens during a test body is closed when it ends (fixtures' datasets live
+    on). Streaming keeps every block it opens until the process exits (two file descriptors a block, held
+    by its atexit handlers), and each new dataset opens one block of every prefix in use while it picks
+    its own: a session of hundreds of datasets would run out of descriptors."""
+    from streaming.base.shared.memory import SharedMemory
+    opened, original = [], SharedMemory.__init__
 
     def recording_init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        created.append(self)
+        opened.append(self)
 
-    StreamingDataset.__init__ = recording_init
+    SharedMemory.__init__ = recording_init
     try:
         yield
     finally:
-        StreamingDataset.__init__ = original
-        for dataset in created:
-            _release_streaming_memory(dataset)
+        SharedMemory.__init__ = original
+        for shared in opened:
+            _close_blocks(shared)
