@@ -29,6 +29,7 @@ import os
 import torch
 
 from diffusion.errors import UserError
+from diffusion import schema
 from diffusion.models import checkpoint as checkpoints, loading, sampling
 from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS
 
@@ -68,6 +69,12 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         text_encoder, tokenizer = conditioning
         text_encoder.to(dtype=DTYPES[dtype]).save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    described = trained.description
+    if described.text_mask or described.text_length != schema.MAX_TOKENS:
+        print(f"note: the model was trained on {described.text_length}-token captions"
+              + (" with text masks (the denoiser reads the caption's tokens only), which diffusers' pipelines do "
+                 "not pass" if described.text_mask else "")
+              + f": sample it with python -m diffusion.generate --checkpoint {checkpoint} to condition it as trained")
     return out
 
 
