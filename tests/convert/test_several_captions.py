@@ -29,10 +29,11 @@ def _input_recaps(sample_data) -> dict:
 
 @pytest.fixture(scope="module")
 def two_captions(convert_config, ray_local, tmp_path_factory):
-    """The sample data converted with --captions caption,recap --text both: (output, summary)."""
+    """The sample data converted with --captions caption,recap --text both, at one resolution (the captions do
+    not depend on it): (output, summary)."""
     from diffusion.convert.pipeline import run_conversion
     out = tmp_path_factory.mktemp("two-captions")
-    return str(out), run_conversion(convert_config(out, captions=f"caption,{RECAP}", text="both"))
+    return str(out), run_conversion(convert_config(out, captions=f"caption,{RECAP}", text="both", resolutions=(32,)))
 
 
 def test_every_caption_is_stored_tokenized_and_encoded_and_empty_ones_counted(two_captions, converted, sample_data,

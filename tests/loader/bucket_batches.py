@@ -1,5 +1,6 @@
 """Run as a process (one rank of a world from RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE): the training
-loader over a bucketed dataset; writes each batch's keys and moments shape as JSON.
+loader over a bucketed dataset, drawing one of two captions per sample (``CAPTIONS``); writes each
+batch's sample indices, moments shape and each sample's text embedding sum (which caption it drew) as JSON.
 
     python bucket_batches.py DATASET TEXT_DIM GLOBAL_BATCH OUT.json [SKIP_BATCHES]
 
@@ -15,13 +16,16 @@ from diffusion import schema
 from diffusion.train.config import TrainLoaderConfig
 from diffusion.loader import mds_source
 
+CAPTIONS = {"caption": 0.5, "recap": 0.5}
+
 
 def batches(loader, limit=None):
     out = []
     for batch in loader:
         out.append({"keys": batch[schema.KEY] if schema.KEY in batch else None,
                     "index": batch[schema.BATCH_SAMPLE_INDEX].tolist(),
-                    "shape": list(batch[schema.BATCH_MOMENTS].shape[1:])})
+                    "shape": list(batch[schema.BATCH_MOMENTS].shape[1:]),
+                    "text": [round(float(t.float().sum()), 2) for t in batch[schema.BATCH_TEXT_EMBEDS]]})
         if limit is not None and len(out) == limit:
             break
     return out
@@ -30,7 +34,7 @@ def batches(loader, limit=None):
 def main(path, text_dim, global_batch, out, skip=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainLoaderConfig(path=path, batch_size=int(global_batch), num_workers=0, persistent_workers=False,
-                            num_canonical_nodes=1, caption_dropout=0.0)
+                            num_canonical_nodes=1, caption_dropout=0.0, captions=CAPTIONS)
     loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=int(text_dim), world_size=world, seed=5)
     if skip is not None:
         batches(loader, int(skip))

@@ -1,5 +1,6 @@
 """Training on a bucketed dataset (converted with --buckets): every global batch from one bucket, each
-bucket's share of the batches its share of the samples, resume and rank count change nothing."""
+bucket's share of the batches its share of the samples, resume and rank count change nothing, the caption
+each sample draws (data.train.captions) included."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 from diffusion import schema
 from diffusion.train.config import StreamConfig, TrainLoaderConfig
 from diffusion.errors import DatasetMismatchError
+from diffusion.kit.sample import RECAP
 from diffusion.loader import dataset_info
 from train_fixtures import kit_text_dim
 
@@ -25,7 +27,7 @@ def bucketed(sample_data, tiny_kit, ray_local, tmp_path_factory):
     from diffusion.convert.pipeline import ConvertConfig, run_conversion
     out = str(tmp_path_factory.mktemp("bucketed"))
     run_conversion(ConvertConfig(input=sample_data, output=out, model=tiny_kit, resolutions=(64,),
-                                 buckets="48x80,64x64,80x48", progress=False))
+                                 buckets="48x80,64x64,80x48", captions=f"caption,{RECAP}", progress=False))
     return out
 
 
@@ -85,6 +87,18 @@ def test_every_batch_is_one_bucket_and_buckets_share_by_size(bucketed, one_proce
     assert len(per_bucket) >= 2
 
 
+def test_samples_draw_either_caption(bucketed, one_process):
+    from diffusion.loader.mds_source import build_dataset
+    dataset = build_dataset(TrainLoaderConfig(path=bucketed, batch_size=BATCH, num_workers=0), resolution=64,
+                            text_dim=64, device_batch_size=BATCH)  # no captions: each sample's first caption's
+    first = {}
+    for batch in one_process:
+        for index, text in zip(batch["index"], batch["text"]):
+            first[index] = (round(float(dataset[index][schema.TEXT_EMBEDS].astype("float32").sum()), 2), text)
+    drew_first = sum(a == b for a, b in first.values())
+    assert 0 < drew_first < len(first)  # some drew the recap (an empty one gives the first caption)
+
+
 def test_resume_mid_epoch_continues_with_the_same_batches(bucketed, tiny_kit, one_process, tmp_path):
     resumed = _run(bucketed, tiny_kit, str(tmp_path / "resumed"), skip=3)[0]
     assert resumed == one_process[3:]
@@ -96,6 +110,8 @@ def test_two_ranks_make_the_global_batches_one_process_makes(bucketed, tiny_kit,
     for a, b, whole in zip(rank0, rank1, one_process):
         assert sorted(a["index"] + b["index"]) == sorted(whole["index"])
         assert a["shape"] == b["shape"] == whole["shape"]
+        # each sample conditioned on the caption it drew in one process
+        assert dict(zip(a["index"] + b["index"], a["text"] + b["text"])) == dict(zip(whole["index"], whole["text"]))
 
 
 def test_a_bucketed_dataset_in_a_mix_is_refused_naming_it(bucketed):
