@@ -383,7 +383,8 @@ def recorded_settings(out: str) -> dict:
         model = info.model
         if os.path.isdir(model):
             model = os.path.abspath(model)
-        return {"model": model, "resolutions": info.resolutions, "key_scheme": 1,
+        return {"model": model, "resolutions": info.resolutions, "key_scheme": 1, "text_tokens": info.has_tokens,
+                "text_length": info.text_length,
                 **{k: info.extra[k] for k in ("min_size", "max_aspect", "max_pixels") if k in info.extra}}
     return {}
 
@@ -421,7 +422,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     # Token counts (text_tokens) are stored since the text length became a setting; an output begun
     # before goes on without them, so its parts all have one set of columns.
     recorded = recorded_settings(out)
-    settings["text_tokens"] = bool(recorded.get("text_tokens", True)) if recorded else True
+    settings["text_tokens"] = bool(recorded.get("text_tokens", False)) if recorded else True
     check_output_settings(out, settings)
     columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions(),
                                  text_length=cfg.text_length, tokens=settings["text_tokens"])
