@@ -65,7 +65,7 @@ class _HashRows:
         import pyarrow as pa
         from diffusion import schema
         from diffusion.convert.failed_inputs import file_errors
-        from diffusion.convert.readers import iter_file_batches
+        from diffusion.convert.files import iter_file_batches
         errors = file_errors()
         for uri, order in zip(batch["path"], batch["order"]):
             uri, name, position = str(uri), self.names[str(uri)], 0
@@ -119,7 +119,8 @@ def find_duplicates(inputs, columns, out: str) -> str:
     """Run the pass (module docstring) unless an earlier run finished it for this input; returns the
     folder of per-file lists that :func:`later_copies` reads."""
     import ray
-    from diffusion.convert.readers import file_names, input_files, keys_taken_by_earlier_files
+    from diffusion.convert.files import file_names, input_files
+    from diffusion.convert.shared_keys import keys_taken_by_earlier_files
     formats = input_files(inputs, columns)
     root = os.path.join(out, DEDUPE_DIR)
     final = os.path.join(root, _fingerprint(formats, columns))

@@ -19,6 +19,7 @@ import collections
 from typing import Iterator
 
 from diffusion.convert.failed_inputs import file_errors
+from diffusion.convert.files import TFRECORD_SUFFIX, _open, file_rows
 from diffusion.convert.rows import REJECT, Rejected, derived_key, row_key, valid_row
 from diffusion import schema
 
@@ -28,7 +29,6 @@ def file_keys(uri: str, fmt: str, columns, name: str) -> Iterator[tuple[str, boo
     as :func:`~diffusion.convert.rows.row_batches` would judge it; read without the image bytes where
     the layout allows (parquet's other columns, a tar's sidecars). Folder images are keyed by their
     path: nothing to give."""
-    from diffusion.convert.readers import file_rows
     if fmt == "folder":
         return
     for index, row in enumerate(file_rows(uri, fmt, columns, name, images=False)):
@@ -53,7 +53,6 @@ def _key_column(uri: str, column: str, name: str) -> Iterator[str]:
     """The explicit keys in a parquet file's key column, of its sample rows (a ``status`` other than
     ``success`` is a failed download); the column only, cheap."""
     import pyarrow.parquet as pq
-    from diffusion.convert.readers import _open
     with _open(uri) as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
@@ -84,7 +83,6 @@ def candidate_keys(uri: str, fmt: str, columns, name: str) -> Iterator[str]:
         yield from _key_column(uri, columns.key, name)
         return
     if fmt in ("webdataset", "tfrecord"):
-        from diffusion.convert.readers import TFRECORD_SUFFIX
         from diffusion.storage import filesystem_for
         import pyarrow.fs as pafs
         metadata = uri[: -len(".tar" if fmt == "webdataset" else TFRECORD_SUFFIX)] + ".parquet"
