@@ -63,7 +63,8 @@ class _ShardLayout:
     """Where the wanted fixed-shape array columns sit inside one MDS shard's samples.
 
     An MDS sample is ``[uint32 size of each variable-size column][column bytes, in column order]``;
-    a fixed-shape ``ndarray:<dtype>:<shape>`` column is its raw array bytes, a ``str`` column UTF-8.
+    a fixed-shape ``ndarray:<dtype>:<shape>`` column is its raw array bytes, an ``int`` column 8 bytes
+    of int64 (read as a 0-d array), a ``str`` column UTF-8.
     """
 
     def __init__(self, reader: MDSReader, wanted: Sequence[str]):
@@ -78,10 +79,12 @@ class _ShardLayout:
             dtype, shape = None, None
             if name in wanted and encoding == "str":
                 dtype = str
+            elif name in wanted and encoding == "int":  # streaming's int: int64 (the token counts)
+                dtype, shape = np.dtype("<i8"), ()
             elif name in wanted:
                 parts = encoding.split(":")
                 if parts[0] != "ndarray" or len(parts) != 3:
-                    raise ValueError(f"column {name} is {encoding!r}, not a fixed-shape array or str")
+                    raise ValueError(f"column {name} is {encoding!r}, not a fixed-shape array, int or str")
                 dtype, shape = np.dtype(parts[1]), tuple(int(d) for d in parts[2].split(","))
             self.columns.append((name, dtype, shape, size))
 

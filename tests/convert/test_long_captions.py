@@ -76,6 +76,7 @@ def test_the_loader_gives_the_drawn_captions_token_count(t5_data):
     choice, recaps = CaptionChoice.from_mapping(probabilities, seed=3), 0
     for i in range(len(dataset)):
         sample = dataset[i]
+        assert dataset._layout(dataset.spanner[i][0]) is not None  # read from the mapped shard, counts too
         row = stored[sample[schema.KEY]]
         name = choice.choose(sample[schema.KEY], 0)
         name = name if row[schema.caption_columns(name)[0]] != "" else schema.CAPTION
