@@ -75,12 +75,19 @@ class MaskedJointAttention:
         return image_out, text_out
 
 
-@torch.no_grad()
 def encode_prompts(text_encoder, tokenizer, prompts: list[str], length: int | None = None,
-                   masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(prompt_embeds, pooled_prompt_embeds, text mask)`` for ``StableDiffusion3Pipeline``: the prompts
-    padded to ``length`` (the tokenizer's own by default) and encoded as training's conditioning is (the
+                   masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_embeds, pooled_prompt_embeds)`` for ``StableDiffusion3Pipeline``: the prompts padded to
+    ``length`` tokens (the tokenizer's own by default) and encoded as training's conditioning is (the
     pooled vector over the caption's tokens when ``masked``)."""
+    embeds, pooled_embeds, _ = prompt_conditioning(text_encoder, tokenizer, prompts, length, masked)
+    return embeds, pooled_embeds
+
+
+@torch.no_grad()
+def prompt_conditioning(text_encoder, tokenizer, prompts: list[str], length: int | None = None,
+                        masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`encode_prompts` and the prompts' text mask ((B, L) bool, True on their tokens)."""
     from diffusion.models import loading
     from diffusion.models.text_encoder import attention_mask, tokenize
     ids, counts = tokenize(tokenizer, prompts, length or tokenizer.model_max_length)
@@ -216,9 +223,9 @@ class SD3TransformerAdapter(DenoiserAdapter):
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
         text_encoder, tokenizer = pipe.conditioning
-        embeds, pooled_embeds, mask = encode_prompts(text_encoder, tokenizer, prompts, length, masked)
-        negative, negative_pooled, negative_mask = encode_prompts(text_encoder, tokenizer,
-                                                                  [negative_prompt or ""] * len(prompts), length, masked)
+        embeds, pooled_embeds, mask = prompt_conditioning(text_encoder, tokenizer, prompts, length, masked)
+        negative, negative_pooled, negative_mask = prompt_conditioning(
+            text_encoder, tokenizer, [negative_prompt or ""] * len(prompts), length, masked)
         kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds,
                   "negative_prompt_embeds": negative, "negative_pooled_prompt_embeds": negative_pooled,
                   "max_sequence_length": embeds.shape[1]}

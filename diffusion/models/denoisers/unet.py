@@ -38,10 +38,10 @@ class UNetAdapter(DenoiserAdapter):
                     "negative_prompt": [negative_prompt] * len(prompts) if negative_prompt else None}
         # Another text length or encoder (T5 reads its mask; the pipeline would not give it one): the
         # embeddings as training's conditioning made them.
-        from diffusion.models.denoisers.sd3_transformer import encode_prompts
-        embeds, _, mask = encode_prompts(pipe.text_encoder, pipe.tokenizer, prompts, length)
-        negative, _, negative_mask = encode_prompts(pipe.text_encoder, pipe.tokenizer,
-                                                    [negative_prompt or ""] * len(prompts), length)
+        from diffusion.models.denoisers.sd3_transformer import prompt_conditioning
+        embeds, _, mask = prompt_conditioning(pipe.text_encoder, pipe.tokenizer, prompts, length)
+        negative, _, negative_mask = prompt_conditioning(pipe.text_encoder, pipe.tokenizer,
+                                                         [negative_prompt or ""] * len(prompts), length)
         kwargs = {"prompt_embeds": embeds, "negative_prompt_embeds": negative, "guidance_rescale": guidance_rescale}
         if masked:
             kwargs["text_masks"] = (negative_mask, mask)
