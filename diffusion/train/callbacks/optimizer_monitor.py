@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from composer.algorithms import GradientClipping
 from composer.callbacks import OptimizerMonitor as ComposerOptimizerMonitor
-from composer.core import State
+from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
@@ -114,8 +114,18 @@ class LoggedGradientClipping(GradientClipping):
         super().__init__(clipping_type="norm", clipping_threshold=clipping_threshold)
 
     def apply(self, event, state, logger):
-        # the global norm only, read once: one host sync per optimizer step (no per-parameter list)
-        before = float(OptimizerMonitor.global_norm(state.model))
+        if event != Event.AFTER_TRAIN_BATCH:
+            return super().apply(event, state, logger)
+        if state.fsdp_enabled:
+            # the global norm only, read once: one host sync per optimizer step (no per-parameter list);
+            # then Composer's clipping, which takes the sharded norm its own way
+            before = float(OptimizerMonitor.global_norm(state.model))
+            result = super().apply(event, state, logger)
+        else:
+            # Composer's own call for one process or DDP (whole gradients); torch returns the norm it
+            # measured before clipping, so the gradient is read once a step, not twice
+            before = float(torch.nn.utils.clip_grad_norm_(state.model.parameters(), self.clipping_threshold))
+            result = None
         ratio = min(1.0, self.clipping_threshold / before) if before > 0 else 1.0
         logger.log_metrics({"l2_norm/grad/global_before_clip": before, "l2_norm/grad/clip_ratio": ratio})
-        return super().apply(event, state, logger)
+        return result
