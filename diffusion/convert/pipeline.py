@@ -86,10 +86,6 @@ class ConvertConfig(PipelineSettings):
                                               "output (training reads it), 'ids' the 77 token ids only (308 B where "
                                               "SD2's embeddings take 158 KB; training runs the text encoder), 'both'",
                      choices=schema.TEXT_STORAGE)
-    text_length: int = flag(schema.MAX_TOKENS, "tokens per caption, padded or truncated: 77 for CLIP (its "
-                                               "context), e.g. 256 for a T5 text encoder's long captions; each "
-                                               "caption's token count is stored beside it (its attention mask)",
-                            type=int)
     dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
                                "as duplicate_image rejects: a pass over the input before converting",
                        choices=DEDUPE_MODES)
@@ -415,7 +411,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
         loading.resolve_captioner(cfg.recaption)
     text_config = loading.load_text_encoder_config(cfg.model)
     text_dim = loading.text_encoder_width(text_config)
-    _check_text_length(cfg, text_config)
+    check_text_length(cfg.model, cfg.text_length, text_config)
     downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
     out = cfg.staging_dir()
     settings = cfg.output_settings()
@@ -439,12 +435,15 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     return summary
 
 
-def _check_text_length(cfg: ConvertConfig, text_config: dict) -> None:
-    """--text-length within what the text encoder can read: CLIP has learned positions for its context only."""
+def check_text_length(model: str, text_length: int, text_config: dict | None = None,
+                      name: str = "--text-length") -> None:
+    """``text_length`` within what ``model``'s text encoder can read: CLIP has learned positions for its
+    context only. ``name`` is the setting as the user wrote it."""
+    text_config = text_config if text_config is not None else loading.load_text_encoder_config(model)
     limit = text_config.get("max_position_embeddings")
-    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT and limit and cfg.text_length > int(limit):
-        raise ConfigError(f"--text-length {cfg.text_length}: the text encoder of {cfg.model} is CLIP, which reads at "
-                          f"most {limit} tokens; use a T5 text encoder for longer captions")
+    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT and limit and text_length > int(limit):
+        raise ConfigError(f"{name} {text_length}: the text encoder of {model} is CLIP, which reads at most {limit} "
+                          f"tokens; use a T5 text encoder for longer captions")
 
 
 def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, captions, text_length: int, tokens: bool,

@@ -36,6 +36,10 @@ class PipelineSettings:
     max_bytes: int = flag(MAX_BYTES, "memory-bomb guard: reject larger image files (bytes) unread", type=int)
     max_scans: int = flag(MAX_SCANS, "time-bomb guard: reject JPEGs of more scans, before decoding", type=int)
     max_caption_chars: int = flag(MAX_CAPTION_CHARS, "reject longer captions (characters), untokenized", type=int)
+    text_length: int = flag(schema.MAX_TOKENS, "tokens per caption, padded or truncated: 77 for CLIP (its "
+                                               "context), e.g. 256 for a T5 text encoder's long captions; each "
+                                               "caption's token count is stored beside it (its attention mask)",
+                            type=int)
     transform_batch_size: int = flag(TRANSFORM_BATCH, "rows per transform batch", type=int)
     num_transformers: Optional[int] = flag(None, "transform actors (default: from the cluster's CPUs)", type=int)
     cpus_per_transformer: Optional[float] = flag(None, "CPUs per transform actor", type=float)

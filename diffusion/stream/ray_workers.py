@@ -30,6 +30,7 @@ from composer.loggers import Logger
 from diffusion import schema
 from diffusion.cluster import init_ray
 from diffusion.train.config import Config
+from diffusion.convert.pipeline import check_text_length
 from diffusion.errors import ConfigError
 from diffusion.loader.batches import CaptionDropout, ToModelBatch
 from diffusion.stream.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
@@ -252,6 +253,8 @@ def check_online(cfg: Config) -> None:
     if cfg.data.train.batch_size % o.num_train_workers:
         raise ConfigError(f"data.train.batch_size={cfg.data.train.batch_size} does not divide evenly across "
                           f"data.online.num_train_workers={o.num_train_workers}")
+    if o.text_length > schema.MAX_TOKENS:  # longer than CLIP's context: the text encoder must read that far
+        check_text_length(cfg.model.ref, o.text_length, name="data.online.text_length")
 
 
 def _absolute(path: str | None, must_exist: bool = False) -> str | None:
@@ -339,7 +342,8 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
         make_trainer=OnlineTrainer(cfg, info, empty_text_embeds),
         to_batch=ToModelBatch(cfg.model.resolution, info.empty_input_ids if ids else empty_text_embeds,
                               CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg),
-                              text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS),
+                              text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS,
+                              empty_tokens=info.empty_text_tokens),  # the stream's rows carry token counts
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),

@@ -70,5 +70,8 @@ def count_rejects(work_dir: str) -> dict[str, int]:
 
 
 def stream_info(cfg: Config) -> tuple[schema.DatasetInfo, np.ndarray]:
-    """What ``dataset.json`` and ``empty_text_embeds.npy`` tell offline training, for the stream."""
-    return encoders.describe_dataset(cfg.model.ref, [cfg.model.resolution], stream_text(cfg))
+    """What ``dataset.json`` and ``empty_text_embeds.npy`` tell offline training, for the stream. Its rows
+    carry each caption's token count (``text_tokens``), as converted shards do: the attention mask of a T5
+    text encoder and of ``model.text_mask``."""
+    return encoders.describe_dataset(cfg.model.ref, [cfg.model.resolution], stream_text(cfg),
+                                     cfg.data.online.text_length)

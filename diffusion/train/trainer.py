@@ -310,11 +310,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     if text_column == schema.INPUT_IDS:
         attach_text_encoder(cfg, model, info, empty_text_embeds)
     # the captions' token counts: attention masks for the denoiser, or for a text encoder that reads them
+    # (a given train_dataloader, online mode's stream, carries them itself)
     tokens = model.text_mask or bool(model.text_encoder is not None and model.text_encoder.takes_mask)
-    if tokens and train_dataloader is not None:
-        raise ConfigError("online mode does not carry the captions' token counts yet, which model.text_mask (and a "
-                          "T5 text encoder) need: train from converted shards, or set model.text_mask=false with a "
-                          "CLIP text encoder")
     loader_args = dict(resolution=cfg.model.resolution, text_dim=model.text_dim,
                        world_size=dist.get_world_size(), seed=t.seed, text_column=text_column, tokens=tokens)
     train_loader = (train_dataloader if train_dataloader is not None

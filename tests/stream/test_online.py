@@ -89,6 +89,12 @@ def test_config_errors_name_the_key(overrides, message):
         check_online(load_config(TINY, overrides))
 
 
+def test_a_longer_text_length_than_clip_reads_is_refused_naming_the_key(tiny_kit):
+    cfg = load_config(TINY, [f"model.ref={tiny_kit}", "data.online.input=x", "data.online.text_length=100"])
+    with pytest.raises(ConfigError, match="data.online.text_length 100: the text encoder of .* is CLIP"):
+        check_online(cfg)
+
+
 def test_batches_follow_the_contract_and_drop_captions_to_the_empty_embedding():
     n, d = 400, 8
     empty = np.full((schema.MAX_TOKENS, d), -1.0, np.float16)
@@ -176,18 +182,22 @@ def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, s
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_training_completes(tiny_mmdit_kit, sample_data, ray_local, tmp_path):
-    # The MMDiT with rectified flow, from model.text=ids: the Ray pipeline runs no text encoder, each
-    # worker encodes its batches' ids (and gets its text encoder back when the group restarts).
+def test_a_killed_worker_is_restarted_and_training_completes(tiny_t5_kit, sample_data, ray_local, tmp_path):
+    # The MMDiT with rectified flow, from model.text=ids of a T5 at 24 tokens: the Ray pipeline runs no
+    # text encoder, each worker encodes its batches' ids under their attention masks (and gets its text
+    # encoder back when the group restarts), and the MMDiT attends to the captions' tokens only
+    # (model.text_mask, on for a T5). Either refuses a batch without the stream's token counts.
     marker = tmp_path / "killed-once"
     injector = FaultInjector(at_batch=3, marker=str(marker), rank=1)
-    mmdit = ("model.text=ids", "model.prediction_type=null", "model.objective=flow")
-    result = run_online(online_config(tiny_mmdit_kit, sample_data, tmp_path, *mmdit), extra_callbacks=[injector])
+    mmdit = ("model.denoiser=SD3Transformer2DModel", "model.text=ids", "model.prediction_type=null",
+             "model.objective=flow", "data.online.text_length=24")
+    result = run_online(online_config(tiny_t5_kit, sample_data, tmp_path, *mmdit), extra_callbacks=[injector])
     assert marker.exists()  # the fault happened...
     assert result.resumed_from == 2  # ...the new worker group resumed from the checkpoint before it...
     assert result.batch == 6 and [b for b, _ in result.losses] == [3, 4, 5, 6]  # ...and finished the run
     from diffusion.models.checkpoint import load_denoiser
     denoiser, description, _ = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"))
     assert type(denoiser).__name__ == "SD3Transformer2DModel" and description.objective == "flow"
-    again = run_online(online_config(tiny_mmdit_kit, sample_data, tmp_path, *mmdit))  # the same command again
+    assert description.text_mask and description.text_length == 24
+    again = run_online(online_config(tiny_t5_kit, sample_data, tmp_path, *mmdit))  # the same command again
     assert again.finished and "already finished" in again.finished and again.batch == 6 and not again.losses
