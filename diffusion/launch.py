@@ -11,11 +11,7 @@ import argparse
 import os
 import sys
 
-from composer.utils import dist
-
 from diffusion.train.config import load_config
-from diffusion.stream import ray_workers
-from diffusion.train.trainer import build_trainer, finished_message
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -56,12 +52,16 @@ def main_with(path: str, overrides: list[str]):
     ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
     launches Ray Train ranks fed by the converter's operators (:func:`~diffusion.stream.ray_workers.run_online`)."""
     cfg = load_config(path, overrides)
+    # torch, Composer and Ray load once the config holds: --help and a config error answer in a second
+    from composer.utils import dist
     if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
         print(f"# config: {path} {' '.join(overrides)}", flush=True)
     if cfg.data.train.source == "stream":
+        from diffusion.stream import ray_workers
         result = ray_workers.run_online(cfg)
         ray_workers.report(result)
         return result
+    from diffusion.train.trainer import build_trainer, finished_message
     trainer = build_trainer(cfg)
     finished = finished_message(trainer)
     if finished:
