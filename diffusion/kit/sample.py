@@ -127,9 +127,9 @@ def _encode(rng: np.random.Generator, image: Image.Image) -> bytes:
         alpha = np.full((image.height, image.width), 255, np.uint8)
         alpha[: image.height // 8] = 0  # a transparent strip outside the centre square's shapes
         rgba.putalpha(Image.fromarray(alpha))
-        rgba.save(buf, "PNG")
+        rgba.save(buf, "PNG", compress_level=1)
     elif roll < 0.35:
-        image.save(buf, "PNG")
+        image.save(buf, "PNG", compress_level=1)  # zlib's fastest: the noisy scenes barely compress anyway
     else:
         image.save(buf, "JPEG", quality=int(rng.integers(75, 96)))
     return buf.getvalue()
