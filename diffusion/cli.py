@@ -82,7 +82,7 @@ def _command(module: str, prog: str, resumable: bool = False) -> Callable[[], No
 
 # `pip install .` puts these on PATH (setup.py's console_scripts); each is also `python -m <module>`.
 sd_download = _command("diffusion.download.job", "sd-download", resumable=True)
-sd_convert = _command("diffusion.convert.pipeline", "sd-convert", resumable=True)
+sd_convert = _command("diffusion.convert.command", "sd-convert", resumable=True)
 sd_train = _command("diffusion.launch", "sd-train")
 sd_online = _command("diffusion.online", "sd-online")
 sd_generate = _command("diffusion.sample.generate", "sd-generate")

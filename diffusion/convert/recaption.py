@@ -22,11 +22,11 @@ import torch
 
 from diffusion import schema
 from diffusion.convert.encoders import pick_device_and_dtype
+from diffusion.convert.settings import MAX_NEW_TOKENS
 from diffusion.models import loading
 from diffusion.models.text_encoder import tokenize
 
 STAGE_SECONDS = "_recaption_seconds"  # per-row share of the batch's wall time, when timing is on
-MAX_NEW_TOKENS = 30
 
 
 def crops_of(batch: dict, resolution: int) -> list[np.ndarray]:

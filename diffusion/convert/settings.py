@@ -20,6 +20,9 @@ MAX_BYTES = 20 * 2**20  # largest image file read (the downloader's --max-bytes 
 MAX_SCANS = 100  # most scans a JPEG may have (encoders write 1 to ~20); each one decodes the whole image
 MAX_CAPTION_CHARS = 8192  # longest caption kept (the text encoder reads 77 tokens, a few hundred characters)
 TRANSFORM_BATCH = 32
+SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
+RECAPTION_BATCH = 16  # images per captioning call
+MAX_NEW_TOKENS = 30  # most tokens a captioning model generates per caption
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ from streaming import MDSWriter
 
 from diffusion import schema
 from diffusion.convert.failed_inputs import FAILED_INPUTS_DIR
+from diffusion.convert.settings import SHARD_SIZE
 from diffusion.convert.transforms import LEGACY_RECORD_SUFFIX, RECORD_SUFFIX
 
 INDEX_JSON = "index.json"
@@ -56,7 +57,6 @@ TMP_PREFIX = ".tmp-"
 KEYS_RECORD = "keys" + RECORD_SUFFIX  # a part's keys, in order: one line of JSON, a list
 STATS_RECORD = "stats" + RECORD_SUFFIX  # a part's sample count and stage seconds: one line of JSON
 REJECTS_DIR = "rejects"
-SHARD_SIZE = 1 << 26  # bytes of an MDS shard (streaming's default size limit)
 # A part's stats count the empty values of each further caption (--captions) as "empty_caption_NAME".
 EMPTY_COUNTED = schema.EXTRA_CAPTION_PREFIX
 EMPTY_PREFIX = "empty_"
