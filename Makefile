@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= out/demo
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast test-transformers5 demo bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,15 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
+
+# The GPU image's stack has transformers 5: the text-encoder, tokenizer, captioning and sampling tests
+# again with transformers 5 (and the huggingface-hub and tokenizers it needs) laid over the pinned set.
+TF5 := .cache/transformers5
+test-transformers5: $(STAMP)
+	@test -d $(TF5)/transformers || $(PY) -m pip install -q --no-deps --target $(TF5) \
+		"transformers>=5,<6" "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" typer
+	PYTHONPATH=$(TF5) $(PY) -m pytest tests/convert/test_long_captions.py tests/convert/test_encoders.py \
+		tests/convert/test_recaption.py tests/kit tests/models tests/sample tests/train/test_text_ids.py
 
 demo: $(STAMP)
 	$(PY) -m diffusion.demo --out $(DEMO)
