@@ -253,6 +253,9 @@ def check_online(cfg: Config) -> None:
     if cfg.data.train.batch_size % o.num_train_workers:
         raise ConfigError(f"data.train.batch_size={cfg.data.train.batch_size} does not divide evenly across "
                           f"data.online.num_train_workers={o.num_train_workers}")
+    if o.text_length < 2:
+        raise ConfigError(f"data.online.text_length must be at least 2 (a caption's start and end tokens), got "
+                          f"{o.text_length}")
     if o.text_length > schema.MAX_TOKENS:  # longer than CLIP's context: the text encoder must read that far
         check_text_length(cfg.model.ref, o.text_length, name="data.online.text_length")
 

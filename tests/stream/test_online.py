@@ -83,6 +83,7 @@ def test_training_all_cpus_is_refused_with_the_reason():
 @pytest.mark.parametrize("overrides, message", [
     ([], "data.online.input"),
     (["data.online.input=x", "data.online.num_train_workers=3"], "does not divide evenly"),
+    (["data.online.input=x", "data.online.text_length=1"], "data.online.text_length must be at least 2"),
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
