@@ -4,7 +4,7 @@ moments and text embeddings.
     python convert/laion_to_mds.py --input IN --output OUT --model REF [--resolutions 256 512] [...]
 
 Re-running the same command after a kill resumes: the output ends up with exactly the samples of a
-clean run. The flags live in diffusion.convert.command (``--help`` lists every flag), the pipeline in
+clean run. The flags live in diffusion.convert.config (``--help`` lists every flag), the pipeline in
 diffusion.convert.pipeline.
 """
 

@@ -28,7 +28,7 @@ from diffusion.cluster import init_ray
 from diffusion.errors import ConfigError, OutputMismatchError
 from diffusion.convert.summary import ConversionSummary, bucket_counts, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
-from diffusion.convert.command import ConvertConfig
+from diffusion.convert.config import ConvertConfig
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts, part_roots,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
 from diffusion.convert.readers import check_inputs, input_files, read_raw

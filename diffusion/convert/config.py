@@ -1,0 +1,191 @@
+"""The converter's settings, one per flag of ``python convert/laion_to_mds.py``: :class:`ConvertConfig`.
+
+Light on purpose, like :mod:`diffusion.convert.settings` (whose :class:`PipelineSettings` it extends):
+the command parses and checks them before Ray, torch or any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+
+from diffusion import schema
+from diffusion.cli import flag
+from diffusion.convert.dedupe import MODES as DEDUPE_MODES
+from diffusion.convert.files import RawColumns
+from diffusion.convert.rows import KEY_SCHEME
+from diffusion.convert.settings import MAX_NEW_TOKENS, RECAPTION_BATCH, SHARD_SIZE, PipelineSettings
+from diffusion.errors import ConfigError
+from diffusion.where import parse_where
+
+
+def _size(value: str) -> int | str:
+    """``--shard-size``: bytes, or a size streaming parses (``64mb``)."""
+    return int(value) if str(value).isdigit() else value
+
+
+@dataclasses.dataclass(kw_only=True)
+class ConvertConfig(PipelineSettings):
+    """The converter's settings; each is also its command-line flag (``--field-name``). The pipeline's
+    own (columns, image checks, pools) are :class:`PipelineSettings`, shared with online mode."""
+
+    input: str | list[str] = flag(help="raw data: a folder img2dataset wrote (parquet, webdataset, files or "
+                                       "tfrecord format; the metadata parquets beside tars and folders are not read as "
+                                       "data), or images with .txt captions (files, directories, globs or "
+                                       "s3:// URIs)", nargs="+")
+    output: str = flag(help="local directory or s3://bucket/prefix for the MDS shards")
+    model: str = flag(help="hub id or diffusers directory with the VAE, text encoder and tokenizer")
+    resolutions: tuple[int, ...] = flag((256,), "square crop sizes to encode, e.g. 256 512", type=int, nargs="+")
+    limit: int | None = flag(None, "read at most this many input rows", type=int)
+    shard_size: int | str = flag(SHARD_SIZE, "MDS shard size limit (bytes, or e.g. 64mb)", type=_size)
+    compression: str | None = flag("zstd", "MDS compression ('none' to disable)")
+    address: str | None = flag(None, "Ray cluster address (default: RAY_ADDRESS or a local instance)")
+    local_dir: str | None = flag(None, "staging directory for an s3:// output (stable across re-runs)")
+    visualize: int = flag(0, "write visualize.png: N input crops beside VAE decodings of their stored latents",
+                          type=int, metavar="N")
+    progress: bool = flag(True, "hide Ray's progress bars")
+    deterministic: bool = flag(False, "same input, same parts in the same order (so the same training order); "
+                                      "keeps Ray's row order, which can idle workers on a large cluster")
+    where: str | None = flag(None, "keep only parquet rows whose metadata passes this filter, decided before any "
+                                   "image is decoded, e.g. \"aesthetic >= 5.0 and punsafe < 0.1\" (comparisons, and, "
+                                   "or, not, parentheses, in [...], is null); each and-term's removals are counted "
+                                   "as 'filtered: TERM'", metavar="EXPR")
+    text: str = flag(schema.TEXT_EMBEDS_ONLY, "what the shards hold of the caption: 'embeds' the text encoder's "
+                                              "output (training reads it), 'ids' the 77 token ids only (308 B where "
+                                              "SD2's embeddings take 158 KB; training runs the text encoder), 'both'",
+                     choices=schema.TEXT_STORAGE)
+    dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
+                               "as duplicate_image rejects: a pass over the input before converting",
+                       choices=DEDUPE_MODES)
+    buckets: str | None = flag(None, "aspect-ratio buckets: 'preset' (sides multiples of 64 at the pixel budget of the "
+                                     "one --resolutions value, within --max-aspect) or WxH,WxH,...; each image is cropped "
+                                     "minimally to the bucket nearest its aspect ratio, one MDS dataset per bucket "
+                                     "under --output", metavar="preset|WxH,...")
+    captions: str | None = flag(None, "several captions per image: the input's caption columns, comma-separated, e.g. "
+                                      "caption,recap_llava (the first is --caption-column); each further one is stored "
+                                      "as caption_NAME and encoded (or tokenized) as the first; an empty one is kept "
+                                      "and counted; training draws one per sample (data.train.captions)",
+                                metavar="NAME,...")
+    recaption: str | None = flag(None, "caption every image again with this image-to-text model (hub id or local "
+                                       "transformers directory: BLIP, Florence-2, LLaVA, ...; the kit's tiny-captioner "
+                                       "offline): a GPU (else CPU) actor stage before encoding whose text is stored "
+                                       "and encoded as one more caption (caption_NAME, --recaption-column names it; training draws it with data.train.captions)",
+                                 metavar="MODEL_REF")
+    recaption_column: str = flag(schema.RECAPTION, "--recaption: name of the new caption column")
+    recaption_batch_size: int = flag(RECAPTION_BATCH, "--recaption: images per generate call", type=int)
+    recaption_actors: int | None = flag(None, "--recaption: captioning actors (default: half the GPUs, at least 1; "
+                                              "1 without GPUs)", type=int)
+    recaption_max_tokens: int = flag(MAX_NEW_TOKENS, "--recaption: most tokens generated per caption", type=int)
+    recaption_prompt: str | None = flag(None, "--recaption: text given to the model with each image, for models "
+                                              "that take an instruction (Florence-2: '<MORE_DETAILED_CAPTION>'; "
+                                              "LLaVA: its chat prompt); an echoed prompt is cut from the caption")
+
+    def __post_init__(self):
+        if isinstance(self.input, (list, tuple)) and len(self.input) == 1:
+            self.input = self.input[0]
+        if self.compression in ("none", ""):
+            self.compression = None
+        self.resolutions = tuple(sorted({int(r) for r in self.resolutions}))
+        if not self.resolutions or min(self.resolutions) <= 0:
+            raise ConfigError(f"--resolutions must be positive, got {self.resolutions}")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"--limit must be positive, got {self.limit}")
+        if self.max_aspect < 1:
+            raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
+        for name in ("max_bytes", "max_scans", "max_caption_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.where is not None:
+            parse_where(self.where)  # a malformed filter fails here, showing it
+        if self.text not in schema.TEXT_STORAGE:
+            raise ConfigError(f"--text must be one of {', '.join(schema.TEXT_STORAGE)}, got {self.text!r}")
+        if self.text_length < 2:
+            raise ConfigError(f"--text-length must be at least 2 (a caption's start and end tokens), got "
+                              f"{self.text_length}")
+        if self.dedupe not in DEDUPE_MODES:
+            raise ConfigError(f"--dedupe must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe!r}")
+        try:
+            self.extra_captions()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.buckets is not None:
+            self.bucket_sizes()  # a malformed list fails here, naming it
+            if self.visualize:
+                raise ConfigError("--visualize is for square outputs: leave it out with --buckets")
+        if self.recaption is not None:
+            self._check_recaption()
+
+    def _check_recaption(self) -> None:
+        for name in ("recaption_batch_size", "recaption_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.recaption_actors is not None and self.recaption_actors < 1:
+            raise ConfigError(f"--recaption-actors must be positive, got {self.recaption_actors}")
+        column = self.recaption_column
+        try:
+            schema.check_caption_name(column, "--recaption-column")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if column in (schema.CAPTION, self.caption_column, *self.input_captions()):
+            raise ConfigError(f"--recaption-column {column!r}: the input's captions already take that name "
+                              f"(--caption-column, --captions); choose another")
+
+    def bucket_sizes(self) -> list[tuple[int, int]] | None:
+        """The (width, height) buckets ``--buckets`` names, or None for square crops."""
+        from diffusion.convert.buckets import parse_buckets
+        return parse_buckets(self.buckets, self.resolutions, self.max_aspect) if self.buckets else None
+
+    def extra_captions(self) -> tuple[str, ...]:
+        """Every caption beyond the first (``--caption-column``, named ``caption``): the input's
+        (``--captions``), then the one ``--recaption`` writes."""
+        return self.input_captions() + ((self.recaption_column,) if self.recaption is not None else ())
+
+    def input_captions(self) -> tuple[str, ...]:
+        """The captions ``--captions`` reads from the input beside the first one."""
+        names = [n.strip() for n in (self.captions or "").split(",") if n.strip()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--captions {self.captions}: a caption is named twice")
+        return tuple(schema.check_caption_name(n) for n in names if n not in (schema.CAPTION, self.caption_column))
+
+    def raw_columns(self) -> RawColumns:
+        return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
+                          where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars,
+                          captions=self.input_captions())
+
+    def output_settings(self) -> dict:
+        """The settings that decide what a sample holds or whether a row is kept: a re-run into an
+        existing output must match them, or its new parts would not belong with the old ones."""
+        model = os.path.abspath(os.path.expanduser(self.model)) if os.path.isdir(self.model) else self.model
+        return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
+                "caption_column": self.caption_column, "key_column": self.key_column,
+                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
+                "max_bytes": self.max_bytes, "max_scans": self.max_scans, "max_caption_chars": self.max_caption_chars,
+                "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
+                "dedupe": self.dedupe, "text": self.text, "text_length": self.text_length,
+                "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
+                "captions": list(self.input_captions()),
+                "recaption": self.recaption_settings()}
+
+    def recaption_settings(self) -> dict | None:
+        """What decides the generated captions (None without --recaption); dataset.json records it too."""
+        if self.recaption is None:
+            return None
+        ref = self.recaption
+        model = os.path.abspath(os.path.expanduser(ref)) if os.path.isdir(os.path.expanduser(ref)) else ref
+        return {"model": model, "column": self.recaption_column, "prompt": self.recaption_prompt,
+                "max_tokens": self.recaption_max_tokens}
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self.output
+
+    def staging_dir(self) -> str:
+        """Where parts are written: the output itself, or a local directory stable across re-runs."""
+        if not self.is_remote:
+            return os.path.abspath(os.path.expanduser(self.output))
+        if self.local_dir:
+            return os.path.abspath(self.local_dir)
+        digest = hashlib.sha1(self.output.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), "laion_to_mds", digest)
