@@ -25,7 +25,7 @@ import numpy as np
 
 from diffusion import schema
 from diffusion.cluster import init_ray
-from diffusion.errors import ConfigError, OutputMismatchError
+from diffusion.errors import ConfigError, ModelReferenceError, OutputMismatchError
 from diffusion.convert.summary import ConversionSummary, bucket_counts, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.config import ConvertConfig
@@ -237,7 +237,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     text_config = loading.load_text_encoder_config(cfg.model)
     text_dim = loading.text_encoder_width(text_config)
     check_text_length(cfg.model, cfg.text_length, text_config)
-    downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
+    space = loading.latent_space_of(loading.load_vae_config(cfg.model))  # what the columns hold
     out = cfg.staging_dir()
     settings = cfg.output_settings()
     # Token counts (text_tokens) are stored since the text length became a setting; an output begun
@@ -245,8 +245,8 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     recorded = recorded_settings(out)
     settings["text_tokens"] = bool(recorded.get("text_tokens", False)) if recorded else True
     check_output_settings(out, settings)
-    columns = schema.mds_columns(cfg.resolutions, text_dim, downsample, cfg.text, captions=cfg.extra_captions(),
-                                 text_length=cfg.text_length, tokens=settings["text_tokens"])
+    columns = schema.mds_columns(cfg.resolutions, text_dim, space.downsample, cfg.text, captions=cfg.extra_captions(),
+                                 text_length=cfg.text_length, tokens=settings["text_tokens"], latent_space=space)
 
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -260,21 +260,49 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     return summary
 
 
+# Longest text a T5 is given where its tokenizer states no model_max_length: T5's relative positions
+# have no hard end, but its attention holds heads x L^2 floats per caption (T5-XXL: 4.3 GB at 4096).
+MAX_T5_TOKENS = 4096
+_NO_LIMIT = 10 ** 12  # transformers writes model_max_length=1e30 (VERY_LARGE_INTEGER) where none was set
+
+
+def text_length_limit(model: str, text_config: dict) -> tuple[int, str]:
+    """(most tokens ``model``'s text encoder reads, where that number comes from): CLIP's learned
+    positions (``max_position_embeddings``); for a T5, its tokenizer's ``model_max_length`` (the length
+    it was made for), else :data:`MAX_T5_TOKENS`."""
+    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT:
+        limit = text_config.get("max_position_embeddings")
+        return (int(limit), "its max_position_embeddings") if limit else (_NO_LIMIT, "")
+    try:
+        with open(os.path.join(loading.component_path(model, "tokenizer"), "tokenizer_config.json")) as f:
+            stated = json.load(f).get("model_max_length")
+    except (OSError, ValueError, AttributeError, ModelReferenceError):
+        stated = None  # no tokenizer config to read: loading the tokenizer later names the problem
+    if isinstance(stated, (int, float)) and 2 <= stated < _NO_LIMIT:
+        return int(stated), "its tokenizer's model_max_length"
+    return MAX_T5_TOKENS, "the limit for a T5 whose tokenizer states none"
+
+
 def check_text_length(model: str, text_length: int, text_config: dict | None = None,
                       name: str = "--text-length") -> None:
-    """``text_length`` within what ``model``'s text encoder can read: CLIP has learned positions for its
-    context only. ``name`` is the setting as the user wrote it."""
+    """``text_length`` within what ``model``'s text encoder can read (:func:`text_length_limit`), in one
+    line before Ray starts: CLIP has learned positions for its context only, and a T5's attention grows
+    with the square of the length. ``name`` is the setting as the user wrote it."""
     text_config = text_config if text_config is not None else loading.load_text_encoder_config(model)
-    limit = text_config.get("max_position_embeddings")
-    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT and limit and text_length > int(limit):
+    limit, source = text_length_limit(model, text_config)
+    if text_length <= limit:
+        return
+    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT:
         raise ConfigError(f"{name} {text_length}: the text encoder of {model} is CLIP, which reads at most {limit} "
                           f"tokens; use a T5 text encoder for longer captions")
+    raise ConfigError(f"{name} {text_length}: the text encoder of {model} ({text_config.get('model_type')}) reads at "
+                      f"most {limit} tokens ({source}); give {name} {limit} or less")
 
 
-def _bucket_columns(resolutions, text_dim: int, downsample: int, text: str, captions, text_length: int, tokens: bool,
-                    name: str) -> dict[str, str]:
-    return schema.mds_columns(resolutions, text_dim, downsample, text, bucket=schema.bucket_size(name), captions=captions,
-                              text_length=text_length, tokens=tokens)
+def _bucket_columns(resolutions, text_dim: int, space: schema.LatentSpace, text: str, captions, text_length: int,
+                    tokens: bool, name: str) -> dict[str, str]:
+    return schema.mds_columns(resolutions, text_dim, space.downsample, text, bucket=schema.bucket_size(name),
+                              captions=captions, text_length=text_length, tokens=tokens, latent_space=space)
 
 
 def _holds_progress(out: str) -> bool:
@@ -295,8 +323,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     bucket_columns = None
     if cfg.buckets:
         text_dim = loading.text_encoder_width(loading.load_text_encoder_config(cfg.model))
-        downsample = loading.vae_downsample(loading.load_vae_config(cfg.model))
-        bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, downsample, cfg.text,
+        space = loading.latent_space_of(loading.load_vae_config(cfg.model))
+        bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, space, cfg.text,
                                            cfg.extra_captions(), cfg.text_length, settings["text_tokens"])
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg, settings["text_tokens"]), bucket_columns=bucket_columns)

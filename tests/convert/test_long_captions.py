@@ -184,3 +184,25 @@ def test_text_mask_on_a_dataset_without_token_counts_is_one_line(train_kit, tmp_
     with pytest.raises(DatasetMismatchError, match="stores no token counts .*convert it again, or set "
                                                    "model.text_mask=false"):
         build_trainer(cfg)
+
+
+def test_a_t5_text_length_past_what_it_reads_is_refused_before_ray_starts(convert_config, tiny_t5_kit, tmp_path,
+                                                                           monkeypatch):
+    """100000 tokens once started Ray, then failed allocating 1.28 TB: the tokenizer's model_max_length
+    (the tiny T5's: 64) bounds it, and where the tokenizer states none, 4096 does."""
+    import json
+    import shutil
+
+    from diffusion.convert import pipeline
+    monkeypatch.setattr(pipeline, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    with pytest.raises(ConfigError, match=r"^--text-length 100000: the text encoder of .*tiny-t5 \(t5\) reads at most "
+                                          r"64 tokens \(its tokenizer's model_max_length\); give --text-length 64 or less$"):
+        pipeline.run_conversion(convert_config(tmp_path / "out", model=tiny_t5_kit, text_length=100000))
+    assert not (tmp_path / "out").exists()
+    unstated = tmp_path / "kit"
+    shutil.copytree(tiny_t5_kit, unstated)
+    config = unstated / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": int(1e30)}))
+    with pytest.raises(ConfigError, match=r"reads at most 4096 tokens \(the limit for a T5 whose tokenizer states none"):
+        pipeline.run_conversion(convert_config(tmp_path / "out", model=str(unstated), text_length=5000))
+    pipeline.check_text_length(str(unstated), 4096)  # up to it: accepted

@@ -96,6 +96,12 @@ def test_a_longer_text_length_than_clip_reads_is_refused_naming_the_key(tiny_kit
         check_online(cfg)
 
 
+def test_a_t5_text_length_past_what_its_tokenizer_reads_is_refused_naming_the_key(tiny_t5_kit):
+    cfg = load_config(TINY, [f"model.ref={tiny_t5_kit}", "data.online.input=x", "data.online.text_length=100000"])
+    with pytest.raises(ConfigError, match=r"data.online.text_length 100000: .* reads at most 64 tokens"):
+        check_online(cfg)
+
+
 def test_batches_follow_the_contract_and_drop_captions_to_the_empty_embedding():
     n, d = 400, 8
     empty = np.full((schema.MAX_TOKENS, d), -1.0, np.float16)
