@@ -187,7 +187,9 @@ def test_run_py_refuses_path_and_streams_in_one_line():
 
 def test_micro_budget_recipe_is_microdits_published_schedule():
     """Four phases, batch 2048: 250k masked + 30k unmasked at 256, 50k masked + 5k unmasked at 512; each
-    later phase loads the last one's final checkpoint (weights, and EMA through ema.init_from)."""
+    later phase loads the last one's final checkpoint. MicroDiT's learning rates (2.4e-4 cosine to 8e-5,
+    then 8e-5 constant, a 500-batch warm-up in phase 3) and averages (none in phases 1-2; 0.99975 over
+    phase 3's second half; 0.9975 in phase 4, from phase 3's average with its update count restarted)."""
     names = ["1-masked-256", "2-unmasked-256", "3-masked-512", "4-unmasked-512"]
     phases = [load_config(f"{ROOT}/yamls/micro-budget/{n}.yaml") for n in names]
     assert [(p.model.resolution, p.model.masking.ratio, p.trainer.max_duration) for p in phases] == [
@@ -196,7 +198,16 @@ def test_micro_budget_recipe_is_microdits_published_schedule():
     for before, after in zip(phases, phases[1:]):
         handed = f"{before.trainer.save_folder}/latest-rank0.pt"
         assert after.trainer.load_path == handed and after.trainer.load_weights_only
-        assert after.algorithms["ema"]["init_from"] == handed
+    assert [(p.optimizer.lr, p.scheduler.name, p.scheduler.t_warmup) for p in phases] == [
+        (2.4e-4, "cosine_with_warmup", "2500ba"), (8e-5, "constant_with_warmup", "0ba"),
+        (8e-5, "constant_with_warmup", "500ba"), (8e-5, "constant_with_warmup", "0ba")]
+    assert phases[0].scheduler.alpha_f == pytest.approx(8e-5 / 2.4e-4, abs=0.01)  # phase 1 ends at 8e-5
+    assert ["ema" in p.algorithms for p in phases] == [False, False, True, True]
+    assert phases[2].algorithms["ema"] == {"smoothing": 0.99975, "warmup": False, "start": "25000ba"}
+    assert phases[3].algorithms["ema"] == {"smoothing": 0.9975, "warmup": False, "restart": True,
+                                           "init_from": f"{phases[2].trainer.save_folder}/latest-rank0.pt"}
+    # the EMA that generate and export use at the end is phase 4's: phase 3's average weighs 0.9975^5000
+    assert 0.9975 ** 5000 < 1e-5
 
 
 @pytest.mark.parametrize("text, names", [

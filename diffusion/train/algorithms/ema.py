@@ -166,12 +166,18 @@ class EMA(Algorithm):
             False: ``smoothing`` from the first update.
         init_from: a checkpoint of an earlier phase (a staged recipe): a run that does not resume starts
             its average from that checkpoint's EMA (and update count), not from its own first weights.
+        restart: with ``init_from``, the update count starts again at 0: this phase's ``smoothing`` and
+            warm-up apply from its first batch to the earlier phase's average, as a new phase's own
+            average would (a warm-up then follows the new weights closely at once; without one, the
+            earlier average fades at ``smoothing`` per batch). False: the count goes on, and a phase whose
+            predecessor had warmed up averages at ``smoothing`` from its first batch.
     """
 
     eval_label = EVAL_LABEL
 
     def __init__(self, half_life: str | None = None, smoothing: float = 0.9999, start: str | int = 0,
-                 update_interval: int = 1, warmup: bool = True, init_from: str | None = None):
+                 update_interval: int = 1, warmup: bool = True, init_from: str | None = None,
+                 restart: bool = False):
         if update_interval < 1:
             raise ValueError(f"EMA update_interval must be >= 1, got {update_interval}")
         self.half_life = half_life
@@ -183,6 +189,9 @@ class EMA(Algorithm):
         self.update_interval = int(update_interval)
         self.warmup = bool(warmup)
         self.init_from = init_from
+        if restart and not init_from:
+            raise ValueError("EMA restart restarts the average of init_from: give algorithms.ema.init_from too")
+        self.restart = bool(restart)
         self.num_updates = 0  # updates since the start: the warm-up's n, checkpointed
         self.started_at_batch: int | None = None  # the batch count at the start (update_interval counts from it)
         self._resolved_start: Time | None = None  # ``start`` in batches or samples, set at fit start
@@ -240,7 +249,10 @@ class EMA(Algorithm):
                                           "state_dict_type 'full' (trainer.fsdp.state_dict_type=full)")
             self._resolved_start = resolve_start(self._start, state.max_duration)
             if self.init_from and not self.started and int(state.timestamp.batch) == 0:
-                self._restore(dict(_phase_ema(self.init_from), started_at_batch=0))
+                earlier = dict(_phase_ema(self.init_from), started_at_batch=0)
+                if self.restart:
+                    earlier["num_updates"] = 0
+                self._restore(earlier)
             self._maybe_start(state)
         elif event == Event.BATCH_END:
             batch = int(state.timestamp.batch)

@@ -273,3 +273,36 @@ def test_swaps_without_fsdp_drop_nothing():
     before = trainable(model)
     drop_gathered_parameters(model)
     assert_close(trainable(model), before)
+
+
+def _earlier_phase(tmp_path):
+    """A 3-batch phase at smoothing 0.9 (warming up) and its final checkpoint's EMA."""
+    fit(EMA(smoothing=0.9), duration="3ba", save_folder=str(tmp_path), save_interval="3ba",
+        save_filename="ep{epoch}-ba{batch}.pt")
+    path = str(tmp_path / "ep0-ba3.pt")
+    return path, dict(torch.load(path, weights_only=False)["state"]["algorithms"])["EMA"]
+
+
+def test_init_from_continues_the_earlier_phases_count_unless_restarted(tmp_path):
+    path, earlier = _earlier_phase(tmp_path)
+    assert earlier["num_updates"] == 3
+    went_on = EMA(smoothing=0.9, init_from=path)
+    _, rec = fit(went_on, duration="2ba")
+    assert went_on.num_updates == 5  # the warm-up went on: update 4's decay 5/14, not update 1's 2/11
+    expected = dict(earlier["ema_params"])
+    for n, weights in zip((4, 5), rec.after_batch):
+        decay = (1 + n) / (10 + n)
+        expected = {k: decay * expected[k] + (1 - decay) * weights[k] for k in weights}
+    assert_close(went_on.state_dict()["ema_params"], expected)
+    # restart: this phase's own schedule from its first batch, starting from the earlier average
+    restarted = EMA(smoothing=0.5, warmup=False, init_from=path, restart=True)
+    _, rec = fit(restarted, duration="4ba")
+    assert restarted.num_updates == 4
+    assert_close(restarted.state_dict()["ema_params"],
+                 reference_ema(rec.after_batch, 0.5, initial=earlier["ema_params"], warmup=False))
+    warm = EMA(smoothing=0.9, init_from=path, restart=True)
+    _, rec = fit(warm, duration="2ba")
+    assert warm.num_updates == 2 and warm.decay == pytest.approx(4 / 13)  # the warm-up again: 2/11, 3/12, ...
+    assert_close(warm.state_dict()["ema_params"], reference_ema(rec.after_batch, 0.9, initial=earlier["ema_params"]))
+    with pytest.raises(ValueError, match="give algorithms.ema.init_from"):
+        EMA(restart=True)
