@@ -36,7 +36,7 @@ from diffusion.convert.dedupe import find_duplicates, later_copies
 from diffusion.convert.where_check import check_where
 from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
-from diffusion.convert.recaption import Recaptioner
+from diffusion.convert.recaption import Recaptioner, check_captioner
 from diffusion.models import loading
 
 # Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
@@ -233,7 +233,7 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
         check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
     loading.require_weights(cfg.model, ("vae", "text_encoder"))
     if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
-        loading.resolve_captioner(cfg.recaption)
+        check_captioner(loading.resolve_captioner(cfg.recaption), cfg.recaption)
     text_config = loading.load_text_encoder_config(cfg.model)
     text_dim = loading.text_encoder_width(text_config)
     check_text_length(cfg.model, cfg.text_length, text_config)

@@ -15,6 +15,8 @@ in bf16 (fp16 where bf16 is unsupported) when a GPU is visible, else on CPU in f
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
@@ -23,10 +25,54 @@ import torch
 from diffusion import schema
 from diffusion.convert.encoders import pick_device_and_dtype
 from diffusion.convert.settings import MAX_NEW_TOKENS
+from diffusion.errors import ModelReferenceError
 from diffusion.models import loading
 from diffusion.models.text_encoder import tokenize
 
 STAGE_SECONDS = "_recaption_seconds"  # per-row share of the batch's wall time, when timing is on
+
+
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # loading them unpickles: code can run
+
+
+def check_captioner(path: str, ref: str) -> None:
+    """Refuse, in one line before any actor starts, a captioning model directory (``path``, found for
+    ``--recaption ref``) that loading would refuse or that could run code: weights that are not
+    safetensors (pickled ``.bin``, ``.pt``: unpickling runs code), a config asking for the model's own
+    code (``auto_map``: remote code, which is never trusted), or safetensors or a processor that do not
+    load."""
+    names = sorted(os.listdir(path))
+    where = f"--recaption {ref}" + (f" ({path})" if os.path.abspath(os.path.expanduser(ref)) != path else "")
+    for name in (n for n in names if n.endswith(".json")):
+        try:
+            with open(os.path.join(path, name)) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelReferenceError(f"{where}: {name} is not JSON ({type(e).__name__}: {' '.join(str(e).split())})"
+                                      ) from None
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ModelReferenceError(f"{where}: {name} asks for the model's own code (auto_map), which the converter "
+                                      f"never runs: use a model transformers implements (BLIP, Florence-2, LLaVA, ...)")
+    safe = [n for n in names if n.endswith(".safetensors")]
+    if not safe:
+        pickled = [n for n in names if n.endswith(PICKLED_WEIGHTS)]
+        what = (f"holds its weights only as pickled files ({', '.join(pickled)}), which can run code when loaded: "
+                f"give a copy with .safetensors weights" if pickled else "holds no .safetensors weights")
+        raise ModelReferenceError(f"{where} {what}")
+    from safetensors import safe_open
+    from transformers import AutoProcessor
+    for name in safe:
+        try:
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # the header is read only: a damaged or foreign file
+            raise ModelReferenceError(f"{where}: {name} is not a safetensors file ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())})") from None
+    try:
+        AutoProcessor.from_pretrained(path)
+    except Exception as e:  # whatever a broken processor's files raise: the actors would raise it too
+        raise ModelReferenceError(f"{where}: its processor does not load ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:300]})") from None
 
 
 def crops_of(batch: dict, resolution: int) -> list[np.ndarray]:

@@ -190,3 +190,67 @@ def test_pools_with_recaption_leave_room_for_read_tasks_and_share_one_gpu():
     assert eight.num_recaptioners * eight.gpus_per_recaptioner + eight.num_encoders * eight.gpus_per_encoder == 8
     off = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m"))
     assert off.num_recaptioners == 0
+
+
+class _WritesMarker:
+    """Unpickling it writes ``marker``: what an attacker puts in a pickled weight file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
+
+
+def _pickled_captioner(tiny_captioner, out, marker):
+    """The tiny captioner with its weights in a pickled pytorch_model.bin that also carries a payload."""
+    import torch
+    from safetensors.torch import load_file
+    shutil.copytree(tiny_captioner, out)
+    weights = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    torch.save({**weights, "payload": _WritesMarker(marker)}, str(out / "pytorch_model.bin"))
+    return out
+
+
+def _remote_code_captioner(tiny_captioner, out, marker):
+    """The tiny captioner whose processor config asks for its own code, a module that writes ``marker``."""
+    shutil.copytree(tiny_captioner, out)
+    (out / "processing_evil.py").write_text(f"open({str(marker)!r}, 'w').write('code ran')\n")
+    config = out / "preprocessor_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "auto_map": {"AutoProcessor": "processing_evil.EvilProcessor"}}))
+    return out
+
+
+@pytest.mark.parametrize("make, message", [
+    (_pickled_captioner, r" holds its weights only as pickled files \(pytorch_model.bin\), which can run code when "
+                         r"loaded: give a copy with .safetensors weights$"),
+    (_remote_code_captioner, r": preprocessor_config.json asks for the model's own code \(auto_map\), which the "
+                             r"converter never runs"),
+])
+def test_a_pickled_or_remote_code_captioner_is_refused_in_one_line_before_ray_starts(
+        make, message, recaption_config, tiny_captioner, tmp_path, monkeypatch):
+    from diffusion.errors import ModelReferenceError
+    marker = tmp_path / "marker"
+    hostile = make(tiny_captioner, tmp_path / "hostile", marker)
+    monkeypatch.setattr(pipeline, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    with pytest.raises(ModelReferenceError, match=r"^--recaption .*hostile" + message):
+        run_conversion(recaption_config(tmp_path / "out", recaption=str(hostile)))
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_the_command_refuses_a_pickled_captioner_in_one_line(small_sample, tiny_kit, tiny_captioner, tmp_path):
+    import subprocess
+    import sys
+    marker = tmp_path / "marker"
+    hostile = _pickled_captioner(tiny_captioner, tmp_path / "hostile", marker)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "convert/laion_to_mds.py", "--input", small_sample[0], "--output",
+                           str(tmp_path / "out"), "--model", tiny_kit, "--resolutions", str(RES), "--recaption",
+                           str(hostile)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"laion_to_mds: error: --recaption {hostile} holds its weights only "
+                                                f"as pickled files (pytorch_model.bin), which can run code when loaded: "
+                                                f"give a copy with .safetensors weights"]
+    assert not marker.exists()
