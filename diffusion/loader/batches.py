@@ -194,12 +194,18 @@ class ToModelBatch:
 
 class StackSamples:
     """A DataLoader ``collate_fn``: samples of one epoch (dicts of contract columns) → stacked columns →
-    :class:`ToModelBatch`. Stacking is the one copy a sample's arrays make on their way into the batch."""
+    :class:`ToModelBatch`. Stacking is the one copy a sample's arrays make on their way into the batch.
+    With ``captions`` (a :class:`~diffusion.loader.captions.CaptionColumns`: several captions per image),
+    each sample first takes the caption it draws for its epoch, copy and the run's phase."""
 
-    def __init__(self, to_batch: ToModelBatch):
+    def __init__(self, to_batch: ToModelBatch, captions=None):
         self.to_batch = to_batch
+        self.captions = captions
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        if self.captions is not None:
+            for s in samples:
+                self.captions.apply(s, s[SAMPLE_EPOCH], s.get(SAMPLE_COPY, 0), self.to_batch.phase)
         arrays = (self.to_batch.moments_column, self.to_batch.text_column,
                   *((schema.TEXT_TOKENS,) if self.to_batch.empty_tokens is not None else ()))
         columns = {name: np.stack([s[name] for s in samples]) for name in arrays}

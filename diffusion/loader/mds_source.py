@@ -54,7 +54,7 @@ from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_em
                                            load_empty_tokens,
                                            loader_streams,
                                            one_line, read_dataset_info, read_loader_info, section_name)
-from diffusion.loader.captions import CaptionChoice
+from diffusion.loader.captions import CaptionChoice, CaptionColumns
 from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
                                            pick_hash, shared_flags, size_problem)
 
@@ -146,6 +146,11 @@ class LatentDataset(StreamingDataset):
                 text, embeds, ids = schema.caption_columns(name)
                 self._caption_columns[name] = (text, embeds if text_column == schema.TEXT_EMBEDS else ids,
                                                *((schema.tokens_column(name),) if tokens else ()))
+        # the draw among them: the collate step's while iterating (it knows each sample's copy and the
+        # run's phase), __getitem__'s for a sample read on its own (copy 0, phase 0)
+        self.caption_columns = (CaptionColumns(captions, self._caption_columns, text_column)
+                                if self._caption_columns else None)
+        self._iterating = False
         # tokens: each sample's token count too (text_tokens, its attention mask; models with model.text_mask)
         self._wanted = (self.moments_column, text_column, *((schema.TEXT_TOKENS,) if tokens else ()), schema.KEY,
                         *(c for pair in self._caption_columns.values() for c in pair))
@@ -345,11 +350,15 @@ class LatentDataset(StreamingDataset):
         if self._failure is not None:
             raise self._failure
         copies = None
-        for sample in super().__iter__():
-            if copies is None:  # set by _get_work, when streaming starts the epoch
-                copies = iter(self._copies.tolist())
-            sample[SAMPLE_COPY] = next(copies)
-            yield sample
+        self._iterating = True  # the collate step draws the captions (StackSamples)
+        try:
+            for sample in super().__iter__():
+                if copies is None:  # set by _get_work, when streaming starts the epoch
+                    copies = iter(self._copies.tolist())
+                sample[SAMPLE_COPY] = next(copies)
+                yield sample
+        finally:
+            self._iterating = False
         if self._failure is not None:  # a prefetch thread failed after the last sample was read
             raise self._failure
 
@@ -423,15 +432,8 @@ class LatentDataset(StreamingDataset):
             stream_id = int(self.stream_per_shard[self.spanner[index][0]])
             if stream_id:
                 row[schema.KEY] = f"{stream_id}/{row[schema.KEY]}"
-        if self._caption_columns:
-            chosen = self._caption_columns.get(self.captions.choose(row[schema.KEY], self._epoch))
-            if chosen is not None and row[chosen[0]] != "":
-                row[self.text_column] = row[chosen[1]]
-                if len(chosen) > 2:
-                    row[schema.TEXT_TOKENS] = row[chosen[2]]
-            for pair in self._caption_columns.values():
-                for column in pair:
-                    row.pop(column, None)
+        if self.caption_columns is not None and not self._iterating:
+            self.caption_columns.apply(row, self._epoch)
         row[schema.BATCH_SAMPLE_INDEX] = int(index)
         row[SAMPLE_EPOCH] = self._epoch
         return row
@@ -543,7 +545,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.
     return StreamingDataLoader(
-        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=True, collate_fn=StackSamples(to_batch),
+        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=True, collate_fn=StackSamples(to_batch, dataset.caption_columns),
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(), prefetch_factor=loader_cfg.prefetch_factor if workers else None,
         persistent_workers=loader_cfg.persistent_workers and workers > 0)
