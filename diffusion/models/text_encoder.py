@@ -15,6 +15,7 @@ in bf16). It times itself, so a run can show the text encoder's share of step ti
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -29,6 +30,10 @@ from diffusion.models import loading
 # another text encoder far above.
 EMPTY_EMBEDDING_TOLERANCE = 0.05
 
+
+# text_probe's field holding the sha256 of the encoder's weights (:func:`weights_fingerprint`); absent in
+# datasets converted before it was recorded, whose encoder is checked by the probe captions only.
+WEIGHTS_SHA256 = "weights_sha256"
 
 # Captions whose embeddings fingerprint a text encoder (``dataset.json``'s ``text_probe``): the empty
 # caption alone tells a causal encoder's first tokens and padding, not how it reads words.
@@ -53,14 +58,38 @@ def attention_mask(counts: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(int(length), device=counts.device)[None, :] < counts.to(torch.long)[:, None]
 
 
-def text_probe(tokenizer, encode_ids, length: int = schema.MAX_TOKENS) -> dict:
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of a text encoder's weights, whatever precision they were loaded in: each parameter as
+    float32 (its shape and values), in the order the model registers them, a tensor equal to an earlier
+    one (a tied embedding) once. Names are left out, so a transformers release that renames a module
+    still gives the same fingerprint; any changed value gives another."""
+    total, seen = hashlib.sha256(), set()
+    for parameter in model.parameters():
+        values = parameter.detach().to("cpu", torch.float32).contiguous().numpy()
+        one = hashlib.sha256(repr(values.shape).encode())
+        one.update(values.data)
+        digest = one.digest()
+        if digest not in seen:
+            seen.add(digest)
+            total.update(digest)
+    return total.hexdigest()
+
+
+def text_probe(tokenizer, encode_ids, length: int = schema.MAX_TOKENS, model: torch.nn.Module | None = None) -> dict:
     """The fingerprint of a text encoder the converter records for training from ids: the ids of
     :data:`PROBE_CAPTIONS` and the mean over tokens of their embeddings (``encode_ids(ids, counts)`` →
-    (B, length, D)), rounded to 5 significant digits."""
+    (B, length, D)), rounded to 5 significant digits, and the sha256 of the weights of ``model`` (by
+    default the ``model`` of the object whose method ``encode_ids`` is, as a converter's ``TextEncoder``),
+    :func:`weights_fingerprint`: the probe captions alone miss an encoder that differs only on words
+    they do not hold."""
     ids, counts = tokenize(tokenizer, PROBE_CAPTIONS, length)
     means = np.asarray(encode_ids(ids, counts), dtype=np.float32).mean(axis=1)
-    return {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(), "text_tokens": counts.tolist(),
-            "mean_embedding": [[float(f"{v:.5g}") for v in row] for row in means]}
+    probe = {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(), "text_tokens": counts.tolist(),
+             "mean_embedding": [[float(f"{v:.5g}") for v in row] for row in means]}
+    model = model if model is not None else getattr(getattr(encode_ids, "__self__", None), "model", None)
+    if isinstance(model, torch.nn.Module):
+        probe[WEIGHTS_SHA256] = weights_fingerprint(model)
+    return probe
 
 
 def _probe_difference(encoder: "FrozenTextEncoder", probe: dict) -> float:
@@ -142,14 +171,17 @@ class FrozenTextEncoder:
 
 
 def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
-                             probe: dict | None = None, where: str = "", empty_tokens: int | None = None
-                             ) -> FrozenTextEncoder:
+                             probe: dict | None = None, where: str = "", empty_tokens: int | None = None,
+                             dataset: str = "") -> FrozenTextEncoder:
     """The text encoder of ``ref`` for training from ids, checked before the first step: it loads, its
     width is the UNet's ``text_dim``, the ids fit its vocabulary, and where the dataset's empty-caption
     embedding is given, it reproduces it from ``empty_input_ids``, and where the dataset recorded a
-    ``probe`` (:func:`text_probe`), the probe captions' embeddings too (so the ids were made for it).
-    ``where`` says where the reference came from, for the error messages."""
+    ``probe`` (:func:`text_probe`), the probe captions' embeddings too (so the ids were made for it), and
+    where the probe records its weights' sha256, the same weights (any other encoder, even one differing
+    only on words neither probe caption holds, is refused). ``where`` says where the reference came from,
+    ``dataset`` which dataset recorded the probe, for the error messages."""
     where = f" ({where})" if where else ""
+    dataset = f"dataset {dataset}" if dataset else "the dataset"
     try:
         model = loading.load_text_encoder(ref)
     except ModelReferenceError as e:
@@ -187,5 +219,13 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
                 f"its captions (largest difference {difference:.3g} of their scale; float rounding stays under "
                 f"{EMPTY_EMBEDDING_TOLERANCE}): the dataset's ids were encoded by another text encoder when it was "
                 f"converted; name that one in model.text_encoder")
+    if probe and probe.get(WEIGHTS_SHA256):
+        mine = weights_fingerprint(encoder.model)
+        if mine != probe[WEIGHTS_SHA256]:
+            raise DatasetMismatchError(
+                f"text encoder {ref!r}{where} is not the one {dataset} was converted with: its weights' sha256 "
+                f"{mine[:16]} differs from the {probe[WEIGHTS_SHA256][:16]} that dataset.json's text_probe records "
+                f"(a copy in another precision, or with any row changed, is another encoder): name the text encoder "
+                f"the dataset was converted with in model.text_encoder, or convert the dataset again with this one")
     encoder.take_seconds()  # the checks are not training time
     return encoder

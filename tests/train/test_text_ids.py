@@ -208,3 +208,39 @@ def test_a_dataset_json_naming_an_unknown_text_storage_is_named_as_damaged(train
     damaged = _copy_with_dataset_json(datasets["ids"], tmp_path / "damaged", text="idz")
     with pytest.raises(DataIntegrityError, match=r"damaged/dataset.json is not a dataset.json .*text='idz'"):
         build_trainer(_config(train_kit, damaged))
+
+
+def test_a_text_encoder_that_differs_only_on_words_the_probe_lacks_is_refused_by_its_weights(train_kit, tiny_kit,
+                                                                                            datasets, tmp_path):
+    """The probe captions' embeddings pass an encoder whose other token rows differ, though it encodes the
+    dataset's own captions quite differently: the sha256 of the weights text_probe records catches it,
+    naming the encoder. A dataset.json written before that field keeps the probe check alone."""
+    from transformers import CLIPTextModel
+
+    from diffusion.models.loading import load_tokenizer
+    from diffusion.models.text_encoder import tokenize
+    ids = datasets["ids"]
+    info = json.loads(open(os.path.join(ids, schema.DATASET_JSON)).read())
+    assert len(info["text_probe"]["weights_sha256"]) == 64
+    encoder = CLIPTextModel.from_pretrained(os.path.join(tiny_kit, "text_encoder"))
+    captions = torch.as_tensor(tokenize(load_tokenizer(tiny_kit), ["class 3", "class 7"])[0]).long()
+    with torch.no_grad():
+        own = encoder(captions).last_hidden_state
+    kept = {int(i) for row in info["text_probe"]["input_ids"] for i in row} | set(info["empty_input_ids"])
+    with torch.no_grad():
+        table = encoder.get_input_embeddings().weight
+        others = torch.ones(table.shape[0], dtype=torch.bool)
+        others[torch.as_tensor(sorted(kept))] = False
+        table[others] += 0.5 * torch.randn_like(table[others])
+        changed = encoder(captions).last_hidden_state
+    encoder.save_pretrained(str(tmp_path / "others" / "text_encoder"))
+    assert (changed - own).abs().max() > 0.3 * own.abs().max()  # the dataset's own captions: far off
+    others = str(tmp_path / "others")
+    with pytest.raises(DatasetMismatchError, match=r"^text encoder '.*others' \(model.text_encoder\) is not the one the "
+                                                   r"dataset was converted with: its weights' sha256 [0-9a-f]{16} "
+                                                   r"differs from the [0-9a-f]{16} that dataset.json's text_probe"):
+        build_trainer(_config(train_kit, ids, f"model.text_encoder={others}"))
+    old = {k: v for k, v in info["text_probe"].items() if k != "weights_sha256"}
+    before_the_field = _copy_with_dataset_json(ids, tmp_path / "old", text_probe=old)
+    close_trainer(build_trainer(_config(train_kit, before_the_field, f"model.text_encoder={others}")))  # probe only
+    close_trainer(build_trainer(_config(train_kit, ids, f"model.text_encoder={tiny_kit}")))  # its own encoder
