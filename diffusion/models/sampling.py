@@ -95,7 +95,23 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
         scaling_factor = loading.load_vae_config(model_ref).get("scaling_factor")
     return ModelDescription(model_ref=model_ref, denoiser=adapter.class_name, denoiser_config=config,
                             objective=objective, objective_params=params, scaling_factor=scaling_factor,
-                            resolution=None, text_dim=adapter.text_dim(config))
+                            resolution=None, text_dim=adapter.text_dim(config),
+                            **text_conditioning(loading.resolve_model(model_ref, components=())))
+
+
+# Beside model_index.json in an export of a model trained with text masks or another text length: how its
+# denoiser reads text (diffusers' configs have no place for it), so sampling the export conditions as trained.
+TEXT_CONDITIONING = "text_conditioning.json"
+
+
+def text_conditioning(root: str) -> dict:
+    """``{"text_mask": ..., "text_length": ...}`` of a diffusers directory's :data:`TEXT_CONDITIONING`, or {}."""
+    path = os.path.join(root, TEXT_CONDITIONING)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {"text_mask": bool(data["text_mask"]), "text_length": int(data["text_length"])}
 
 
 def load_trained(checkpoint: str, *, model_ref: str | None = None, ema: bool = True) -> TrainedModel:

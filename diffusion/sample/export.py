@@ -71,11 +71,22 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     described = trained.description
     if described.text_mask or described.text_length != schema.MAX_TOKENS:
+        with open(os.path.join(out, sampling.TEXT_CONDITIONING), "w") as f:  # where our sampler reads it
+            json.dump({"text_mask": described.text_mask, "text_length": described.text_length}, f, indent=2)
         print(f"note: the model was trained on {described.text_length}-token captions"
               + (" with text masks (the denoiser reads the caption's tokens only), which diffusers' pipelines do "
                  "not pass" if described.text_mask else "")
-              + f": sample it with python -m diffusion.generate --checkpoint {checkpoint} to condition it as trained")
+              + f": sample it with python -m diffusion.generate --checkpoint "
+              + (f"{out} (it reads {sampling.TEXT_CONDITIONING})" if conditions_as_trained(out, described)
+                 else checkpoint) + " to condition it as trained")
     return out
+
+
+def conditions_as_trained(out: str, described) -> bool:
+    """Whether our sampler reads the export ``out`` with the text length and masks ``described`` trained with."""
+    again = sampling.text_conditioning(out)
+    return (again.get("text_mask", False), again.get("text_length", schema.MAX_TOKENS)) == (
+        bool(described.text_mask), int(described.text_length))
 
 
 def _check_not_source(out: str, sources: list[str]) -> None:

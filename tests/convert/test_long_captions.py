@@ -206,3 +206,30 @@ def test_a_t5_text_length_past_what_it_reads_is_refused_before_ray_starts(conver
     with pytest.raises(ConfigError, match=r"reads at most 4096 tokens \(the limit for a T5 whose tokenizer states none"):
         pipeline.run_conversion(convert_config(tmp_path / "out", model=str(unstated), text_length=5000))
     pipeline.check_text_length(str(unstated), 4096)  # up to it: accepted
+
+
+def test_an_export_of_a_masked_model_samples_as_its_checkpoint(t5_data, tiny_t5_kit, tmp_path, capsys):
+    """The export keeps text_mask and text_length where our sampler reads them: generate on the export
+    draws what generate on the checkpoint draws (the review found 19.5/255 apart without them)."""
+    from diffusion.models import sampling
+    from diffusion.sample import export, generate
+    from diffusion.train.trainer import build_trainer
+    from train_fixtures import close_trainer
+    out, _ = t5_data
+    folder = tmp_path / "checkpoints"
+    trainer = build_trainer(_config(tiny_t5_kit, out, "SD3Transformer2DModel", "embeds",
+                                    f"trainer.save_folder={folder}", "trainer.save_interval=2ba"))
+    trainer.fit()
+    close_trainer(trainer)
+    checkpoint = str(folder / "latest-rank0.pt")
+    exported = export.export_pipeline(checkpoint, str(tmp_path / "pipe"))
+    printed = capsys.readouterr().out
+    assert f"generate --checkpoint {exported} (it reads {sampling.TEXT_CONDITIONING})" in printed
+    described = sampling.load_trained(exported).description
+    assert described.text_mask and described.text_length == LENGTH
+    kwargs = dict(steps=3, guidance_scale=4.0, seed=3)
+    prompts = ["a red circle above a blue square", "a green triangle"]
+    ours = generate.generate_images(checkpoint, prompts, **kwargs)
+    theirs = generate.generate_images(exported, prompts, **kwargs)
+    for a, b in zip(ours, theirs):
+        assert np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)).max() <= 2
