@@ -6,7 +6,8 @@ MDS columns (one row per image-caption pair):
 
 | column              | encoding                    | meaning                                            |
 |---------------------|-----------------------------|----------------------------------------------------|
-| ``vae_moments_{R}`` | ``ndarray:float16:8,R/f,R/f`` | VAE posterior mean (4 ch) and log-variance (4 ch) |
+| ``vae_moments_{R}`` | ``ndarray:float16:2C,R/f,R/f`` | VAE posterior mean (C ch) and log-variance (C ch) |
+| ``vae_latents_{R}`` | ``ndarray:float16:C,R/f,R/f`` | instead, an autoencoder's deterministic latents (DC-AE) |
 | ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state (``--text embeds``) |
 | ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
 | ``text_tokens``     | ``int``                     | the caption's token count before padding: its attention mask |
@@ -31,7 +32,9 @@ encoder), recorded as ``dataset.json``'s ``text_length``. ``text_tokens`` (in da
 token counts were stored; ``dataset.json`` then has ``empty_text_tokens``) gives each caption's attention
 mask, ``arange(L) < text_tokens``, for embeddings and ids alike.
 
-``f`` is the VAE's downsampling factor (8 for SD2). Which text columns a dataset holds is its
+``C`` and ``f`` are the autoencoder's latent channels and downsampling factor (4 and 8 for SD2's VAE; 16
+and 8 for SD3's and Flux's; 32 and 32 for DC-AE): ``dataset.json`` records them with the autoencoder class,
+its scaling and shift factors and which of the two columns it holds (:class:`LatentSpace`). Which text columns a dataset holds is its
 *text storage* (:data:`TEXT_STORAGE`, the converter's ``--text``): ``embeds`` (the text encoder's output,
 ≈158 KB a sample at SD2 size), ``ids`` (the 77 token ids, 308 bytes: training runs the frozen text
 encoder on them) or ``both``; a ``dataset.json`` without the field is ``both`` (what every dataset
@@ -55,6 +58,7 @@ KEY = "key"
 WIDTH = "width"
 HEIGHT = "height"
 _VAE_MOMENTS_PREFIX = "vae_moments_"
+_VAE_LATENTS_PREFIX = "vae_latents_"  # deterministic latents (AutoencoderDC): C channels, no posterior
 # Aspect-ratio buckets (``--buckets``): where the bucket's crop starts in the resized image (SDXL's
 # crop micro-conditioning; ``width``/``height`` are the original size).
 CROP_TOP = "crop_top"
@@ -99,7 +103,7 @@ def text_columns(text: str) -> tuple[str, ...]:
     if text not in TEXT_STORAGE:
         raise ValueError(f"text storage {text!r}: one of {', '.join(TEXT_STORAGE)}")
     return {TEXT_EMBEDS_ONLY: (TEXT_EMBEDS,), TEXT_IDS_ONLY: (INPUT_IDS,), TEXT_BOTH: (TEXT_EMBEDS, INPUT_IDS)}[text]
-LATENT_CHANNELS = 4  # the moments hold 2 * LATENT_CHANNELS channels: mean, then log-variance
+LATENT_CHANNELS = 4  # SD's VAE: the moments hold 2 * LATENT_CHANNELS channels: mean, then log-variance
 
 # ---- files beside index.json ----------------------------------------------------------------------
 DATASET_JSON = "dataset.json"
@@ -128,17 +132,18 @@ def image_column(resolution: int) -> str:
 
 
 # ---- training batch keys (what loaders yield and the model consumes) -------------------------------
-BATCH_MOMENTS = "vae_moments"  # (B, 8, h, w) float: VAE posterior mean and log-variance, unscaled
+BATCH_MOMENTS = "vae_moments"  # (B, 2C, h, w) float: VAE posterior mean and log-variance, unscaled
+BATCH_LATENTS = "vae_latents"  # (B, C, h, w) float: deterministic latents (AutoencoderDC), unscaled
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
 BATCH_TEXT_TOKENS = TEXT_TOKENS  # (B,) long: token counts, the attention mask (models with model.text_mask)
 BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
 # Training batches also carry each sample's random draws (diffusion.loader.batches.NoiseDraws), float32:
-BATCH_POSTERIOR_NOISE = "posterior_noise"  # (B, 4, h, w) ε of the latent's draw from its moments
-BATCH_NOISE = "noise"  # (B, 4, h, w) the diffusion noise ε
-BATCH_OFFSET_NOISE = "offset_noise"  # (B, 4) per-channel offset (used when model.offset_noise > 0)
+BATCH_POSTERIOR_NOISE = "posterior_noise"  # (B, C, h, w) ε of the latent's draw from its moments (moments only)
+BATCH_NOISE = "noise"  # (B, C, h, w) the diffusion noise ε
+BATCH_OFFSET_NOISE = "offset_noise"  # (B, C) per-channel offset (used when model.offset_noise > 0)
 BATCH_TIMESTEP_DRAW = "timestep_draw"  # (B,) uniform in [0, 1): the timestep is ⌊u·T⌋
-BATCH_PERTURBATION_NOISE = "perturbation_noise"  # (B, 4, h, w) only when model.input_perturbation > 0
+BATCH_PERTURBATION_NOISE = "perturbation_noise"  # (B, C, h, w) only when model.input_perturbation > 0
 BATCH_PATCH_KEEP = "patch_keep"  # (B, K) long, sorted: the latent patches a masked step keeps (model.masking)
 BATCH_ROUTE_KEEP = "route_keep"  # (B, K) long, sorted: the patches a routed step sends through the span (model.routing)
 
@@ -148,9 +153,72 @@ def vae_moments_column(resolution: int) -> str:
     return f"{_VAE_MOMENTS_PREFIX}{int(resolution)}"
 
 
+def vae_latents_column(resolution: int) -> str:
+    """Column name of deterministic latents (an autoencoder without a posterior), e.g. ``vae_latents_256``."""
+    return f"{_VAE_LATENTS_PREFIX}{int(resolution)}"
+
+
 def resolutions_in(columns) -> list[int]:
-    """The resolutions whose moment columns appear in ``columns`` (sorted)."""
-    return sorted(int(c[len(_VAE_MOMENTS_PREFIX):]) for c in columns if c.startswith(_VAE_MOMENTS_PREFIX))
+    """The resolutions whose moment (or latent) columns appear in ``columns`` (sorted)."""
+    found = set()
+    for c in columns:
+        for prefix in (_VAE_MOMENTS_PREFIX, _VAE_LATENTS_PREFIX):
+            if c.startswith(prefix):
+                found.add(int(c[len(prefix):]))
+    return sorted(found)
+
+
+# ---- the latent space: which autoencoder made the stored columns, and how training scales them ----------
+MOMENTS, LATENTS = "moments", "latents"  # what a dataset stores: posterior mean+log-variance, or latents
+AUTOENCODERS = ("AutoencoderKL", "AutoencoderDC")  # the diffusers autoencoder classes the converter runs
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentSpace:
+    """The space a denoiser works in: the autoencoder (a diffusers class), its latent channels C and
+    spatial downsampling f, and the affine map training applies once, ``latent = (z - shift) * scale``
+    (decoding inverts it). ``stored`` says what the MDS columns hold: ``moments`` (an ``AutoencoderKL``'s
+    posterior mean and log-variance, 2C channels in ``vae_moments_{R}``: training draws a fresh latent
+    each time) or ``latents`` (an ``AutoencoderDC``'s deterministic latent, C channels in ``vae_latents_{R}``).
+    The defaults are SD's VAE (4 channels, /8, no shift), what every dataset held before this was recorded."""
+
+    autoencoder: str = "AutoencoderKL"
+    channels: int = LATENT_CHANNELS
+    downsample: int = 8
+    scaling_factor: float = 0.18215
+    shift_factor: float = 0.0
+    stored: str = MOMENTS
+
+    def __post_init__(self):
+        if self.stored not in (MOMENTS, LATENTS):
+            raise ValueError(f"latent storage {self.stored!r}: {MOMENTS} or {LATENTS}")
+
+    @property
+    def stored_channels(self) -> int:
+        """Channels of a stored column: 2C for moments, C for latents."""
+        return 2 * self.channels if self.stored == MOMENTS else self.channels
+
+    def column(self, resolution: int) -> str:
+        """The MDS column at ``resolution``: ``vae_moments_{R}`` or ``vae_latents_{R}``."""
+        return vae_moments_column(resolution) if self.stored == MOMENTS else vae_latents_column(resolution)
+
+    @property
+    def batch_key(self) -> str:
+        """The batch key the loader puts the stored column under."""
+        return BATCH_MOMENTS if self.stored == MOMENTS else BATCH_LATENTS
+
+    def describe(self) -> str:
+        """One line for messages: ``AutoencoderKL, 16 channels, /8, moments, scale 0.3611, shift 0.1159``."""
+        return (f"{self.autoencoder}, {self.channels} channels, /{self.downsample}, {self.stored}, "
+                f"scale {self.scaling_factor:g}, shift {self.shift_factor:g}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "LatentSpace":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in fields})
 
 
 def bucket_name(width: int, height: int) -> str:
@@ -166,12 +234,16 @@ def bucket_size(name: str) -> tuple[int, int]:
 
 def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
                 bucket: tuple[int, int] | None = None, captions=(), text_length: int = MAX_TOKENS,
-                tokens: bool = True) -> dict[str, str]:
+                tokens: bool = True, latent_space: LatentSpace | None = None) -> dict[str, str]:
     """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
     ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
     the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left. ``captions``: the names of the
     captions beyond the first (``--captions``), each with its text and text columns. ``text_length``: the
-    token length of ids and embeddings; ``tokens``: with the token counts (``text_tokens``)."""
+    token length of ids and embeddings; ``tokens``: with the token counts (``text_tokens``).
+    ``latent_space``: what the latent columns hold (None: SD's 4-channel moments; its downsampling is
+    ``downsample``)."""
+    space = latent_space or LatentSpace(downsample=downsample)
+    downsample = space.downsample
     columns = {}
     if bucket is not None and len(resolutions) != 1:
         raise ValueError(f"a bucket dataset holds one resolution (its pixel budget), got {list(resolutions)}")
@@ -179,7 +251,7 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
         w, h = bucket if bucket is not None else (r, r)
         if r % downsample or w % downsample or h % downsample:
             raise ValueError(f"resolution {w}x{h} is not a multiple of the VAE downsampling factor {downsample}")
-        columns[vae_moments_column(r)] = f"ndarray:float16:{2 * LATENT_CHANNELS},{h // downsample},{w // downsample}"
+        columns[space.column(r)] = f"ndarray:float16:{space.stored_channels},{h // downsample},{w // downsample}"
     stored = text_columns(text)
     if TEXT_EMBEDS in stored:
         columns[TEXT_EMBEDS] = f"ndarray:float16:{int(text_length)},{int(text_dim)}"
@@ -237,7 +309,26 @@ class DatasetInfo:
     text_length: int = MAX_TOKENS
     text_encoder_type: str | None = None
     empty_text_tokens: int | None = None
+    # The latent space (:class:`LatentSpace`): the autoencoder class, its latent channels, the shift
+    # training subtracts before scaling, and whether the columns hold posterior moments or latents. A
+    # dataset.json without them was written by SD's 4-channel AutoencoderKL, as moments.
+    autoencoder: str = "AutoencoderKL"
+    latent_channels: int = LATENT_CHANNELS
+    shift_factor: float = 0.0
+    latents: str = MOMENTS
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def latent_space(self) -> LatentSpace:
+        """The latent space this dataset's columns are in."""
+        return LatentSpace(autoencoder=self.autoencoder, channels=int(self.latent_channels),
+                           downsample=int(self.downsample), scaling_factor=float(self.scaling_factor),
+                           shift_factor=float(self.shift_factor), stored=self.latents)
+
+    def set_latent_space(self, space: LatentSpace) -> None:
+        """Record ``space`` in this dataset's fields."""
+        self.autoencoder, self.latent_channels, self.downsample = space.autoencoder, space.channels, space.downsample
+        self.scaling_factor, self.shift_factor, self.latents = space.scaling_factor, space.shift_factor, space.stored
 
     @property
     def has_tokens(self) -> bool:
@@ -263,6 +354,8 @@ class DatasetInfo:
         info = cls(**{k: v for k, v in d.items() if k in known})
         if info.text not in TEXT_STORAGE:
             raise ValueError(f"text={info.text!r} is none of {', '.join(TEXT_STORAGE)}")
+        if info.latents not in (MOMENTS, LATENTS):
+            raise ValueError(f"latents={info.latents!r} is none of {MOMENTS}, {LATENTS}")
         return info
 
     @classmethod

@@ -55,6 +55,20 @@ def tiny_t5_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vae16_kit() -> str:
+    """The tiny-vae16 kit (a random 16-channel AutoencoderKL with a shift factor, an MMDiT reading 16 channels)."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-vae16", CACHE / "kit" / "tiny-vae16"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dcae_kit() -> str:
+    """The tiny-dcae kit (a random AutoencoderDC: 32 channels, /32; an MMDiT reading 32 channels)."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-dcae", CACHE / "kit" / "tiny-dcae"))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.kit.build import ensure_kit

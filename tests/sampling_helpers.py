@@ -16,16 +16,17 @@ def kit_unet(kit):
     return UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet")).eval()
 
 
-def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3) -> str:
+def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3, latent_space=None) -> str:
     """Train the tiny model ``batches`` batches (batch 4, 64 px, EMA on) on synthetic latents of ``kit``
-    with the product's trainer and return the path of its final Composer checkpoint."""
+    (in ``latent_space``, default SD's) with the product's trainer and return the path of its final
+    Composer checkpoint."""
     import gc
 
     from diffusion.train.config import load_config
     from diffusion.train.trainer import build_trainer
     from train_fixtures import tiny_overrides, write_latent_mds
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16)
+    mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16, latent_space=latent_space)
     folder = os.path.join(out, "checkpoints")
     cfg = load_config(os.path.join(root, "yamls", "tiny-cpu.yaml"),
                       tiny_overrides(kit, mds, batches=batches, batch_size=4, save_folder=folder,

@@ -64,21 +64,24 @@ def kit_text_dim(kit: str) -> int:
 def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
                      text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16,
                      compression: str | None = None, text_encoder: str | None = None,
-                     text: str = schema.TEXT_BOTH) -> str:
+                     text: str = schema.TEXT_BOTH, latent_space: schema.LatentSpace | None = None) -> str:
     """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy.
 
     The text columns (``text``: which of them) are stand-ins (random embeddings per class, token ids
     all the class number; the empty caption's embedding all -1, its ids all ``CLASSES``), or with
     ``text_encoder`` (a kit with text encoder weights) what the converter stores: the ids of
-    "class C" and their embeddings from that encoder."""
+    "class C" and their embeddings from that encoder. ``latent_space``: the autoencoder the samples stand
+    for (None: SD's 4-channel moments, /8), recorded in dataset.json; C channels of patterns, as moments or
+    as deterministic latents."""
     from streaming import MDSWriter
     text_dim = text_dim or kit_text_dim(kit)
     rng = np.random.default_rng(seed)
     class_ids = np.repeat(np.arange(CLASSES, dtype=np.int32)[:, None], schema.MAX_TOKENS, axis=1)
     empty_ids = np.full(schema.MAX_TOKENS, CLASSES, dtype=np.int32)
-    h = resolution // 8
+    space = latent_space or schema.LatentSpace(scaling_factor=SCALING_FACTOR)
+    h = resolution // space.downsample
     yy, xx = np.meshgrid(np.linspace(-1, 1, h), np.linspace(-1, 1, h), indexing="ij")
-    patterns = np.stack([np.stack([np.sin((c + 1) * xx + k) * np.cos((k + 1) * yy) for k in range(4)])
+    patterns = np.stack([np.stack([np.sin((c + 1) * xx + k) * np.cos((k + 1) * yy) for k in range(space.channels)])
                          for c in range(CLASSES)]) * 4.0  # unscaled latents are ~5x the scaled ones
     class_embeds = rng.normal(size=(CLASSES, schema.MAX_TOKENS, text_dim))
     # A recognisable empty-caption embedding: every value -1 (real embeddings here are N(0, 1)).
@@ -95,29 +98,33 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
         empty_ids = empty_caption_ids(encoder.tokenizer)
         empty_embeds = encoder.encode_ids(empty_ids[None])[0]
         probe = text_probe(encoder.tokenizer, encoder.encode_ids)
-    columns = schema.mds_columns([resolution], text_dim, text=text, tokens=False)  # no text_tokens: CLIP, unmasked
+    columns = schema.mds_columns([resolution], text_dim, text=text, tokens=False, latent_space=space)  # no text_tokens: CLIP, unmasked
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     # A shard holds samples_per_shard samples whichever text columns are stored (the same rows give the
     # same shards, so the same training order): array bytes plus a little for the strings and header.
     text_bytes = sum({schema.TEXT_EMBEDS: schema.MAX_TOKENS * text_dim * 2, schema.INPUT_IDS: schema.MAX_TOKENS * 4}
                      .get(name, 0) for name in schema.text_columns(text))
-    size_limit = samples_per_shard * (2 * 4 * h * h * 2 + text_bytes + 100)
+    size_limit = samples_per_shard * (space.stored_channels * h * h * 2 + text_bytes + 100)
     with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
         for i in range(n):
             c = i % CLASSES
             mean = patterns[c] + 0.1 * rng.normal(size=patterns[c].shape)
-            moments = np.concatenate([mean, np.full_like(mean, logvar)]).astype(np.float16)
+            moments = (np.concatenate([mean, np.full_like(mean, logvar)]) if space.stored == schema.MOMENTS
+                       else mean).astype(np.float16)
             sample = {
-                schema.vae_moments_column(resolution): moments,
+                space.column(resolution): moments,
                 schema.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
                 schema.INPUT_IDS: class_ids[c],
                 schema.CAPTION: f"class {c}", schema.KEY: f"{i:06d}",
                 schema.WIDTH: resolution, schema.HEIGHT: resolution,
             }
             writer.write({name: value for name, value in sample.items() if name in columns})
-    schema.DatasetInfo(model=text_encoder or kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution],
-                       text_dim=text_dim, count=n, rows_in=n, text=text, text_encoder=text_encoder,
-                       empty_input_ids=[int(i) for i in empty_ids], text_probe=probe).save(out)
+    info = schema.DatasetInfo(model=text_encoder or kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution],
+                              text_dim=text_dim, count=n, rows_in=n, text=text, text_encoder=text_encoder,
+                              empty_input_ids=[int(i) for i in empty_ids], text_probe=probe)
+    if latent_space is not None:
+        info.set_latent_space(latent_space)
+    info.save(out)
     np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty_embeds.astype(np.float16))
     return out
 

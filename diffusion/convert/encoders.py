@@ -67,27 +67,33 @@ class TextEncoder:
 
 
 class VaeEncoder:
-    """The VAE's posterior moments: mean and log-variance concatenated on the channel axis."""
+    """What the autoencoder's encoder stores (:attr:`space`): an ``AutoencoderKL``'s posterior moments, mean
+    and log-variance concatenated on the channel axis, or an ``AutoencoderDC``'s deterministic latents."""
 
     def __init__(self, model: str, device=None, dtype=None):
         self.device, default_dtype = pick_device_and_dtype(device)
         self.dtype = dtype or default_dtype
         self.model = loading.load_vae(model, dtype=self.dtype).to(self.device)
-        self.downsample = loading.vae_downsample(dict(self.model.config))
-        self.scaling_factor = float(self.model.config.scaling_factor)
+        self.space = loading.latent_space_of(dict(self.model.config))
+        self.downsample = self.space.downsample
+        self.scaling_factor = self.space.scaling_factor
 
     @torch.inference_mode()
     def moments(self, images: np.ndarray) -> np.ndarray:
+        """(B, 2C or C, H/f, W/f) float16: the stored column of uint8 (B, H, W, 3) crops."""
         if len(images) == 0:
-            r = np.asarray(images).shape[1] // self.downsample
-            return np.zeros((0, 2 * schema.LATENT_CHANNELS, r, r), np.float16)
-        posterior = self.model.encode(normalize_images(images, self.device, self.dtype)).latent_dist
+            h, w = np.asarray(images).shape[1:3]
+            return np.zeros((0, self.space.stored_channels, h // self.downsample, w // self.downsample), np.float16)
+        encoded = self.model.encode(normalize_images(images, self.device, self.dtype))
+        if self.space.stored == schema.LATENTS:
+            return encoded.latent.to(torch.float16).cpu().numpy()
+        posterior = encoded.latent_dist
         return torch.cat([posterior.mean, posterior.logvar], dim=1).to(torch.float16).cpu().numpy()
 
     @torch.inference_mode()
     def decode_mean(self, moments: np.ndarray) -> np.ndarray:
-        """uint8 (B, H, W, 3) images decoded from the posterior means (for previews)."""
-        mean = torch.as_tensor(np.asarray(moments)[:, : schema.LATENT_CHANNELS], device=self.device)
+        """uint8 (B, H, W, 3) images decoded from the posterior means, or the latents (for previews)."""
+        mean = torch.as_tensor(np.asarray(moments)[:, : self.space.channels], device=self.device)
         x = self.model.decode(mean.to(self.dtype)).sample.float().clamp(-1, 1)
         return ((x + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
@@ -133,10 +139,10 @@ class LatentTextEncoder:
             for c in (schema.BUCKET, schema.CROP_TOP, schema.CROP_LEFT):
                 out[c] = batch[c]
             r = self.resolutions[0]
-            out[schema.vae_moments_column(r)] = self.bucket_moments(batch[schema.BUCKET], batch[schema.image_column(r)])
+            out[self.vae.space.column(r)] = self.bucket_moments(batch[schema.BUCKET], batch[schema.image_column(r)])
         else:
             for r in self.resolutions:
-                out[schema.vae_moments_column(r)] = self.vae.moments(batch[schema.image_column(r)])
+                out[self.vae.space.column(r)] = self.vae.moments(batch[schema.image_column(r)])
         if schema.INPUT_IDS in self.text_columns:
             out[schema.INPUT_IDS] = ids
         if self.text is not None:
@@ -166,14 +172,15 @@ def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS
     training from ids checks its text encoder reproduces it), from the same tokenizer and text encoder
     the encoder actors run: one description for the converter's output and the online stream. ``tokens``:
     the samples store token counts (``text_tokens``)."""
-    vae_config = loading.load_vae_config(model_ref)
+    space = loading.latent_space_of(loading.load_vae_config(model_ref))
     encoder = TextEncoder(model_ref, device="cpu", text_length=text_length)
     empty_ids, empty_counts = tokenize(encoder.tokenizer, [""], text_length)
-    info = schema.DatasetInfo(model=model_ref, scaling_factor=float(vae_config.get("scaling_factor", 0.18215)),
+    info = schema.DatasetInfo(model=model_ref, scaling_factor=space.scaling_factor,
                               resolutions=list(resolutions), text_dim=encoder.dim,
-                              downsample=loading.vae_downsample(vae_config), text=text, text_encoder=model_ref,
+                              downsample=space.downsample, text=text, text_encoder=model_ref,
                               empty_input_ids=[int(i) for i in empty_ids[0]],
                               text_probe=text_probe(encoder.tokenizer, encoder.encode_ids, text_length),
                               text_length=int(text_length), text_encoder_type=encoder.kind,
                               empty_text_tokens=int(empty_counts[0]) if tokens else None)
+    info.set_latent_space(space)
     return info, encoder.encode_ids(empty_ids, empty_counts)[0]

@@ -48,8 +48,9 @@ def write_visualization(out: str, cfg, n: int, path: str | None = None) -> str:
     samples = [dataset[i] for i in range(min(n, len(dataset)))]
     if not samples:
         raise ValueError(f"{out} holds no samples to visualize")
-    moments = np.stack([s[schema.vae_moments_column(resolution)] for s in samples]).astype(np.float32)
-    decoded = VaeEncoder(cfg.model, device="cpu").decode_mean(moments)
+    vae = VaeEncoder(cfg.model, device="cpu")
+    moments = np.stack([s[vae.space.column(resolution)] for s in samples]).astype(np.float32)
+    decoded = vae.decode_mean(moments)
     crops = input_crops(cfg, [s[schema.KEY] for s in samples])
     rows = [np.concatenate([crops[s[schema.KEY]][resolution], d], axis=1) for s, d in zip(samples, decoded)]
     path = path or os.path.join(out, VISUALIZE_PNG)

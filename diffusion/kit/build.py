@@ -16,6 +16,10 @@
   T5-style tokenizer trained here on the sample captions (:mod:`diffusion.kit.t5_tokenizer`), and both
   denoisers at the tiny kits' sizes (``unet/`` and ``transformer/``: ``model.denoiser`` picks; auto
   takes the transformer), over the shipped fitted VAE.
+- ``tiny-vae16``, ``tiny-dcae``: the tiny MMDiT kit in other latent spaces, for tests: a random 16-channel
+  ``AutoencoderKL`` with a shift factor (SD3's and Flux's kind, /8) and a random ``AutoencoderDC``
+  (DC-AE's kind: 32 channels, /32, deterministic latents), each with an MMDiT reading its channels.
+  Random autoencoders decode noise: for the latent contract, not for judging images.
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -53,7 +57,8 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
-PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5")
+PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
+           "tiny-dcae")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -226,12 +231,49 @@ def build_tiny_mmdit(out: pathlib.Path) -> dict:
     return {"vae": "shipped", "vae_fit": fit}
 
 
-def _mmdit_index() -> dict:
+def _mmdit_index(vae: str = "AutoencoderKL") -> dict:
     import diffusers
     return {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__,
-            "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+            "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", vae],
             "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+
+
+# Random tiny autoencoders of the other latent spaces (seeded; for the latent contract, not legible images).
+# A 16-channel AutoencoderKL, /8, with a scaling and a shift factor as SD3's and Flux's VAEs have.
+TINY_VAE16 = dict(sample_size=64, in_channels=3, out_channels=3, latent_channels=16, layers_per_block=1,
+                  block_out_channels=(16, 32, 32, 32), norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 4,
+                  up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.5, shift_factor=0.1)
+# DC-AE's shape at toy widths: six stages (/32), 32 latent channels, residual blocks only.
+TINY_DCAE = dict(latent_channels=32, attention_head_dim=8, encoder_block_types="ResBlock",
+                 decoder_block_types="ResBlock", encoder_block_out_channels=(8, 16, 16, 32, 32, 32),
+                 decoder_block_out_channels=(8, 16, 16, 32, 32, 32), encoder_layers_per_block=(1,) * 6,
+                 decoder_layers_per_block=(1,) * 6, encoder_qkv_multiscales=((),) * 6,
+                 decoder_qkv_multiscales=((),) * 6, scaling_factor=0.41407)
+# The tiny MMDiT for each: 16 channels at 8x8 latents (64 px), patches of 2; 32 channels at 2x2, patches of 1.
+TINY_MMDIT_VAE16 = dict(TINY_MMDIT, in_channels=16, out_channels=16)
+TINY_MMDIT_DCAE = dict(TINY_MMDIT, in_channels=32, out_channels=32, patch_size=1, sample_size=2)
+
+
+def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
+    """``tiny-vae16`` or ``tiny-dcae``: a random autoencoder of that latent space and an MMDiT reading its
+    channels, over the tiny kit's CLIP text encoder, its tokenizer and a flow-matching scheduler."""
+    import diffusers
+    from diffusers import AutoencoderDC, AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    vae_class, vae, mmdit = ((AutoencoderKL, TINY_VAE16, TINY_MMDIT_VAE16) if preset == "tiny-vae16"
+                             else (AutoencoderDC, TINY_DCAE, TINY_MMDIT_DCAE))
+    torch.manual_seed(0)
+    SD3Transformer2DModel(**mmdit).save_pretrained(out / "transformer")
+    torch.manual_seed(1)
+    CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
+    torch.manual_seed(2)
+    vae_class(**vae).save_pretrained(out / "vae")
+    write_clip_tokenizer(out / "tokenizer")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
+    _write_json(out / "model_index.json", _mmdit_index(vae_class.__name__))
+    return {"vae": "random"}
 
 
 # The tiny T5 encoder: the tiny CLIP text encoder's width (so the tiny UNet and MMDiT configs fit it), two
@@ -347,6 +389,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny_captioner(out)
     elif preset == "tiny-t5":
         info = build_tiny_t5(out)
+    elif preset in ("tiny-vae16", "tiny-dcae"):
+        info = build_tiny_latent_kit(out, preset)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -488,7 +532,8 @@ the shipped fitted tiny VAE), sd2-base (SD2-base's exact configs and tokenizer, 
 trained from scratch, the VAE and text encoder weights come from the hub), tiny-clip (a tiny random
 CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-captioner (a tiny random
 BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
-text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions).
+text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
+tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
@@ -499,7 +544,9 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-mmdit --out .cache/kit/tiny-mmdit  # yamls/tiny-mmdit-flow-cpu.yaml
   python -m diffusion.kit --preset mmdit-base --out kits/mmdit-base       # yamls/micro-budget/
   python -m diffusion.kit --preset tiny-captioner --out .cache/kit/tiny-captioner  # --recaption offline
-  python -m diffusion.kit --preset tiny-t5 --out .cache/kit/tiny-t5    # convert with --text-length 32"""
+  python -m diffusion.kit --preset tiny-t5 --out .cache/kit/tiny-t5    # convert with --text-length 32
+  python -m diffusion.kit --preset tiny-vae16 --out .cache/kit/tiny-vae16  # 16-channel latents (random VAE)
+  python -m diffusion.kit --preset tiny-dcae --out .cache/kit/tiny-dcae    # DC-AE latents, /32 (random)"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -103,10 +103,13 @@ class NoiseDraws:
     # With token routing (``model.routing``): which patches each sample sends through the routed span.
     route: PatchMask | None = None
 
-    def __call__(self, keys, epoch: int, latent_shape, copies=None, phase: int = 0) -> dict[str, torch.Tensor]:
+    def __call__(self, keys, epoch: int, latent_shape, copies=None, phase: int = 0,
+                 posterior: bool = True) -> dict[str, torch.Tensor]:
+        """``posterior``: the batch holds moments to draw latents from (deterministic latents need no ε_z)."""
         n, shape = len(keys), tuple(int(d) for d in latent_shape)
-        draws = {schema.BATCH_POSTERIOR_NOISE: torch.empty(n, *shape), schema.BATCH_NOISE: torch.empty(n, *shape),
-                 schema.BATCH_OFFSET_NOISE: torch.empty(n, shape[0]), schema.BATCH_TIMESTEP_DRAW: torch.empty(n)}
+        draws = {schema.BATCH_POSTERIOR_NOISE: torch.empty(n, *shape)} if posterior else {}
+        draws.update({schema.BATCH_NOISE: torch.empty(n, *shape), schema.BATCH_OFFSET_NOISE: torch.empty(n, shape[0]),
+                      schema.BATCH_TIMESTEP_DRAW: torch.empty(n)})
         if self.perturbation:
             draws[schema.BATCH_PERTURBATION_NOISE] = torch.empty(n, *shape)
         if self.mask is not None:
@@ -143,6 +146,8 @@ class ToModelBatch:
     strings); a ``sample_index`` column, when present, is passed on (it pins the eval noise), and a
     ``copy`` column numbers repeated samples' copies. With ``noise`` (training batches), each sample's
     :class:`NoiseDraws` are added. ``phase`` is the run's phase (set by the trainer before the first batch).
+    ``latent_space`` (the datasets' :class:`~diffusion.schema.LatentSpace`; None: SD's moments) says which
+    column holds the latents: moments go under ``vae_moments``, deterministic latents under ``vae_latents``.
 
     The text column is ``text_embeds`` (a dropped caption gets ``empty_text``, the embedding of ""), or
     with ``text_column=input_ids`` the token ids (a dropped caption gets ``empty_text``, the ids of "",
@@ -153,10 +158,11 @@ class ToModelBatch:
 
     def __init__(self, resolution: int, empty_text: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
                  noise: NoiseDraws | None = None, text_column: str = schema.TEXT_EMBEDS,
-                 empty_tokens: int | None = None):
+                 empty_tokens: int | None = None, latent_space: schema.LatentSpace | None = None):
         if text_column not in (schema.TEXT_EMBEDS, schema.INPUT_IDS):
             raise ValueError(f"text_column {text_column!r}: {schema.TEXT_EMBEDS} or {schema.INPUT_IDS}")
-        self.moments_column = schema.vae_moments_column(resolution)
+        self.latent_space = latent_space or schema.LatentSpace()
+        self.moments_column = self.latent_space.column(resolution)
         self.text_column = text_column
         dtype = np.float16 if text_column == schema.TEXT_EMBEDS else np.int64
         self.empty_text = np.asarray(empty_text, dtype=dtype)
@@ -176,7 +182,7 @@ class ToModelBatch:
                 text = text.copy()
             text[drop] = self.empty_text
         batch_key = schema.BATCH_TEXT_EMBEDS if self.text_column == schema.TEXT_EMBEDS else schema.BATCH_INPUT_IDS
-        batch = {schema.BATCH_MOMENTS: torch.from_numpy(np.ascontiguousarray(columns[self.moments_column])),
+        batch = {self.latent_space.batch_key: torch.from_numpy(np.ascontiguousarray(columns[self.moments_column])),
                  batch_key: torch.from_numpy(np.ascontiguousarray(text))}
         if self.empty_tokens is not None:
             tokens = np.array(columns[schema.TEXT_TOKENS], dtype=np.int64)
@@ -186,9 +192,10 @@ class ToModelBatch:
         if schema.BATCH_SAMPLE_INDEX in columns:
             batch[schema.BATCH_SAMPLE_INDEX] = torch.as_tensor(np.asarray(columns[schema.BATCH_SAMPLE_INDEX]))
         if self.noise is not None:
-            moments = batch[schema.BATCH_MOMENTS]
-            latent_shape = (moments.shape[1] // 2, *moments.shape[2:])
-            batch.update(self.noise(columns[schema.KEY], epoch, latent_shape, copies, self.phase))
+            stored = batch[self.latent_space.batch_key]
+            posterior = self.latent_space.stored == schema.MOMENTS
+            latent_shape = (stored.shape[1] // 2 if posterior else stored.shape[1], *stored.shape[2:])
+            batch.update(self.noise(columns[schema.KEY], epoch, latent_shape, copies, self.phase, posterior=posterior))
         return batch
 
 

@@ -142,6 +142,10 @@ def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | 
     infos = [read_dataset_info(entry.path, loader_cfg.download_timeout) for _, entry in streams]
     (first_name, _), first = streams[0], infos[0]
     for (name, _), info in zip(streams[1:], infos[1:]):
+        if info.latent_space != first.latent_space:  # a mix of two latent spaces
+            raise DatasetMismatchError(
+                f"{name}: its latents are {info.latent_space.describe()} where {first_name}'s are "
+                f"{first.latent_space.describe()}: every stream of a mix must be encoded by the same autoencoder")
         for field in AGREED_FIELDS:
             if getattr(info, field) != getattr(first, field):
                 raise DatasetMismatchError(
@@ -151,7 +155,7 @@ def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | 
         if resolution is not None and (resolution in info.resolutions) != (resolution in first.resolutions):
             has, lacks = (first_name, name) if resolution in first.resolutions else (name, first_name)
             raise DatasetMismatchError(
-                f"{lacks} has no {schema.vae_moments_column(resolution)} column where {has} has (the model "
+                f"{lacks} has no {first.latent_space.column(resolution)} column where {has} has (the model "
                 f"trains at {resolution}): convert it with --resolutions {resolution}, or leave it out of the mix")
     if resolution is not None and text_dim is not None:
         for (name, _), info in zip(streams, infos):

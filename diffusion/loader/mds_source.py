@@ -126,13 +126,14 @@ class LatentDataset(StreamingDataset):
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
                  streams: Sequence[CheckedStream] | None = None, verify_hashes: bool = True,
                  text_column: str = schema.TEXT_EMBEDS, captions=None, tokens: bool = False,
-                 **streaming_kwargs: Any):
+                 latent_space: schema.LatentSpace | None = None, **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
             streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
             raise ValueError("give remote/local (one dataset) or streams (a mix), not both")
         super().__init__(streams=list(streams), **streaming_kwargs)
-        self.moments_column = schema.vae_moments_column(resolution)
+        self.latent_space = latent_space or schema.LatentSpace()  # which column: moments or latents
+        self.moments_column = self.latent_space.column(resolution)
         self.verify_hashes = verify_hashes
         self._epoch = 0
         self.text_column = text_column  # text_embeds, or input_ids for a model that encodes them
@@ -476,13 +477,13 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     read as streaming reads a remote one. Two jobs on one node reading the same read-only dataset
     need a ``local`` each. ``data.train.streams`` mixes datasets with streaming's stream weights, each
     stream read (and its shards checked) as a single ``path`` would be."""
-    read_loader_info(loader_cfg, resolution, text_dim)
+    info = read_loader_info(loader_cfg, resolution, text_dim)
     captions = caption_choice(loader_cfg, seed)
     streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
     bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
     return LatentDataset(
         streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
-        captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards,
+        captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
@@ -540,7 +541,8 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     check_batch_fits(loader_cfg, dataset, world_size)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
-                            text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None)
+                            text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None,
+                            latent_space=dataset.latent_space)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.

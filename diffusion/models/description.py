@@ -25,6 +25,9 @@ class ModelDescription:
     text_dim: int
     text_length: int = schema.MAX_TOKENS  # tokens per caption the model was trained on (sampling pads to it)
     text_mask: bool = False  # the denoiser attends to each caption's tokens only (not its padding)
+    # The latent space trained in (schema.LatentSpace as a dict: autoencoder, channels, downsampling,
+    # scaling and shift); None in checkpoints written before it was recorded: the model reference's VAE.
+    latent_space: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -47,6 +50,17 @@ class ModelDescription:
                    objective_params={"noise_schedule": state.get("noise_schedule")},
                    scaling_factor=state.get("scaling_factor"), resolution=state.get("resolution"),
                    text_dim=int(state.get("text_dim") or state["unet_config"]["cross_attention_dim"]))
+
+    def space(self) -> schema.LatentSpace:
+        """The latent space to decode from: the recorded one, else (older checkpoints) the model
+        reference's autoencoder with the scaling factor training recorded."""
+        if self.latent_space is not None:
+            return schema.LatentSpace.from_dict(self.latent_space)
+        from diffusion.models import loading
+        space = loading.latent_space_of(loading.load_vae_config(self.model_ref))
+        if self.scaling_factor is not None:
+            space = dataclasses.replace(space, scaling_factor=float(self.scaling_factor))
+        return space
 
     # ---- the parts -----------------------------------------------------------------------------------
     @property

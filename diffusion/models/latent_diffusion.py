@@ -2,8 +2,9 @@
 
 A model is a **denoiser** (:mod:`diffusion.models.denoisers`: the UNet, an MMDiT ...) and an
 **objective** (:mod:`diffusion.models.objectives`: ε / v on the DDPM schedule, rectified flow ...).
-One training step, per sample: latent = (mean + σ·ε_z) · scaling_factor (the ONLY place latents are
-scaled), noise ε (+ optional offset, + optional input perturbation), a noise level from the loader's
+One training step, per sample: latent = (z - shift_factor) · scaling_factor with z = mean + σ·ε_z drawn from
+the stored moments, or z the stored latent of a deterministic autoencoder (the ONLY place latents are
+scaled: :attr:`LatentDiffusion.latent_space`, what dataset.json records), noise ε (+ optional offset, + optional input perturbation), a noise level from the loader's
 draw u, then the objective's noisy input and target, loss = (weighted) MSE(denoiser(x, level, text), target).
 The random numbers come with the batch, drawn per sample from (seed, epoch, key) by the loader
 (:class:`diffusion.loader.batches.NoiseDraws`): the step is the same whatever the microbatch size or
@@ -17,6 +18,7 @@ encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), comp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -37,8 +39,9 @@ LEGACY_PREFIX, PREFIX = "unet.", "denoiser."  # checkpoints before the model win
 class LatentDiffusion(ComposerModel):
     """``forward`` noises a batch of moments; ``loss`` is the (weighted) MSE to the objective's target."""
 
-    def __init__(self, denoiser: torch.nn.Module, objective: objectives.Objective, *, scaling_factor: float,
-                 model_ref: str, resolution: int, downsample: int = 8, offset_noise: float = 0.0,
+    def __init__(self, denoiser: torch.nn.Module, objective: objectives.Objective, *,
+                 scaling_factor: float | None = None, model_ref: str, resolution: int, downsample: int = 8,
+                 latent_space: schema.LatentSpace | None = None, offset_noise: float = 0.0,
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
                  route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
@@ -49,9 +52,15 @@ class LatentDiffusion(ComposerModel):
         self.objective = objective
         self.text_encoder = text_encoder  # not a submodule: see diffusion.models.text_encoder
         self.model_ref = model_ref
-        self.scaling_factor = float(scaling_factor)
+        # The latent space the data is in (dataset.json's): given whole, or SD's with a scaling factor.
+        if latent_space is None:
+            if scaling_factor is None:
+                raise ValueError("give the latent space (or SD's VAE scaling factor)")
+            latent_space = schema.LatentSpace(scaling_factor=float(scaling_factor), downsample=int(downsample))
+        self.latent_space = latent_space
+        self.scaling_factor = float(latent_space.scaling_factor)
         self.resolution = int(resolution)
-        self.latent_size = self.resolution // downsample
+        self.latent_size = self.resolution // latent_space.downsample
         self.text_dim = self.adapter.text_dim(dict(denoiser.config))
         self.text_length = int(text_length)
         # Attention over the caption's tokens only (T5's long padded captions): the batch's token counts
@@ -81,6 +90,7 @@ class LatentDiffusion(ComposerModel):
         # Which phase of a staged recipe this run is: 0 from scratch, one more than the run whose weights
         # it starts from (recorded in checkpoints; the per-sample draws are salted with it).
         self.phase = 0
+        self.run_identity: dict | None = None  # set by the trainer (diffusion.train.resume)
 
     @property
     def description(self) -> ModelDescription:
@@ -88,28 +98,49 @@ class LatentDiffusion(ComposerModel):
                                 denoiser_config=dict(self.denoiser.config), objective=self.objective.name,
                                 objective_params=self.objective.settings(), scaling_factor=self.scaling_factor,
                                 resolution=self.resolution, text_dim=self.text_dim, text_length=self.text_length,
-                                text_mask=self.text_mask)
+                                text_mask=self.text_mask, latent_space=self.latent_space.to_dict())
 
     # ---- the one place latents are scaled ------------------------------------------------------------
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
-        """Draw a latent from the stored posterior moments (with ``eps`` as the standard normal draw
-        when given) and scale it for the denoiser."""
-        # Square at the model's resolution, or an aspect-ratio bucket's H/8 x W/8 at about its pixel count.
+        """The denoiser's latent from the stored column: drawn from posterior moments (with ``eps`` as the
+        standard normal draw when given), or a deterministic autoencoder's latent as stored; then shifted
+        and scaled, ``(z - shift_factor) * scaling_factor``."""
+        # Square at the model's resolution, or an aspect-ratio bucket's H/f x W/f at about its pixel count.
+        space = self.latent_space
         channels, height, width = moments.shape[1:]
-        if channels != 2 * schema.LATENT_CHANNELS or not 0.5 <= height * width / self.latent_size ** 2 <= 2.0:
-            raise ValueError(f"moments of shape {tuple(moments.shape[1:])} do not fit a {self.resolution}px model "
-                             f"(expected {(2 * schema.LATENT_CHANNELS, self.latent_size, self.latent_size)}, or a "
-                             f"bucket of about that many pixels)")
-        mean, logvar = moments.float().chunk(2, dim=1)
-        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-        if eps is None:
-            eps = _randn(mean.shape, generator, mean.device)
-        return (mean + std * eps) * self.scaling_factor
+        if channels != space.stored_channels or not 0.5 <= height * width / self.latent_size ** 2 <= 2.0:
+            raise ValueError(f"{space.stored} of shape {tuple(moments.shape[1:])} do not fit a {self.resolution}px "
+                             f"model in {space.describe()} (expected "
+                             f"{(space.stored_channels, self.latent_size, self.latent_size)}, or a bucket of about "
+                             f"that many pixels)")
+        if space.stored == schema.LATENTS:
+            z = moments.float()
+        else:
+            mean, logvar = moments.float().chunk(2, dim=1)
+            std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+            if eps is None:
+                eps = _randn(mean.shape, generator, mean.device)
+            z = mean + std * eps
+        if space.shift_factor:
+            z = z - space.shift_factor
+        return z * self.scaling_factor
+
+    def stored(self, batch: dict) -> torch.Tensor:
+        """The batch's stored latent column (moments or latents, as this model's latent space holds)."""
+        key = self.latent_space.batch_key
+        if key not in batch:
+            other = schema.BATCH_LATENTS if key == schema.BATCH_MOMENTS else schema.BATCH_MOMENTS
+            held = f"holds {other}" if other in batch else f"holds neither {key} nor {other}"
+            raise ValueError(f"the batch {held}, but this model trains in {self.latent_space.describe()}: "
+                             f"its data must come from the same autoencoder")
+        return batch[key]
 
     # ---- training ------------------------------------------------------------------------------------
     def forward(self, batch: dict) -> dict:
-        moments = batch[schema.BATCH_MOMENTS]
-        latents = self.sample_latents(moments, eps=self._draw(batch, schema.BATCH_POSTERIOR_NOISE, moments))
+        moments = self.stored(batch)
+        eps = (self._draw(batch, schema.BATCH_POSTERIOR_NOISE, moments)
+               if self.latent_space.stored == schema.MOMENTS else None)
+        latents = self.sample_latents(moments, eps=eps)
         noise = self._draw(batch, schema.BATCH_NOISE, moments)
         if self.offset_noise:
             noise = noise + self.offset_noise * self._draw(batch, schema.BATCH_OFFSET_NOISE, moments)[..., None, None]
@@ -138,12 +169,11 @@ class LatentDiffusion(ComposerModel):
             raise ValueError(f"model.text_mask needs the captions' token counts ({schema.BATCH_TEXT_TOKENS}) in the batch")
         return embeds, attention_mask(counts.to(embeds.device), embeds.shape[1])
 
-    @staticmethod
-    def _draw(batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
+    def _draw(self, batch: dict, name: str, moments: torch.Tensor) -> torch.Tensor:
         """The batch's per-sample draw ``name``; a batch built by hand without them gets fresh ones."""
         if name in batch:
             return batch[name].to(device=moments.device, dtype=torch.float32)
-        n, latent_channels = moments.shape[0], moments.shape[1] // 2
+        n, latent_channels = moments.shape[0], self.latent_space.channels
         if name == schema.BATCH_TIMESTEP_DRAW:
             return torch.rand(n, device=moments.device)
         if name == schema.BATCH_OFFSET_NOISE:
@@ -172,7 +202,7 @@ class LatentDiffusion(ComposerModel):
     def eval_forward(self, batch: dict, outputs=None) -> dict:
         if outputs is not None:
             return outputs
-        moments = batch[schema.BATCH_MOMENTS]
+        moments = self.stored(batch)
         indices = batch.get(schema.BATCH_SAMPLE_INDEX)
         if indices is None:  # a source without indices: pin by position in the batch
             indices = torch.arange(moments.shape[0])
@@ -212,7 +242,7 @@ class LatentDiffusion(ComposerModel):
         masked = self.mask_ratio if schema.BATCH_PATCH_KEEP in batch else 0.0  # what the step really computes
         routed = {"route_ratio": self.route_ratio, "route_span": self.route_span} if (
             self.route_ratio and schema.BATCH_ROUTE_KEEP in batch) else {}
-        moments = batch[schema.BATCH_MOMENTS]
+        moments = self.stored(batch)
         per_image = self.adapter.forward_flops(dict(self.denoiser.config), tuple(moments.shape[2:]), self.text_dim,
                                                self.text_length, mask_ratio=masked, mixer_blocks=self.mixer_blocks,
                                                **routed)
@@ -222,7 +252,10 @@ class LatentDiffusion(ComposerModel):
     def get_extra_state(self) -> dict:
         """The model description (:class:`~diffusion.models.description.ModelDescription`): what sampling
         and export need to rebuild this model, the objective's schedule included; and the run's phase."""
-        return {"description": self.description.to_dict(), "phase": self.phase}
+        state = {"description": self.description.to_dict(), "phase": self.phase}
+        if self.run_identity:  # the run's data and text encoder: autoresume continues only its own run
+            state["run"] = dict(self.run_identity)
+        return state
 
     def set_extra_state(self, state: dict) -> None:
         """Keep this model's settings (phase 2 loads phase-1 weights at a new resolution); check they fit."""
@@ -246,6 +279,12 @@ class LatentDiffusion(ComposerModel):
             raise ConfigError(f"the checkpoint's {loaded.denoiser} has {k}={loaded.denoiser_config.get(k)!r}, this "
                               f"run's {mine.denoiser_config.get(k)!r} ({len(differs)} setting(s) differ): the phase "
                               f"must continue the same network")
+        # the scaling factor may change between phases (warned below); the space itself may not
+        was, now = (schema.LatentSpace.from_dict(d) for d in (loaded.latent_space, mine.latent_space))
+        if loaded.latent_space is not None and dataclasses.replace(was, scaling_factor=now.scaling_factor) != now:
+            was, now = was.describe(), now.describe()
+            raise ConfigError(f"the checkpoint was trained in {was}, this run's data is in {now}: a phase continues "
+                              f"in its predecessor's latent space")
         if loaded.objective != mine.objective:
             raise ConfigError(f"the checkpoint was trained with the {loaded.objective} objective, this run trains "
                               f"{mine.objective}: a phase continues its predecessor's objective")
@@ -298,6 +337,18 @@ def build_denoiser(model_cfg, model_ref: str, seed: int = 0) -> torch.nn.Module:
     return adapter.build(adapter.load_config(model_ref), seed=seed)
 
 
+def check_latent_channels(denoiser: torch.nn.Module, info: schema.DatasetInfo, where: str) -> None:
+    """The denoiser reads and predicts latents of the data's width, or a one-line refusal naming the key."""
+    adapter = denoisers.adapter_for(denoiser)
+    config = dict(denoiser.config)
+    channels = adapter.latent_channels(config)
+    if channels != info.latent_space.channels:
+        raise ConfigError(
+            f"{where}: its {adapter.class_name} has in_channels={config.get('in_channels')} ({channels}-channel "
+            f"latents), but dataset.json records {info.latent_space.describe()}: give a denoiser for "
+            f"{info.latent_space.channels} channels, or convert the data with the denoiser's autoencoder")
+
+
 def text_mask_of(model_cfg, info: schema.DatasetInfo) -> bool:
     """``model.text_mask``, else (null) on for a text encoder that reads masks itself (T5), off for CLIP (SD2
     trains on the padded embeddings, as its pipeline samples)."""
@@ -318,10 +369,12 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         raise ConfigError(f"model.zero_terminal_snr needs v-prediction, and this run trains {name} "
                           f"(epsilon is undefined at the terminal step): set model.prediction_type=v_prediction")
     objective = objectives.build_objective(name, model_cfg, ref)
+    denoiser = build_denoiser(model_cfg, ref, seed=seed)
+    check_latent_channels(denoiser, info, f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained
+                          else f"model.ref {ref}")
     return LatentDiffusion(
-        build_denoiser(model_cfg, ref, seed=seed), objective,
-        scaling_factor=info.scaling_factor, model_ref=ref, resolution=model_cfg.resolution,
-        downsample=info.downsample, offset_noise=model_cfg.offset_noise,
+        denoiser, objective, model_ref=ref, resolution=model_cfg.resolution,
+        latent_space=info.latent_space, offset_noise=model_cfg.offset_noise,
         input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
         eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,

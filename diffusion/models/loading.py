@@ -142,12 +142,38 @@ def load_text_encoder(ref: str, dtype=None):
     return model.eval().requires_grad_(False)
 
 
+def autoencoder_class(vae_config: dict) -> str:
+    """The diffusers autoencoder class a ``vae/`` config names (``AutoencoderKL`` where it names none),
+    checked against the ones the converter and sampler run (:data:`diffusion.schema.AUTOENCODERS`)."""
+    from diffusion import schema
+    name = vae_config.get("_class_name") or "AutoencoderKL"
+    if name not in schema.AUTOENCODERS:
+        raise ModelReferenceError(f"vae/ of class {name!r} is not supported; the autoencoder must be one of "
+                                  f"{', '.join(schema.AUTOENCODERS)}")
+    return name
+
+
 def load_vae(ref: str, dtype=None):
-    from diffusers import AutoencoderKL
+    """The autoencoder of ``ref`` by its config's class (:func:`autoencoder_class`), frozen."""
+    import diffusers
     require_weights(ref, ("vae",))
     path = component_path(ref, "vae")
-    model = AutoencoderKL.from_pretrained(path, torch_dtype=dtype)
+    model = getattr(diffusers, autoencoder_class(load_vae_config(ref))).from_pretrained(path, torch_dtype=dtype)
     return model.eval().requires_grad_(False)
+
+
+def latent_space_of(vae_config: dict):
+    """The :class:`~diffusion.schema.LatentSpace` of an autoencoder config: an ``AutoencoderKL`` stores
+    posterior moments, an ``AutoencoderDC`` (no posterior) its latents; the scaling factor is the config's
+    (SD's 0.18215 where a KL config has none), the shift its ``shift_factor`` (0 where none)."""
+    from diffusion import schema
+    name = autoencoder_class(vae_config)
+    default_scale = 0.18215 if name == "AutoencoderKL" else 1.0
+    return schema.LatentSpace(autoencoder=name, channels=int(vae_config.get("latent_channels", schema.LATENT_CHANNELS)),
+                              downsample=vae_downsample(vae_config),
+                              scaling_factor=float(vae_config.get("scaling_factor") or default_scale),
+                              shift_factor=float(vae_config.get("shift_factor") or 0.0),
+                              stored=schema.MOMENTS if name == "AutoencoderKL" else schema.LATENTS)
 
 
 def load_unet_config(ref: str) -> dict:
@@ -199,8 +225,9 @@ def noise_schedule_of(scheduler_config) -> dict:
 
 
 def vae_downsample(vae_config: dict) -> int:
-    """Spatial downsampling factor of an AutoencoderKL config (8 for SD2)."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    """Spatial downsampling factor of an autoencoder config (8 for SD2's AutoencoderKL, 32 for DC-AE's f32)."""
+    blocks = vae_config.get("block_out_channels") or vae_config["encoder_block_out_channels"]
+    return 2 ** (len(blocks) - 1)
 
 
 # ---- image-to-text models (the converter's --recaption) ---------------------------------------------

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diffusion.errors import ModelReferenceError
 from diffusion.models import denoisers, loading
 from diffusion.models.description import ModelDescription
 from diffusion.models.objectives.ddpm import (SCHEDULERS as DDPM_SCHEDULERS, ZTSNR_GUIDANCE_RESCALE,  # noqa: F401
@@ -172,10 +173,17 @@ class Sampler:
                                        scaling_factor=scaling_factor)
         self.description = model
         self.model_ref = model_ref = model.model_ref
+        self.space = space = model.space()  # the latent space training was in: what decoding inverts
+        found = loading.latent_space_of(loading.load_vae_config(model_ref))
+        if (found.autoencoder, found.channels, found.downsample) != (space.autoencoder, space.channels, space.downsample):
+            raise ModelReferenceError(
+                f"the model was trained in {space.describe()}, but the vae/ of {model_ref} is {found.describe()}: "
+                f"give the model reference whose autoencoder made the training data")
         self.vae = loading.load_vae(model_ref)
-        if model.scaling_factor is not None:
-            # Decode with the factor training multiplied by, whatever the VAE config says.
-            self.vae.register_to_config(scaling_factor=float(model.scaling_factor))
+        # Decode with the factors training used, whatever the VAE config says (exports carry them).
+        self.vae.register_to_config(scaling_factor=float(space.scaling_factor))
+        if space.shift_factor or self.vae.config.get("shift_factor") is not None:
+            self.vae.register_to_config(shift_factor=float(space.shift_factor))
         self.text_encoder = loading.load_text_encoder(model_ref)
         self.tokenizer = loading.load_tokenizer(model_ref)
         self.objective = model.build_objective()
@@ -186,10 +194,25 @@ class Sampler:
         return bool(self.scheduler.config.get("rescale_betas_zero_snr"))
 
     def pipeline(self, denoiser):
-        """The diffusers pipeline of ``denoiser``'s class around it (safety checker off)."""
+        """The diffusers pipeline of ``denoiser``'s class around it (safety checker off). An autoencoder
+        the pipeline cannot hold (DC-AE in an SD pipeline) is left out of it: :meth:`decode` decodes."""
         adapter = denoisers.adapter_for(denoiser)
-        return adapter.pipeline(denoiser, vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
-                                scheduler=self.scheduler)
+        holds = "block_out_channels" in self.vae.config or adapter.pipeline_decodes(self.space)
+        pipe = adapter.pipeline(denoiser, vae=self.vae if holds else None, text_encoder=self.text_encoder,
+                                tokenizer=self.tokenizer, scheduler=self.scheduler)
+        if not holds:  # the pipeline's latent size comes from the autoencoder's downsampling
+            from diffusers.image_processor import VaeImageProcessor
+            pipe.vae_scale_factor = self.space.downsample
+            pipe.image_processor = VaeImageProcessor(vae_scale_factor=self.space.downsample)
+        return pipe
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from the denoiser's latents: ``z = latent / scaling_factor + shift_factor``,
+        the inverse of training's one scaling, through the autoencoder's decoder."""
+        z = latents / self.space.scaling_factor
+        if self.space.shift_factor:
+            z = z + self.space.shift_factor
+        return self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
 
     @torch.no_grad()
     def __call__(self, denoiser, prompts, *, steps: int = 25, guidance_scale: float = 7.5,
@@ -208,7 +231,8 @@ class Sampler:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts to sample")
-        height, width = _size_pair(size if size is not None else default_size(denoiser, self.model_ref))
+        height, width = _size_pair(size if size is not None else
+                                   denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
         first = next(denoiser.parameters())
         device = torch.device(device) if device is not None else first.device
         for frozen in (self.vae, self.text_encoder):
@@ -229,8 +253,10 @@ class Sampler:
                 kwargs = adapter.prompt_kwargs(pipe, chunk, negative_prompt, guidance_rescale, length, masked)
                 with adapter.text_mask_hook(denoiser, kwargs.pop("text_masks", None)):
                     out = pipe(**kwargs, height=height, width=width, num_inference_steps=steps,
-                               guidance_scale=guidance_scale, generator=generators, output_type="pil")
-                images.extend(out.images)
+                               guidance_scale=guidance_scale, generator=generators, output_type="latent")
+                # decoded here, not by the pipeline: one decoding (shift included) for every pipeline
+                images.extend(pipe.image_processor.postprocess(self.decode(adapter.unpack(pipe, out.images, height, width)),
+                                                               output_type="pil"))
         return images
 
 

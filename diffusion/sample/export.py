@@ -56,6 +56,11 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         loading.resolve_model(model_ref, components=("vae", "text_encoder", "tokenizer", "scheduler"))
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     _check_not_source(out, [trained.model_ref])
+    space, adapter = trained.description.space(), trained.description.adapter
+    if not adapter.pipeline_decodes(space):  # the pipeline would decode other images than we sample
+        raise UserError(f"{checkpoint}: the {adapter.class_name} was trained in {space.describe()}, which diffusers' "
+                        f"pipeline for it does not decode (it knows no shift factor or no such autoencoder): "
+                        f"sample it with python -m diffusion.generate --checkpoint {checkpoint}")
     sampler = sampling.Sampler(trained.description, scheduler=scheduler)
     if scheduler is None and trained.prediction_type:  # DDPM objectives keep the reference's scheduler class
         sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type,

@@ -346,7 +346,8 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
         to_batch=ToModelBatch(cfg.model.resolution, info.empty_input_ids if ids else empty_text_embeds,
                               CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg),
                               text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS,
-                              empty_tokens=info.empty_text_tokens),  # the stream's rows carry token counts
+                              empty_tokens=info.empty_text_tokens,  # the stream's rows carry token counts
+                              latent_space=info.latent_space),
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),

@@ -56,6 +56,10 @@ class DenoiserAdapter:
         module.activation_checkpointing_fn = functools.partial(_is_block, self.blocks)
         return module
 
+    def latent_channels(self, config: dict) -> int:
+        """The channels of the latents the denoiser reads (its ``in_channels``, unless it packs patches)."""
+        return int(config["in_channels"])
+
     def text_dim(self, config: dict) -> int:
         """The width of the text states the denoiser attends to."""
         raise NotImplementedError
@@ -103,6 +107,17 @@ class DenoiserAdapter:
     def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
         """A diffusers pipeline around ``module`` and the frozen parts."""
         raise NotImplementedError
+
+    def pipeline_decodes(self, space) -> bool:
+        """Whether :meth:`pipeline`'s diffusers class decodes latents of ``space`` (a
+        :class:`~diffusion.schema.LatentSpace`) itself, so an exported pipeline draws what we draw:
+        SD's pipelines divide by the scaling factor only, with an ``AutoencoderKL``."""
+        return space.autoencoder == "AutoencoderKL" and not space.shift_factor
+
+    def unpack(self, pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """(B, C, h, w) latents from what the pipeline returns with ``output_type="latent"`` (a pipeline
+        of packed patches returns them packed)."""
+        return latents
 
     def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,
                       length: int | None = None, masked: bool = False) -> dict:

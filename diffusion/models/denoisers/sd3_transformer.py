@@ -214,12 +214,15 @@ class SD3TransformerAdapter(DenoiserAdapter):
 
     def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
         from diffusers import StableDiffusion3Pipeline
-        if vae.config.get("shift_factor") is None:  # SD3's decode adds it; SD-family VAEs have none
+        if vae is not None and vae.config.get("shift_factor") is None:  # SD3's decode adds it; SD's VAE has none
             vae.register_to_config(shift_factor=0.0)
         pipe = StableDiffusion3Pipeline(transformer=module, scheduler=scheduler, vae=vae,
                                         **dict.fromkeys(EMPTY_SLOTS))
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are SD3's three
         return pipe
+
+    def pipeline_decodes(self, space):
+        return space.autoencoder == "AutoencoderKL"  # SD3's pipeline adds the shift back
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
         text_encoder, tokenizer = pipe.conditioning
