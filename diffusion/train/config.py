@@ -37,6 +37,10 @@ class FlowConfig:
     shift: float = 1.0  # σ' = shift·σ / (1 + (shift-1)·σ): > 1 trains more at high noise (SD3: 3.0 at 1024 px)
     shift_base_resolution: Optional[int] = None  # set: shift·R/R_base at resolution R (SD3's α = √(m/n))
     weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"  # SD3's loss weightings
+    # The x0-preconditioned loss of diffusers' SD3 training scripts (their --precondition_outputs): the
+    # prediction read as x0 = x_σ − σ·v against the clean latent, which is the velocity loss weighted by σ²
+    # (times the weighting above); false: the velocity loss
+    precondition_outputs: bool = False
     num_train_timesteps: int = 1000  # discrete σ (the flow-matching scheduler's), timestep = σ·T
 
 

@@ -6,7 +6,9 @@ into a number u with ``compute_density_for_timestep_sampling`` (``logit_normal``
 whose ``shift`` moves them toward noise. With ``shift_base_resolution`` the shift grows with the
 resolution as SD3's paper proposes (α = √(m/n) for m pixels against the base's n: shift·R/R_base).
 The loss is weighted by ``compute_loss_weighting_for_sd3`` (``none``, ``sigma_sqrt``, ``cosmap``), and
-the denoiser sees the timestep σ·T. Sampling uses the flow-matching Euler (or Heun) scheduler with the
+the denoiser sees the timestep σ·T. ``precondition_outputs`` trains the x₀-preconditioned loss of diffusers'
+SD3 training scripts: the prediction v read as x̂₀ = x_σ − σ·v against x₀, i.e. σ²·(v − (ε − x₀))², so it is
+the velocity loss weighted by σ² (times the weighting); the prediction, target and sampler stay the velocity's. Sampling uses the flow-matching Euler (or Heun) scheduler with the
 same shift.
 """
 
@@ -45,7 +47,7 @@ class FlowObjective(Objective):
     samplers = SAMPLERS
 
     def __init__(self, name: str = "flow", *, shift: float = 1.0, num_train_timesteps: int = 1000,
-                 density: DensityDraw = DensityDraw(), weighting: str = "none"):
+                 density: DensityDraw = DensityDraw(), weighting: str = "none", precondition_outputs: bool = False):
         super().__init__()
         from diffusers import FlowMatchEulerDiscreteScheduler
         if weighting not in ("none", "sigma_sqrt", "cosmap"):
@@ -55,6 +57,7 @@ class FlowObjective(Objective):
         self.num_timesteps = int(num_train_timesteps)
         self.density = density
         self.weighting = weighting
+        self.precondition_outputs = bool(precondition_outputs)
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.num_timesteps, shift=self.shift)
         # Descending, as the scheduler holds them: u near 0 picks σ near 1 (diffusers' SD3 training script).
         self.register_buffer("sigma_table", scheduler.sigmas[:self.num_timesteps].float(), persistent=False)
@@ -66,16 +69,21 @@ class FlowObjective(Objective):
         f = model_cfg.flow
         return cls(name, shift=effective_shift(f.shift, model_cfg.resolution, f.shift_base_resolution),
                    num_train_timesteps=f.num_train_timesteps, weighting=f.weighting,
-                   density=DensityDraw(f.sigma_density, f.logit_mean, f.logit_std, f.mode_scale))
+                   density=DensityDraw(f.sigma_density, f.logit_mean, f.logit_std, f.mode_scale),
+                   precondition_outputs=f.precondition_outputs)
 
     @classmethod
     def from_params(cls, name, params):
         return cls(name, shift=params["shift"], num_train_timesteps=params["num_train_timesteps"],
-                   weighting=params.get("weighting", "none"), density=DensityDraw(**params.get("density", {})))
+                   weighting=params.get("weighting", "none"), density=DensityDraw(**params.get("density", {})),
+                   precondition_outputs=params.get("precondition_outputs", False))
 
     def settings(self) -> dict:
-        return {"shift": self.shift, "num_train_timesteps": self.num_timesteps, "weighting": self.weighting,
-                "density": dataclasses.asdict(self.density)}
+        settings = {"shift": self.shift, "num_train_timesteps": self.num_timesteps, "weighting": self.weighting,
+                    "density": dataclasses.asdict(self.density)}
+        if self.precondition_outputs:  # recorded only when on: other checkpoints describe themselves as before
+            settings["precondition_outputs"] = True
+        return settings
 
     # ---- training ------------------------------------------------------------------------------------
     def level_draw(self):
@@ -93,10 +101,14 @@ class FlowObjective(Objective):
         return noisy, noise - latents, self.timestep_table[indices]
 
     def weights(self, indices):
-        if self.weighting == "none":
-            return None
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-        return compute_loss_weighting_for_sd3(self.weighting, self.sigma_table[indices])
+        sigma = self.sigma_table[indices]
+        weights = None
+        if self.weighting != "none":
+            from diffusers.training_utils import compute_loss_weighting_for_sd3
+            weights = compute_loss_weighting_for_sd3(self.weighting, sigma)
+        if self.precondition_outputs:  # (x̂₀ − x₀)² = σ²·(v − target)²
+            weights = sigma ** 2 if weights is None else weights * sigma ** 2
+        return weights
 
     # ---- evaluation ----------------------------------------------------------------------------------
     def eval_level(self, generator):
