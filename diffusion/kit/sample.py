@@ -66,19 +66,24 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: 
         draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.85), (cx - r, cy + r * 0.85)], fill=fill)
 
 
-def render_scene(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:
-    """Draw one scene at ``width`` x ``height`` and return it (RGB) with its caption.
-
-    Shapes stay inside the centre square, which is the crop training sees, so the caption holds for
-    the crop too.
-    """
+def canvas(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:
+    """A background to draw on: one of :data:`BACKGROUNDS` with a soft gradient and noise, and its name."""
     bg_name = rng.choice(list(BACKGROUNDS))
     bg = np.array(BACKGROUNDS[bg_name], dtype=np.float32)
     # A soft gradient plus noise, so the background is not one flat value.
     ramp = np.linspace(-12, 12, width, dtype=np.float32)[None, :, None] * rng.uniform(-1, 1)
     noise = rng.normal(0, 4, size=(height, width, 1)).astype(np.float32)
     pixels = np.clip(bg + ramp + noise, 0, 255).astype(np.uint8)
-    image = Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).copy())
+    return Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).copy()), str(bg_name)
+
+
+def render_scene(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:
+    """Draw one scene at ``width`` x ``height`` and return it (RGB) with its caption.
+
+    Shapes stay inside the centre square, which is the crop training sees, so the caption holds for
+    the crop too.
+    """
+    image, bg_name = canvas(rng, width, height)
     draw = ImageDraw.Draw(image)
 
     side = min(width, height)
@@ -178,8 +183,31 @@ def _bad_rows_plan(n: int, rng: np.random.Generator) -> dict[int, str]:
     return {int(i): BAD_KINDS[j // per_kind] for j, i in enumerate(rows)}
 
 
-def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 128) -> dict:
-    """Write ``n`` rows as parquet shards under ``out``; returns the manifest (also saved as JSON)."""
+def draw_row(rng: np.random.Generator, width: int, height: int, scenes: str = "default",
+             hold_out: bool = False) -> tuple[Image.Image, str]:
+    """One good row's scene: :func:`render_scene` (``scenes="default"``) or GenEval's six categories'
+    forms (``"geneval"``, :mod:`diffusion.kit.scenes`); with ``hold_out`` no held-out colour-shape pair
+    is drawn (a default scene naming one is drawn again from the same stream)."""
+    if scenes == "geneval":
+        from diffusion.kit import scenes as geneval
+        return geneval.render_scene(rng, width, height, hold_out=hold_out)
+    if scenes != "default":
+        raise ValueError(f"unknown scenes {scenes!r}; choose default or geneval")
+    image, caption = render_scene(rng, width, height)
+    if hold_out:
+        from diffusion.kit.scenes import caption_entries, held_out
+        while any(held_out(inc.get("color", ""), inc["class"]) for line in caption_entries(caption)
+                  for inc in line["include"] if "color" in inc):
+            image, caption = render_scene(rng, width, height)
+    return image, caption
+
+
+def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 128, scenes: str = "default",
+                      hold_out: bool = False) -> dict:
+    """Write ``n`` rows as parquet shards under ``out``; returns the manifest (also saved as JSON).
+
+    ``scenes`` and ``hold_out`` go to :func:`draw_row`; at their defaults the data is what it always was.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -212,7 +240,7 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
             data, caption, w, h = _bad_row(plan[i], row_rng)
         else:
             w, h = _random_size(row_rng)
-            image, caption = render_scene(row_rng, w, h)
+            image, caption = draw_row(row_rng, w, h, scenes, hold_out)
             data = _encode(row_rng, image)
         rows[schema.RAW_KEY].append(f"{i:09d}")
         rows[schema.RAW_CAPTION].append(caption)
@@ -232,6 +260,7 @@ def write_sample_data(out, n: int = 256, seed: int = 0, rows_per_shard: int = 12
     empty_recaps = sum(1 for i, text in enumerate(all_recaps) if not text and i not in plan)
     manifest = {"rows": n, "good": n - len(plan), "bad": bad, "seed": seed, "shards": shards,
                 "empty_recaps": empty_recaps,  # among the good rows
+                **({"scenes": scenes} if scenes != "default" else {}), **({"hold_out": True} if hold_out else {}),
                 "bad_keys": {f"{i:09d}": kind for i, kind in sorted(plan.items())}}
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
@@ -262,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the scenes (default: %(default)s)")
     parser.add_argument("--rows-per-shard", type=cli.positive_int, default=128,
                         help="rows per parquet shard (default: %(default)s)")
+    parser.add_argument("--scenes", choices=("default", "geneval"), default="default",
+                        help="default: one shape, or two in a relation; geneval: also 'a red circle and a blue "
+                             "square' and 'three green squares', GenEval's six categories (default: %(default)s)")
+    parser.add_argument("--hold-out", action="store_true",
+                        help="draw no held-out colour-shape pair (red square, green circle, blue triangle, yellow "
+                             "square, purple circle, orange triangle, white square, black circle), so "
+                             "`python -m diffusion.kit.scenes` prompts are combinations training never saw")
     return parser
 
 
@@ -277,7 +313,7 @@ def main(argv=None) -> None:
     if os.path.exists(os.path.join(args.out, "manifest.json")):
         with open(os.path.join(args.out, "manifest.json")) as f:
             old_shards = json.load(f).get("shards", [])
-    manifest = write_sample_data(args.out, args.n, args.seed, args.rows_per_shard)
+    manifest = write_sample_data(args.out, args.n, args.seed, args.rows_per_shard, args.scenes, args.hold_out)
     for name in set(old_shards) - set(manifest["shards"]):  # earlier, larger sample data: drop its extra shards
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.out, os.path.basename(name)))

@@ -16,6 +16,14 @@ are that model's L2-normalised image embeddings by default ("FID_CLIP": Inceptio
 downloaded everywhere, and CLIP features track human judgement at least as well); ``--fid-features
 inception --inception-weights FILE`` uses torchvision's Inception-v3 pool features from a local
 state dict instead. Neither number is comparable with published FIDs computed on other features.
+With a reference set, CMMD (:mod:`diffusion.sample.cmmd`) is computed on the CLIP image embeddings too.
+
+``--judge`` reads the sample scenes back (:mod:`diffusion.sample.judge`) and scores them in GenEval's six
+categories; it needs no CLIP model. Prompts may be GenEval metadata lines (``--prompts-file X.jsonl``,
+e.g. from ``python -m diffusion.kit.scenes``); ``--save-images`` then writes GenEval's folder layout
+(``00000/metadata.jsonl``, ``00000/samples/0000.png``), which ``--images`` reads back and GenEval's own
+evaluator reads. Every result records its protocol (sampler, steps, guidance, seed, image count,
+resizing, feature model).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from diffusion import schema
 from diffusion.convert import readers
 from diffusion.errors import InputError
 from diffusion import cli
-from diffusion.sample import grid
+from diffusion.sample import geneval_layout, grid
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MIN_FID_IMAGES = 2  # a covariance needs two samples (a meaningful FID needs thousands)
@@ -52,7 +60,9 @@ def iter_images(paths, skipped: collections.Counter | None = None):
     skipped = skipped if skipped is not None else collections.Counter()
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         path = os.fspath(path)
-        if os.path.isdir(path):
+        if os.path.isdir(path) and geneval_layout.is_layout(path):
+            yield from geneval_layout.iter_layout(path, skipped)
+        elif os.path.isdir(path):
             children = [os.path.join(path, n) for n in sorted(os.listdir(path))
                         if n.lower().endswith(IMAGE_SUFFIXES + (".parquet", ".tar"))]
             yield from iter_images(children, skipped)
@@ -222,44 +232,89 @@ def clip_metrics(image_features: np.ndarray, prompts: list[str], scorer: ClipSco
     return result
 
 
-def evaluate(images, *, clip_model: str, reference=None, fid_features: str = "clip",
-             inception_weights: str | None = None, batch_size: int = 32, device=None) -> dict:
+def evaluate(images, *, clip_model: str | None = None, reference=None, fid_features: str = "clip",
+             inception_weights: str | None = None, batch_size: int = 32, device=None, judge: bool = False,
+             protocol: dict | None = None) -> dict:
     """Score ``images`` (paths, or a list of ``(PIL image, prompt)`` pairs) and return the metrics.
 
-    CLIP metrics need prompts (images without one are left out of them); FID needs ``reference``.
+    A prompt is text or a GenEval metadata line (a dict with ``prompt``). CLIP metrics need prompts
+    (images without one are left out of them) and ``clip_model``; FID and CMMD need ``reference``;
+    ``judge`` adds the scene judge's per-category accuracy. The result's ``protocol`` records how the
+    numbers were made: ``protocol`` (the sampling settings, when the images were generated) and the
+    feature models and resizing used here.
     """
+    from diffusion.sample import cmmd, judge as scene_judge
     if fid_features not in ("clip", "inception"):
         raise ValueError(f"unknown FID features {fid_features!r}; choose clip or inception")
-    scorer = ClipScorer(clip_model, device=device)
+    if not clip_model and not judge:
+        raise ValueError("nothing to compute: give a CLIP model (CLIP score, FID, CMMD) or judge=True")
+    scorer = ClipScorer(clip_model, device=device) if clip_model else None
     fid_model = (InceptionFeatures(inception_weights, device=device) if fid_features == "inception"
-                 else scorer.image_features)
+                 else scorer.image_features if scorer else None)
     skipped = collections.Counter()
     pairs = iter_images(images, skipped) if _is_paths(images) else iter(images)
-    clip_feats, fid_feats, prompts = [], [], []
+    clip_feats, fid_feats, prompts, judged, unjudged = [], [], [], [], 0
     for batch in _batches(pairs, batch_size):
         batch_images = [im for im, _ in batch]
-        clip_feats.append(scorer.image_features(batch_images))
-        fid_feats.append(clip_feats[-1] if fid_features == "clip" else fid_model(batch_images))
-        prompts.extend(p for _, p in batch)
+        if scorer:
+            clip_feats.append(scorer.image_features(batch_images))
+            fid_feats.append(clip_feats[-1] if fid_features == "clip" else fid_model(batch_images))
+        if judge:
+            results, missed = scene_judge.judge_many(batch)
+            judged.extend(results)
+            unjudged += missed
+        prompts.extend(p["prompt"] if isinstance(p, dict) else p for _, p in batch)
     if not prompts:
         raise ValueError(f"no readable images in {images!r}")
-    result = {"num_images": len(prompts), "fid_features": fid_features}
+    result = {"num_images": len(prompts), "protocol": _protocol(protocol, len(prompts), scorer, clip_model,
+                                                                 fid_features if scorer else None, judge)}
+    if scorer:
+        result["fid_features"] = fid_features
+    if judge:
+        result["judge"] = {**scene_judge.summarize(judged), "unjudged": unjudged}
     prompted = [i for i, p in enumerate(prompts) if p]
-    if prompted:
+    if prompted and scorer:
         result.update(clip_metrics(np.concatenate(clip_feats)[prompted], [prompts[i] for i in prompted], scorer))
+    if reference is not None and not scorer:
+        raise ValueError("FID and CMMD against a reference set need a CLIP model (--clip-model)")
     if reference is not None and len(prompts) < MIN_FID_IMAGES:  # known before reading the reference
         result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, got {len(prompts)}: "
                                  f"generate more (e.g. --images-per-prompt 8) for a FID")
     elif reference is not None:
         pairs = iter_images(reference, skipped) if _is_paths(reference) else iter(reference)
-        ref_feats = [fid_model([im for im, _ in batch]) for batch in _batches(pairs, batch_size)]
-        if not ref_feats:
+        ref_fid, ref_clip = [], []
+        for batch in _batches(pairs, batch_size):
+            batch_images = [im for im, _ in batch]
+            ref_clip.append(scorer.image_features(batch_images))
+            ref_fid.append(ref_clip[-1] if fid_features == "clip" else fid_model(batch_images))
+        if not ref_fid:
             raise ValueError(f"no readable reference images in {reference!r}")
-        ref_feats = np.concatenate(ref_feats)
-        result.update(num_reference=len(ref_feats), fid=frechet_distance(np.concatenate(fid_feats), ref_feats))
+        ref_fid = np.concatenate(ref_fid)
+        result.update(num_reference=len(ref_fid), fid=frechet_distance(np.concatenate(fid_feats), ref_fid),
+                      cmmd=cmmd.cmmd(np.concatenate(clip_feats), np.concatenate(ref_clip)))
+        result["protocol"]["reference_count"] = len(ref_fid)
     if skipped:
         result["skipped"] = dict(skipped)
     return result
+
+
+def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, judge: bool) -> dict:
+    """How the numbers were made: the sampling settings (``given``; "given images" when the images were
+    not generated here), the image count, each feature model and the resizing in front of it."""
+    from diffusion.sample import cmmd, judge as scene_judge
+    protocol = dict(given or {"images": "given (not generated by this command)"})
+    protocol["image_count"] = count
+    if scorer:
+        processor = scorer.processor
+        protocol["feature_model"] = clip_model
+        protocol["resize"] = (f"CLIPImageProcessor: shortest side to {processor.size}, resample "
+                              f"{int(processor.resample)} (PIL), centre crop {processor.crop_size}")
+        protocol["fid_features"] = fid_features
+        protocol["cmmd"] = dict(cmmd.PROTOCOL)
+    if judge:
+        protocol["judge"] = (f"diffusion.sample.judge: centre square, bilinear down to {scene_judge.WORK_SIDE} px "
+                             f"when larger; GenEval's metadata rules")
+    return protocol
 
 
 # ---- prompt adherence on the procedural sample scenes (the demo's score) -----------------------------
@@ -315,19 +370,29 @@ def save_images(images, prompts, directory: str) -> None:
             f.write(prompt)
 
 
-DESCRIPTION = """Score images: CLIP score against their prompts, and FID against a reference set.
+DESCRIPTION = """Score images: CLIP score against their prompts, FID and CMMD against a reference set, and
+(--judge) the sample scenes' composition in GenEval's six categories.
 
 Input: images (--images: prompt grids from diffusion.generate, images with NAME.txt captions, raw-data
 parquet or webdataset tars, or directories of these), or a checkpoint and prompts to generate them
 (--checkpoint with --prompts-file, and the sampling flags of diffusion.generate); a CLIP model
-(--clip-model: local directory or hub id); for FID a reference set (--reference, the same forms).
-FID features are the CLIP model's image embeddings unless --fid-features inception.
-Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, ..."""
+(--clip-model: local directory or hub id); for FID and CMMD a reference set (--reference, the same
+forms). FID features are the CLIP model's image embeddings unless --fid-features inception; CMMD's are
+always CLIP's (sigma 10, x1000, unbiased). --judge needs no CLIP model: it reads shapes, colours, counts
+and places back from the images and scores them against their prompts (captions of the sample scenes,
+or GenEval metadata lines: --prompts-file X.jsonl, a GenEval image folder as --images).
+Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, cmmd,
+judge (per-category accuracy), and protocol (sampler, steps, guidance, seed, image count, resizing,
+feature model)."""
 EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip   # an offline CLIP for trying it
   python -m diffusion.evaluate --images grid.png --reference out/demo/raw --clip-model .cache/kit/tiny-clip
   python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file prompts.txt \\
-      --images-per-prompt 8 --reference coco/ --clip-model openai/clip-vit-large-patch14 --out metrics.json"""
+      --images-per-prompt 8 --reference coco/ --clip-model openai/clip-vit-large-patch14 --out metrics.json
+  python -m diffusion.kit.scenes --out heldout.jsonl     # held-out prompts in GenEval's six categories
+  python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file heldout.jsonl \
+      --images-per-prompt 4 --judge --save-images out/geneval --out judged.json
+  python -m diffusion.evaluate --images out/geneval --judge    # a GenEval image folder, judged again"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,8 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images to score: grids, image files, parquet/tar files or directories")
     parser.add_argument("--reference", nargs="+", default=None, metavar="PATH",
                         help="reference images for FID (same forms; default: no FID)")
-    parser.add_argument("--clip-model", required=True, metavar="REF",
-                        help="CLIP model: local directory or hub id (transformers.CLIPModel)")
+    parser.add_argument("--clip-model", default=None, metavar="REF",
+                        help="CLIP model: local directory or hub id (transformers.CLIPModel); needed for CLIP "
+                             "score, FID and CMMD")
+    parser.add_argument("--judge", action="store_true",
+                        help="judge the sample scenes' composition in GenEval's six categories (no CLIP model "
+                             "needed)")
     parser.add_argument("--fid-features", choices=("clip", "inception"), default="clip",
                         help="features FID compares (default: %(default)s)")
     parser.add_argument("--inception-weights", default=None, metavar="FILE",
@@ -347,9 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-batch-size", type=cli.positive_int, default=32,
                         help="images per feature batch (default: %(default)s)")
     parser.add_argument("--prompts-file", default=None, metavar="FILE",
-                        help="with --checkpoint: prompts to generate, one a line")
+                        help="with --checkpoint: prompts to generate, one a line; or .jsonl of GenEval metadata "
+                             "lines (python -m diffusion.kit.scenes, GenEval's evaluation_metadata.jsonl)")
     parser.add_argument("--save-images", default=None, metavar="DIR",
-                        help="with --checkpoint: keep the generated images here (NNNNN.png + NNNNN.txt)")
+                        help="with --checkpoint: keep the generated images here (NNNNN.png + NNNNN.txt; with a "
+                             ".jsonl prompts file GenEval's layout, NNNNN/metadata.jsonl + NNNNN/samples/NNNN.png)")
     parser.add_argument("--out", default=None, metavar="JSON", help="also write the metrics to this JSON file")
     generate.add_sampling_args(parser)
     return parser
@@ -377,6 +448,10 @@ def main(argv=None) -> None:
     from diffusion.sample import generate
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.clip_model and not args.judge:
+        parser.error("give --clip-model (CLIP score, FID, CMMD), --judge, or both")
+    if args.reference and not args.clip_model:
+        parser.error("--reference (FID, CMMD) needs --clip-model")
     if bool(args.images) == bool(args.checkpoint):
         parser.error("give either --images or --checkpoint with --prompts-file")
     if args.checkpoint and not args.prompts_file:
@@ -388,29 +463,45 @@ def main(argv=None) -> None:
         generate.check_sampling_args(args)
     _check_inputs(args.images, "--images")
     _check_inputs(args.reference, "--reference")
-    _check_clip_model(args.clip_model)
+    if args.clip_model:
+        _check_clip_model(args.clip_model)
     if args.fid_features == "inception":
         if not args.inception_weights:
             parser.error("--fid-features inception needs --inception-weights FILE")
         _check_inputs([args.inception_weights], "--inception-weights")
     if args.out:
         generate.check_output_file(args.out, None, "--out")
-    images = args.images
+    images, protocol = args.images, None
     if args.checkpoint:
-        prompts = generate.read_prompts(args.prompts_file)
-        generated = generate.generate_images(args.checkpoint, prompts, **generate.sample_kwargs(args))
-        labels = [p for p in prompts for _ in range(args.images_per_prompt)]
-        if args.save_images:
+        lines = geneval_layout.read_metadata(args.prompts_file) if args.prompts_file.endswith(".jsonl") else None
+        prompts = [line["prompt"] for line in lines] if lines else generate.read_prompts(args.prompts_file)
+        kwargs = generate.sample_kwargs(args)
+        protocol = {"images": "generated", "checkpoint": args.checkpoint, "ema": args.ema,
+                    "steps": args.steps, "guidance_scale": args.guidance_scale,
+                    "guidance_rescale": args.guidance_rescale, "negative_prompt": args.negative_prompt,
+                    "seed": args.seed, "images_per_prompt": args.images_per_prompt, "prompts": len(prompts),
+                    "prompts_file": args.prompts_file}
+        generated = generate.generate_images(args.checkpoint, prompts, protocol=protocol, **kwargs)
+        labels = [p for p in (lines or prompts) for _ in range(args.images_per_prompt)]
+        if args.save_images and lines:
+            geneval_layout.write_layout(args.save_images, generated, lines, args.images_per_prompt)
+        elif args.save_images:
             save_images(generated, labels, args.save_images)
         images = list(zip(generated, labels))
     metrics = evaluate(images, clip_model=args.clip_model, reference=args.reference,
                        fid_features=args.fid_features, inception_weights=args.inception_weights,
-                       batch_size=args.eval_batch_size, device=args.device)
+                       batch_size=args.eval_batch_size, device=args.device, judge=args.judge, protocol=protocol)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
+    if "judge" in metrics:
+        judged = metrics["judge"]
+        print("evaluate: judge: " + ", ".join(f"{t} {a:.0%} ({judged['images'][t]})" for t, a in judged["accuracy"].items())
+              + (f"; overall {judged['overall']:.0%}" if judged["overall"] is not None else "")
+              + (f"; {judged['unjudged']} images with prompts it cannot read" if judged["unjudged"] else ""),
+              file=sys.stderr)
     if "fid_skipped" in metrics:
         print(f"evaluate: no FID: {metrics['fid_skipped']}", file=sys.stderr)
 

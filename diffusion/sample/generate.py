@@ -27,12 +27,13 @@ from diffusion import cli
 
 
 def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | None = None, ema: bool = True,
-                    scheduler: str | None = None, device=None, **sample_kwargs) -> list:
+                    scheduler: str | None = None, device=None, protocol: dict | None = None, **sample_kwargs) -> list:
     """Sample ``prompts`` from ``checkpoint``: PIL images, each prompt ``images_per_prompt`` times in a row.
 
     ``sample_kwargs`` go to :class:`~diffusion.models.sampling.Sampler` (steps, guidance_scale,
     guidance_rescale, negative_prompt, seed, size, images_per_prompt, batch_size); size defaults to the
-    training resolution, the noise schedule is the checkpoint's.
+    training resolution, the noise schedule is the checkpoint's. A ``protocol`` dict is given the
+    sampler's class, timestep spacing and image size.
     """
     trained = sampling.load_trained(checkpoint, model_ref=model_ref, ema=ema)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -40,6 +41,9 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
     if sample_kwargs.get("size") is None and trained.resolution:
         sample_kwargs["size"] = trained.resolution
     sampler = sampling.Sampler(trained.description, scheduler=scheduler)
+    if protocol is not None:
+        protocol.update(sampler=type(sampler.scheduler).__name__, size=sample_kwargs.get("size"),
+                        timestep_spacing=sampler.scheduler.config.get("timestep_spacing"))
     return sampler(trained.denoiser, prompts, progress=True, **sample_kwargs)
 
 
