@@ -4,6 +4,7 @@
     python bench/bench_storage.py --only sd2 --n 512       # SD2 shapes only (a few seconds)
     python bench/bench_storage.py --embeds DIR --ids DIR   # two converted datasets of the same rows
     python bench/bench_storage.py --dataset OUT            # one converted dataset vs float32 parquet
+    python bench/bench_storage.py --latents                # bytes per sample of each latent space (issue 38)
 
 Without ``--dataset`` / ``--embeds``, it compares the converter's text storages (``--text embeds``: the
 text encoder's output, float16 77xD; ``--text ids``: the 77 CLIP token ids, int32) in one run:
@@ -194,8 +195,10 @@ def laion_captions(n: int, rng: np.random.Generator) -> list[str]:
     return captions
 
 
-def write_sd2_shapes(out: str, n: int, resolutions, text: str, seed: int = 0) -> str:
-    """``n`` samples with SD2's shapes and the converter's columns (random arrays, real CLIP token ids)."""
+def write_sd2_shapes(out: str, n: int, resolutions, text: str, seed: int = 0,
+                     space: schema.LatentSpace | None = None) -> str:
+    """``n`` samples with SD2's shapes and the converter's columns (random arrays, real CLIP token ids);
+    with ``space`` the latent columns of that autoencoder instead of SD2's VAE moments."""
     from streaming import MDSWriter
 
     from diffusion.kit.build import ensure_kit
@@ -206,12 +209,15 @@ def write_sd2_shapes(out: str, n: int, resolutions, text: str, seed: int = 0) ->
     ids = tokenizer(captions, padding="max_length", max_length=schema.MAX_TOKENS, truncation=True,
                     return_tensors="np")["input_ids"].astype(np.int32)
     assert ids.max() < CLIP_VOCAB
-    columns = schema.mds_columns(resolutions, SD2_TEXT_DIM, text=text, tokens=False)  # a 4-byte count aside
+    space = space or schema.LatentSpace()
+    columns = schema.mds_columns(resolutions, SD2_TEXT_DIM, text=text, tokens=False,  # a 4-byte count aside
+                                 latent_space=space)
     with MDSWriter(out=out, columns=columns, compression="zstd", size_limit=1 << 26,
                    hashes=["sha1", "xxh3_64"]) as writer:
         for i in range(n):
-            sample = {schema.vae_moments_column(r):
-                      rng.standard_normal((8, r // 8, r // 8), np.float32).astype(np.float16) for r in resolutions}
+            f = space.downsample
+            sample = {space.column(r): rng.standard_normal((space.stored_channels, r // f, r // f),
+                                                           np.float32).astype(np.float16) for r in resolutions}
             embeds = rng.standard_normal((schema.MAX_TOKENS, SD2_TEXT_DIM), np.float32).astype(np.float16)
             if schema.TEXT_EMBEDS in columns:
                 sample[schema.TEXT_EMBEDS] = embeds
@@ -272,6 +278,44 @@ def text_storage(a) -> dict:
     return {r["label"]: r for r in rows}
 
 
+# ---- latent spaces (issue 38): what each autoencoder's columns cost per sample ------------------------------
+LATENT_SPACES = (  # label, the space (scaling and shift do not change the bytes)
+    ("AutoencoderKL f8c4 moments (SD2's VAE)", schema.LatentSpace()),
+    ("AutoencoderKL f8c16 moments (SD3's, Flux's)", schema.LatentSpace(channels=16)),
+    ("AutoencoderKL f8c32 moments", schema.LatentSpace(channels=32)),
+    ("AutoencoderKL f16c32 moments", schema.LatentSpace(channels=32, downsample=16)),
+    ("AutoencoderDC f32c32 latents (DC-AE, SANA's)",
+     schema.LatentSpace("AutoencoderDC", 32, 32, 1.0, 0.0, schema.LATENTS)),
+)
+
+
+def latent_storage(a) -> list[dict]:
+    """Bytes per sample of each latent space at 256 and 512 px, text as token ids (``--text ids``, SD2's
+    77 CLIP ids): random float16 latents written as the converter writes (zstd), so stored bytes are the
+    worst case; the first row at 256 px is the 15.2 KB SD2 figure above."""
+    rows = []
+    head = f"{'latent space':<48}{'res':>5}{'latent column':>16}{'stored B/s':>12}{'raw B/s':>10}{'vs SD2':>8}"
+    print(head)
+    print("-" * len(head))
+    with tempfile.TemporaryDirectory() as tmp:
+        for resolution in (256, 512):
+            base = None
+            for i, (label, space) in enumerate(LATENT_SPACES):
+                out = write_sd2_shapes(os.path.join(tmp, f"{resolution}-{i}"), a.n, [resolution],
+                                       schema.TEXT_IDS_ONLY, space=space)
+                n = mds_samples(out)
+                stored, raw = mds_bytes(out) / n, mds_raw_bytes(out) / n
+                base = base or stored
+                f = resolution // space.downsample
+                shape = f"{space.stored_channels}x{f}x{f}"
+                print(f"{label:<48}{resolution:>5}{shape:>16}{stored:>12,.0f}{raw:>10,.0f}{stored / base:>7.2f}x",
+                      flush=True)
+                rows.append({"label": label, "resolution": resolution, "column": shape, "stored": stored, "raw": raw})
+    print("note: random float16 latents do not compress: stored bytes are an upper bound for real shards; text is "
+          "77 int32 token ids (--text ids); embeddings would add 157,696 B (77x1024 float16) to every row.")
+    return rows
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,7 +327,11 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=256, help="demo: sample rows converted (default: 256)")
     p.add_argument("--demo-resolution", type=int, default=64, help="demo: crop size (default: 64, the demo's)")
     p.add_argument("--n", type=int, default=256, help="SD2 shapes: samples per dataset (default: 256)")
+    p.add_argument("--latents", action="store_true",
+                   help="bytes per sample of each latent space (SD2's VAE, 16- and 32-channel KL, DC-AE)")
     a = p.parse_args(argv)
+    if a.latents:
+        return latent_storage(a)
     if a.dataset:
         return dataset_vs_parquet(a.dataset)
     if a.embeds or a.ids:
