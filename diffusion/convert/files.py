@@ -242,10 +242,43 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
                          f"{', '.join(names)} ({hint})")
 
 
+# What stands in for image bytes the key pass does not read: not empty, so the row check takes the row
+# for a sample as far as its image goes (whether the bytes decode is found only by the transform).
+NOT_READ = b"(image not read)"
+
+
+def _groups_with_missing_images(pf, column: str) -> set[int]:
+    """The row groups of a parquet file whose statistics do not rule out a missing (null) image."""
+    index = pf.schema_arrow.get_field_index(column)
+    unsure = set()
+    for group in range(pf.metadata.num_row_groups):
+        stats = pf.metadata.row_group(group).column(index).statistics
+        if stats is None or not stats.has_null_count or stats.null_count:
+            unsure.add(group)
+    return unsure
+
+
+def _parquet_batches(pf, wanted: list[str], image: str, find_missing: bool):
+    """(record batch, whether it holds the image column) over the file; ``find_missing`` (the key pass,
+    ``image`` not in ``wanted``): the image column is read too in the row groups that may hold a
+    missing image."""
+    unsure = _groups_with_missing_images(pf, image) if find_missing else set()
+    if not unsure:
+        for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
+            yield record_batch, image in wanted
+        return
+    for group in range(pf.metadata.num_row_groups):
+        with_image = group in unsure
+        for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, row_groups=[group],
+                                            columns=wanted + ([image] if with_image else [])):
+            yield record_batch, with_image
+
+
 def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict]:
-    """The rows of a parquet file; ``images=False``: without reading the image column (its values
-    stand in as ``b""``, or ``""`` if the column is not binary, which the row check rejects as it
-    would the real values), for the key pass (:mod:`diffusion.convert.shared_keys`)."""
+    """The rows of a parquet file; ``images=False``: without reading the image column, for the key pass
+    (:mod:`diffusion.convert.shared_keys`): its values stand in as :data:`NOT_READ` (``""`` if the column
+    is not binary, which the row check rejects as it would the real values), and where the row group's
+    statistics do not rule out a missing image, the column is read there, so a row without one is known."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     check_parquet_columns(uri, columns)
@@ -256,15 +289,16 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
         if columns.where:
             from diffusion.where import parse_where
             row_filter = parse_where(columns.where)
-        stand_in = None
+        stand_in, binary = None, True
         if not images:
             kind = pf.schema_arrow.field(columns.image).type
-            stand_in = b"" if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) else ""
+            binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+            stand_in = NOT_READ if binary else ""
         wanted = [c for c in {columns.image if images else None, columns.caption, columns.key, schema.WIDTH,
                               schema.HEIGHT, schema.RAW_STATUS, *columns.captions,
                               *(row_filter.columns if row_filter else ())}
                   if c in names]
-        for record_batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=wanted):
+        for record_batch, with_image in _parquet_batches(pf, wanted, columns.image, not images and binary):
             blame = row_filter.blame(record_batch) if row_filter else itertools.repeat(None)
             for row, failed in zip(record_batch.to_pylist(), blame):
                 # img2dataset/download output: failed rows have no image, so only successes are rows.
@@ -275,7 +309,9 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
                     yield {REJECT: row_filter.reason(failed), schema.RAW_KEY: row.get(columns.key)}
                     continue
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
-                       schema.RAW_IMAGE: row[columns.image] if images else stand_in, schema.WIDTH: row.get(schema.WIDTH),
+                       schema.RAW_IMAGE: row[columns.image] if images else (
+                           row[columns.image] if with_image and not row[columns.image] else stand_in),
+                       schema.WIDTH: row.get(schema.WIDTH),
                        schema.HEIGHT: row.get(schema.HEIGHT), **columns.extra_captions(row.get)}
 
 
@@ -287,7 +323,7 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
 
     A sample whose ``.json`` is not a JSON object is a ``bad_metadata`` reject; a tar that cannot be
     read on (truncated, corrupt) raises InputError after the samples before the damage. ``images=False``
-    (the key pass): image members are not read, ``b""`` stands in."""
+    (the key pass): image members are not read, :data:`NOT_READ` stands in (``b""`` for an empty one)."""
     def sample(key, parts):
         image = next((parts[s] for s in IMAGE_SUFFIXES if s in parts), None)
         if image is None:
@@ -329,7 +365,7 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
                 elif images or ext not in IMAGE_SUFFIXES:
                     parts[ext] = tar.extractfile(member).read()
                 else:
-                    parts[ext] = b""
+                    parts[ext] = NOT_READ if member.size else b""
             if parts:
                 yield sample(key, parts)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as e:

@@ -120,6 +120,21 @@ def valid_row(row: dict, name: str, index: int, max_caption_chars: int | None = 
 
 
 
+def not_a_sample(row: dict) -> Rejected | None:
+    """Why a valid row (:func:`valid_row`) can be known not to become a sample before its image is
+    decoded, as the transform will judge it: no visible caption (``empty_caption``), no image bytes
+    (``undecodable``); None where only decoding can tell. The key pass (:mod:`~diffusion.convert.shared_keys`)
+    lets another file's row take the key of such a row."""
+    from diffusion.convert.transforms import clean_caption  # the transform's judgement, not a copy of it
+    try:
+        clean_caption(row[schema.RAW_CAPTION])
+    except Rejected as e:
+        return e
+    if not row[schema.RAW_IMAGE]:
+        return Rejected(UNDECODABLE, "no image bytes")
+    return None
+
+
 def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None,
                 max_caption_chars: int | None = None, captions=()) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
@@ -160,8 +175,11 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
                 seen.add(key)
             continue
         if key in seen or (taken and taken.get(key, name) != name):
+            unused = key not in seen and not_a_sample(row)  # another file's row keeps the key this one cannot
             if on_reject is not None:
-                on_reject({f"{key}#{name}:{position}": DUPLICATE_KEY})
+                on_reject({_reject_id(name, index, unused.reason): unused.reason} if unused
+                          else {f"{key}#{name}:{position}": DUPLICATE_KEY})
+            seen.add(key)
             continue
         seen.add(key)
         for c in columns:

@@ -6,9 +6,12 @@ their samples from ``000000000``, in parquet's key column, a tar's ``.json`` sid
 ``key`` feature) would put two images under one key, and a re-run would skip the second as done. So
 the first file in input order whose row with that key is a sample keeps it; the other files' rows
 with it are ``duplicate_key`` rejects (:func:`diffusion.convert.rows.row_batches`), on every run the
-same, whichever read task runs first. A row that is not a sample (a bad caption, size or sidecar, a
-row ``--where`` removes) keeps no key from another file's sample, and is recorded under an id that
-carries its file, so each such row counts once in "rows in".
+same, whichever read task runs first. A row that is not a sample (a bad, empty or too long caption, a
+bad size or sidecar, no image bytes, a row ``--where`` removes) keeps no key from another file's sample,
+and is recorded with its own reason under an id that carries its file, so each such row counts once in
+"rows in". What only decoding tells (an image that does not decode, is too small or too many pixels) is
+not known here, where no image is read: such a row keeps its key, and another file's row with it is a
+``duplicate_key`` reject (finding it would decode every image with a shared key twice).
 
 Keys derived from a file's name (rows without one) never collide and are left out.
 """
@@ -20,7 +23,7 @@ from typing import Iterator
 
 from diffusion.convert.failed_inputs import file_errors
 from diffusion.convert.files import TFRECORD_SUFFIX, _open, file_rows
-from diffusion.convert.rows import REJECT, Rejected, derived_key, row_key, valid_row
+from diffusion.convert.rows import REJECT, Rejected, derived_key, not_a_sample, row_key, valid_row
 from diffusion import schema
 
 
@@ -43,8 +46,8 @@ def file_keys(uri: str, fmt: str, columns, name: str) -> Iterator[tuple[str, boo
         try:
             if REJECT in row:
                 raise Rejected(row[REJECT])
-            valid_row(row, name, index, columns.max_caption_chars)
-            yield key, True
+            reason = not_a_sample(valid_row(row, name, index, columns.max_caption_chars))
+            yield key, reason is None
         except Rejected:
             yield key, False
 

@@ -316,8 +316,8 @@ def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_conf
 def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_config, tmp_path, ray_local):
     """en/00000.tar and multi/00000.tar both key their samples 000000000.. in their .json sidecars:
     each key is written once, with en's image; multi's rows with en's keys are counted duplicate_key
-    rejects, the one whose key en's row (not a sample) left free is written, before and after a
-    kill and re-run, and "rows in" counts every row."""
+    rejects, the two whose keys en's rows (not samples: a caption not UTF-8, an empty one) left free
+    are written, before and after a kill and re-run, and "rows in" counts every row."""
     from diffusion.kit.sample import render_scene
     rng = np.random.default_rng(0)
     raw, captions = tmp_path / "raw", {}
@@ -330,7 +330,7 @@ def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_co
                 buf = io.BytesIO()
                 image.save(buf, "JPEG")
                 captions[run, key] = caption
-                text = b"\xff\xfe" if (run, i) == ("en", 3) else caption.encode()  # not UTF-8: not a sample
+                text = {("en", 3): b"\xff\xfe", ("en", 4): b" \t "}.get((run, i), caption.encode())  # not samples
                 for ext, data in ((".jpg", buf.getvalue()), (".txt", text),
                                   (".json", json.dumps({"key": key, "status": "success"}).encode())):
                     info = tarfile.TarInfo(key + ext)
@@ -340,9 +340,9 @@ def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_co
     run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=4, deterministic=True))  # the "crash"
     summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
     written = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(out)}
-    expected = {k: captions["en", k] for k in ("000000000", "000000001", "000000002", "000000004", "000000005")}
-    assert written == {**expected, "000000003": captions["multi", "000000003"]}
-    assert summary.written == 6 and summary.rejects == {"duplicate_key": 5, "bad_caption": 1}
+    expected = {k: captions["en", k] for k in ("000000000", "000000001", "000000002", "000000005")}
+    assert written == {**expected, **{k: captions["multi", k] for k in ("000000003", "000000004")}}
+    assert summary.written == 6 and summary.rejects == {"duplicate_key": 4, "bad_caption": 1, "empty_caption": 1}
     assert summary.rows_in == 12 == schema.DatasetInfo.load(str(out)).rows_in
 
 

@@ -390,6 +390,33 @@ def test_webdataset_and_tfrecord_keys_repeated_across_files_are_kept_once_and_co
                     "00000.tfrecord:000000001"]
 
 
+def test_a_key_whose_first_row_is_no_sample_goes_to_a_later_files_sample(tmp_path):
+    """a.parquet's rows keyed k1 (an empty caption) and k2 (no image) and en/00000.tar's 000000001 (a
+    0-byte image) are not samples: the later files' rows with those keys are kept, not lost as
+    duplicate_key, and the rows that are none are counted by their own reason; a key whose first
+    row is a sample (k0) stays that file's. The same on every run."""
+    from diffusion.rejects import DUPLICATE_KEY, EMPTY_CAPTION, UNDECODABLE
+    pq.write_table(pa.table({"key": ["k0", "k1", "k2"], "caption": ["a0", " \u200b ", "a2"],
+                             "jpg": pa.array([_jpeg(), _jpeg(), None], pa.binary())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"key": ["k0", "k1", "k2"], "caption": ["b0", "b1", "b2"],
+                             "jpg": [_jpeg(), _jpeg(), _jpeg()]}), tmp_path / "b.parquet")
+    for run in ("en", "multi"):
+        (tmp_path / run).mkdir()
+        _write_tar(tmp_path / run / "00000.tar", [
+            (key, {".jpg": b"" if (run, key) == ("en", "000000001") else _jpeg(), ".txt": f"{run} {key}".encode(),
+                   ".json": json.dumps({"key": key, "status": "success"}).encode()})
+            for key in ("000000000", "000000001")])
+    for _ in range(2):
+        recorded = {}
+        rows = list(iter_rows(tmp_path, on_reject=recorded.update))
+        assert [(r[schema.RAW_KEY], r[schema.RAW_CAPTION]) for r in rows] == [
+            ("k0", "a0"), ("k1", "b1"), ("k2", "b2"), ("000000000", "en 000000000"), ("000000001", "multi 000000001")]
+        assert recorded == {"a.parquet:000000001#empty_caption": EMPTY_CAPTION,
+                            "a.parquet:000000002#undecodable": UNDECODABLE, "k0#b.parquet:0": DUPLICATE_KEY,
+                            "en/00000.tar:000000001#undecodable": UNDECODABLE,
+                            "000000000#multi/00000.tar:0": DUPLICATE_KEY}
+
+
 def test_the_files_layout_keys_carry_their_folder(tmp_path):
     for run in ("en", "multi"):
         (tmp_path / run / "00000").mkdir(parents=True)
