@@ -174,12 +174,21 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 1.0e-4
+    """The optimizer and its parameter groups (:mod:`diffusion.train.optimizers`)."""
+
+    # adamw: torch's AdamW; muon: timm's Muon on the hidden 2-D weights (the Linear weights inside the
+    # denoiser's blocks), its AdamW fallback on embeddings, norms, biases, input and final projections
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 1.0e-4  # muon: the same for both (Muon's updates are scaled to AdamW's RMS)
     weight_decay: float = 0.01
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    # all: every trainable tensor decays (as every YAML trained so far); weights: weight matrices and
+    # kernels only, not norms, biases or embeddings
+    decay: Literal["all", "weights"] = "all"
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])  # AdamW's (muon: its fallback's)
     eps: float = 1.0e-8
-    fused: Optional[bool] = None  # None: fused on CUDA
+    fused: Optional[bool] = None  # None: fused on CUDA (AdamW)
+    momentum: float = 0.95  # muon: the Muon update's momentum
+    nesterov: bool = False  # muon: Nesterov momentum (and NAdamW for the fallback)
 
 
 @dataclasses.dataclass
@@ -537,6 +546,11 @@ def _check_consistency(cfg: Config) -> None:
     _require(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
              f"optimizer.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a small positive number")
+    _require(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1)")
+    _require(o.name != "muon" or t.fsdp is None or (t.fsdp.version == 1 and t.fsdp.sharding_strategy == "NO_SHARD"),
+             f"optimizer.name=muon needs whole weight matrices, which FSDP shards (trainer.fsdp.version="
+             f"{t.fsdp.version if t.fsdp else None}, sharding_strategy={t.fsdp.sharding_strategy if t.fsdp else None}): "
+             f"train with DDP (trainer.fsdp=null) or trainer.fsdp.sharding_strategy=NO_SHARD")
     _require(0.0 <= cfg.scheduler.alpha_f <= 1.0, f"scheduler.alpha_f={cfg.scheduler.alpha_f} must be in [0, 1] "
                                                   f"(the final learning-rate multiplier)")
     _check_duration("scheduler.t_warmup", cfg.scheduler.t_warmup, positive=False)

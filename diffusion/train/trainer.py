@@ -18,6 +18,7 @@ from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarm
 from composer.utils import dist
 
 from diffusion.train import components
+from diffusion.train.optimizers import build_optimizer
 from diffusion.train.algorithms.ema import EMA
 from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
 from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
@@ -47,14 +48,6 @@ def noise_draws(cfg: Config) -> NoiseDraws:
         route = PatchMask(cfg.model.routing.ratio, patch) if cfg.model.routing.ratio else None
     return NoiseDraws(seed=cfg.trainer.seed, perturbation=cfg.model.input_perturbation > 0,
                       level=objective.level_draw(), mask=mask, route=route)
-
-
-def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    fused = torch.cuda.is_available() if o.fused is None else o.fused
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                             fused=fused)
 
 
 def build_scheduler(cfg: Config):

@@ -1,0 +1,153 @@
+"""The optimizer's groups (optimizer.decay, optimizer.name=muon): which tensors decay and which Muon
+moves, listed at start; Muon trains, resumes exactly after a kill, refuses FSDP1's flattened shards in
+one line (FSDP1's flat shards; FSDP2's DTensors did not train what one process trains), and two DDP ranks
+train what one process trains."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from diffusion.errors import ConfigError
+from diffusion.train import optimizers
+from diffusion.train.config import load_config
+from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
+
+YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
+
+
+def _denoiser(kit):
+    from diffusion.models import denoisers
+    adapter = denoisers.adapter("SD3Transformer2DModel")
+    return adapter.build(adapter.load_config(kit))
+
+
+def _groups(kit, *overrides):
+    cfg = load_config(YAML, [f"model.ref={kit}", *overrides])
+    return {g["name"]: g["names"] for g in optimizers.parameter_groups(_denoiser(kit), cfg.optimizer)}
+
+
+def test_existing_yamls_keep_one_adamw_group_decaying_everything(mmdit_train_kit):
+    cfg = load_config(YAML, [f"model.ref={mmdit_train_kit}"])
+    model = _denoiser(mmdit_train_kit)
+    optimizer = optimizers.build_optimizer(cfg, model)
+    assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 1
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_decay_weights_leaves_norms_biases_and_embeddings_undecayed(mmdit_train_kit, capsys):
+    groups = _groups(mmdit_train_kit, "optimizer.decay=weights")
+    decayed, kept = groups["adamw, decay"], groups["adamw, no decay (norms, biases, embeddings)"]
+    assert all(n.endswith("weight") and "embed" not in n for n in decayed)
+    assert "transformer_blocks.0.attn.to_q.weight" in decayed and "proj_out.weight" in decayed
+    assert {n for n in kept if n.endswith("bias")} == {n for n in decayed + kept if n.endswith("bias")}
+    assert {"pos_embed.proj.weight", "context_embedder.weight",
+            "time_text_embed.timestep_embedder.linear_1.weight"} <= set(kept)
+    model = _denoiser(mmdit_train_kit)
+    norms = [f"{m}.{p}" for m, mod in model.named_modules() if "Norm" in type(mod).__name__
+             for p, _ in mod.named_parameters(recurse=False)]
+    assert set(norms) <= set(kept)  # e.g. the qk-norm gains, when the kit has them
+    optimizer = optimizers.build_optimizer(load_config(YAML, [f"model.ref={mmdit_train_kit}",
+                                                              "optimizer.decay=weights"]), model)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"optimizer group adamw, no decay (norms, biases, embeddings): "
+                                                   f"{len(kept)} tensors, ")
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(mmdit_train_kit, capsys):
+    from timm.optim import Muon
+    groups = _groups(mmdit_train_kit, "optimizer.name=muon")
+    muon, rest = groups[optimizers.MUON_GROUP], groups["adamw"]
+    assert muon and all(n.startswith("transformer_blocks.") and n.endswith("weight") for n in muon)
+    assert "transformer_blocks.0.attn.to_q.weight" in muon and "transformer_blocks.0.norm1.linear.weight" in muon
+    for name in ("proj_out.weight", "norm_out.linear.weight", "pos_embed.proj.weight", "context_embedder.weight",
+                 "transformer_blocks.0.attn.to_q.bias"):
+        assert name in rest, name
+    model = _denoiser(mmdit_train_kit)
+    optimizer = optimizers.build_optimizer(load_config(YAML, [f"model.ref={mmdit_train_kit}", "optimizer.name=muon"]),
+                                           model)
+    assert isinstance(optimizer, Muon) and [g.get("use_muon") for g in optimizer.param_groups] == [True, None]
+    assert optimizer.param_groups[1]["use_fallback"]
+    lines = capsys.readouterr().out.splitlines()
+    count = sum(p.numel() for p in optimizer.param_groups[0]["params"])
+    assert lines[0].startswith(f"optimizer group {optimizers.MUON_GROUP}: {len(muon)} tensors, {count:,} parameters")
+
+
+@pytest.mark.parametrize("fsdp", ["{sharding_strategy: SHARD_GRAD_OP}", "{version: 2, sharding_strategy: FULL_SHARD}"])
+def test_muon_under_sharded_fsdp_is_refused_in_one_line(fsdp):
+    with pytest.raises(ConfigError, match=r"^optimizer.name=muon needs whole weight matrices.*DDP \(trainer.fsdp=null\)"):
+        load_config(YAML, ["optimizer.name=muon", f"trainer.fsdp={fsdp}"])
+    load_config(YAML, ["optimizer.name=muon", "trainer.fsdp={sharding_strategy: NO_SHARD}"])
+
+
+@pytest.fixture(scope="module")
+def mds(mmdit_train_kit, tmp_path_factory):
+    return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=mmdit_train_kit, n=32)
+
+
+def _overrides(kit, mds, *extra, batches=4, save_folder=None):
+    return tiny_overrides(kit, mds, batches=batches, batch_size=8, save_folder=save_folder, extra=(
+        "model.prediction_type=null", "model.objective=flow", "optimizer.name=muon", "optimizer.lr=0.02",
+        "algorithms.ema.smoothing=0.9", "algorithms.ema.warmup=false", *extra))
+
+
+def test_muon_trains_and_a_killed_run_resumes_exactly(mmdit_train_kit, mds, tmp_path):
+    straight = tmp_path / "straight"
+    before = fit_in_process(load_config(YAML, _overrides(mmdit_train_kit, mds, batches=1)))[0]
+    weights, order = fit_in_process(load_config(YAML, _overrides(
+        mmdit_train_kit, mds, "trainer.save_interval=2ba", save_folder=str(straight))))
+    name = "denoiser.transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(weights[name], before[name])
+    ckpt = torch.load(straight / "ep0-ba2-rank0.pt", weights_only=False)
+    state = ckpt["state"]["optimizers"]
+    (saved,) = state.values()
+    assert any("momentum_buffer" in s for s in saved["state"].values())  # Muon's state is checkpointed
+    resumed = tmp_path / "resumed"  # "killed" after 2 batches: only the first checkpoint, then autoresume
+    resumed.mkdir()
+    shutil.copy(straight / "ep0-ba2-rank0.pt", resumed / "ep0-ba2-rank0.pt")
+    os.symlink("ep0-ba2-rank0.pt", resumed / "latest-rank0.pt")
+    again, order2 = fit_in_process(load_config(YAML, _overrides(
+        mmdit_train_kit, mds, "trainer.save_interval=2ba", "trainer.autoresume=true", save_folder=str(resumed))))
+    assert order2 == order[2:]
+    for key, tensor in weights.items():
+        torch.testing.assert_close(again[key], tensor, rtol=0, atol=0, msg=key)
+
+
+HARNESS = r'''
+import json, os, sys
+import torch
+from composer.utils import dist
+from diffusion.train.algorithms.ema import parameter_name
+from diffusion.train.config import load_config
+from diffusion.launch import parse_args
+from diffusion.train.trainer import build_trainer
+
+path, overrides = parse_args(sys.argv[1:])
+trainer = build_trainer(load_config(path, overrides))
+model = trainer.state.model
+trainer.fit()
+final = {parameter_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+         for n, p in model.named_parameters()}
+torch.save(final, os.path.join(os.environ["RECORD_DIR"], f"rank{dist.get_global_rank()}.pt"))
+trainer.close()
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_train_with_muon_as_one_process(mmdit_train_kit, mds, tmp_path):
+    common = _overrides(mmdit_train_kit, mds, "data.train.shuffle=false", "trainer.grad_clip_norm=null",
+                        "optimizer.eps=1.0", batches=3)
+    result = launch_composer(tmp_path / "harness.py", HARNESS,
+                             [YAML, *common],
+                             port=29571, env={"RECORD_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count(f"optimizer group {optimizers.MUON_GROUP}") == 1  # listed once, by rank 0
+    one = fit_in_process(load_config(YAML, common))[0]
+    final = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert len(final) > 50
+    for key, tensor in final.items():
+        torch.testing.assert_close(tensor, one[key], rtol=1e-4, atol=1e-5, msg=key)
