@@ -129,10 +129,12 @@ TINY_MMDIT = dict(
 FLOW_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0)
 # The micro-budget recipe's MMDiT (yamls/micro-budget/): DiT-XL's width (1152, 18 heads) and depth (28),
 # joint attention over SD2's text encoder (1024) and VAE (4 channels), patches of 2: ~1.3B parameters,
-# the size of MicroDiT-XL/2 (1.16B).
+# the size of MicroDiT-XL/2 (1.16B). Queries and keys RMS-normalised (diffusers' qk_norm, as MicroDiT, SD3.5
+# and SD3's paper do) against attention logits growing in bf16; the tiny kits and their recorded losses stay
+# without it.
 MMDIT_BASE = dict(sample_size=64, patch_size=2, in_channels=4, out_channels=4, num_layers=28, attention_head_dim=64,
                   num_attention_heads=18, joint_attention_dim=SD2_TEXT["hidden_size"], caption_projection_dim=1152,
-                  pooled_projection_dim=SD2_TEXT["hidden_size"], pos_embed_max_size=96)
+                  pooled_projection_dim=SD2_TEXT["hidden_size"], pos_embed_max_size=96, qk_norm="rms_norm")
 
 
 def model_index() -> dict:

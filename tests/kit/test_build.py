@@ -283,3 +283,14 @@ def test_vae_fit_cli_writes_the_asset_layout(tmp_path):
         p.name for p in kit.TINY_VAE_ASSET.iterdir())  # config.json, weights, fit.json
     fit = json.loads((out / kit.FIT_INFO).read_text())
     assert fit["steps"] == 2 and set(fit) == set(json.loads((kit.TINY_VAE_ASSET / kit.FIT_INFO).read_text()))
+
+
+def test_the_micro_budget_kit_normalises_queries_and_keys_and_the_tiny_mmdit_stays_as_recorded():
+    from diffusers import SD3Transformer2DModel
+    from diffusion.kit.build import MMDIT_BASE, TINY_MMDIT
+    assert MMDIT_BASE["qk_norm"] == "rms_norm" and "qk_norm" not in TINY_MMDIT
+    # the same key on a small transformer: each joint block's attention normalises its queries and keys
+    small = SD3Transformer2DModel(**{**TINY_MMDIT, "qk_norm": MMDIT_BASE["qk_norm"]})
+    attention = small.transformer_blocks[0].attn
+    assert all(type(getattr(attention, n)).__name__ == "RMSNorm" for n in ("norm_q", "norm_k", "norm_added_q"))
+    assert SD3Transformer2DModel(**TINY_MMDIT).transformer_blocks[0].attn.norm_q is None
