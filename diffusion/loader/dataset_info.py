@@ -132,6 +132,7 @@ def bucket_streams(loader_cfg) -> list[tuple[str, Any]]:
 
 # What training depends on in dataset.json: every stream of a mix must record the same.
 AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim", "text_length")
+LATENT_FIELDS = ("autoencoder", "latent_channels", "downsample", "scaling_factor", "shift_factor", "latents")
 
 
 def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | None = None) -> schema.DatasetInfo:
@@ -142,10 +143,12 @@ def read_loader_info(loader_cfg, resolution: int | None = None, text_dim: int | 
     infos = [read_dataset_info(entry.path, loader_cfg.download_timeout) for _, entry in streams]
     (first_name, _), first = streams[0], infos[0]
     for (name, _), info in zip(streams[1:], infos[1:]):
-        if info.latent_space != first.latent_space:  # a mix of two latent spaces
+        differ = [f for f in LATENT_FIELDS if getattr(info, f) != getattr(first, f)]
+        if differ:  # a mix of two latent spaces
             raise DatasetMismatchError(
                 f"{name}: its latents are {info.latent_space.describe()} where {first_name}'s are "
-                f"{first.latent_space.describe()}: every stream of a mix must be encoded by the same autoencoder")
+                f"{first.latent_space.describe()} (dataset.json's {', '.join(differ)}): every stream of a mix "
+                f"must be encoded by the same autoencoder, with the same scaling")
         for field in AGREED_FIELDS:
             if getattr(info, field) != getattr(first, field):
                 raise DatasetMismatchError(
