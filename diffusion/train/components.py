@@ -29,6 +29,7 @@ CALLBACKS = {
     "image_logger": "diffusion.train.callbacks.image_logger:ImageLogger",
     "progress": "diffusion.train.callbacks.progress:ProgressLine",
     "text_encoder_share": "diffusion.train.callbacks.text_encoder_share:TextEncoderShare",
+    "loss_target": "diffusion.train.callbacks.loss_target:LossTarget",
 }
 LOGGERS = {
     "console": "composer.loggers:ConsoleLogger",
