@@ -30,6 +30,7 @@ CALLBACKS = {
     "progress": "diffusion.train.callbacks.progress:ProgressLine",
     "text_encoder_share": "diffusion.train.callbacks.text_encoder_share:TextEncoderShare",
     "loss_target": "diffusion.train.callbacks.loss_target:LossTarget",
+    "judge_metrics": "diffusion.train.callbacks.judge_metrics:JudgeMetrics",
 }
 LOGGERS = {
     "console": "composer.loggers:ConsoleLogger",
