@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from diffusion import cpus
 from diffusion.errors import UserError
 
 DEBUG_FLAG = "--debug"
@@ -57,6 +58,7 @@ def run(main: Callable[[list[str]], object], prog: str, argv: Sequence[str] | No
     debug = DEBUG_FLAG in argv or os.environ.get("DIFFUSION_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
+        cpus.configure_process()  # before torch loads: waiting threads sleep, not spin (diffusion/cpus.py)
         main(argv)
     except Exception as e:
         if debug or not _is_users(e):

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from diffusion import cpus
 from diffusion.train.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +48,18 @@ def main(argv: list[str] | None = None):
     return main_with(*parse_args(sys.argv[1:] if argv is None else argv))
 
 
+def _size_pools(cfg) -> tuple[int, int]:
+    """Torch's thread pools and the loaders' workers sized to this rank's share of the CPUs it may
+    really use (affinity, cgroup quota), not the machine's count (:mod:`diffusion.cpus`); returns the
+    train loader's (workers, workers asked for)."""
+    cpus.size_torch()
+    asked = cfg.data.train.num_workers
+    for loader in (cfg.data.train, cfg.data.eval):
+        if loader is not None:
+            loader.num_workers = cpus.loader_workers(loader.num_workers)
+    return cfg.data.train.num_workers, asked
+
+
 def main_with(path: str, overrides: list[str]):
     """Train with the config at ``path`` plus ``overrides``, from the batch source it names:
     ``data.train.source: mds`` trains in this process (one rank of a Composer launch), ``stream``
@@ -54,8 +67,10 @@ def main_with(path: str, overrides: list[str]):
     cfg = load_config(path, overrides)
     # torch, Composer and Ray load once the config holds: --help and a config error answer in a second
     from composer.utils import dist
+    workers = _size_pools(cfg)
     if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
         print(f"# config: {path} {' '.join(overrides)}", flush=True)
+        print(cpus.describe(workers), flush=True)
     if cfg.data.train.source == "stream":
         from diffusion.stream import ray_workers
         result = ray_workers.run_online(cfg)

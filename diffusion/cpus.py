@@ -1,0 +1,186 @@
+"""The CPUs this process may really use, and thread pools sized from them rather than from ``nproc``.
+
+A shared machine, a CI runner or a Kubernetes pod gives a process fewer CPUs than the machine has:
+an affinity mask (``taskset``, cpusets) and a cgroup CPU quota (``cpu.max`` in cgroup v2,
+``cpu.cfs_quota_us`` in v1). :func:`usable_cpus` is the smaller of the two, in whole CPUs.
+
+Why it matters (the profile is in BENCHMARKS.md, "Training beside other work"):
+torch's intra-op pool is OpenMP (libgomp), whose idle threads *spin* at every barrier before they
+sleep. Beside another busy process, the thread that finished its share spins on a core the other
+thread needs, and the tiny UNet's step became >90% spinning in libgomp: 4 samples/s instead of
+~250, at 3x the CPU time. ``OMP_WAIT_POLICY=PASSIVE`` makes waiting threads sleep at once.
+
+:func:`configure_process` (every command, through :func:`diffusion.cli.run`, before torch loads) sets
+that policy; :func:`size_torch` (where training loads torch) sizes torch's intra- and inter-op pools
+to this rank's share of the usable CPUs; :func:`loader_workers` caps the loader's workers at that
+share; Ray's local cluster gets :func:`usable_cpus` as ``num_cpus`` (:mod:`diffusion.cluster`).
+A user's own ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` win. ``DIFFUSION_CPUS=N`` says how many CPUs to
+plan for; ``DIFFUSION_CPUS=off`` leaves every pool at its library's default (the old behaviour).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+ENV = "DIFFUSION_CPUS"
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+
+
+def enabled() -> bool:
+    """False when ``DIFFUSION_CPUS=off`` (or 0): pools keep their libraries' defaults."""
+    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (``taskset``, cpusets); all of them where there is no mask."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _quota(text: str, period_text: str | None = None) -> float | None:
+    """CPUs of one cgroup's quota: v2's ``"QUOTA PERIOD"`` / ``"max PERIOD"``, or v1's quota and period
+    (``-1``: none). None where there is no limit or the text is not a quota."""
+    fields = text.split()
+    if period_text is not None:
+        fields = fields[:1] + period_text.split()[:1]
+    if len(fields) < 2 or fields[0] in ("max", "-1"):
+        return None
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b`` → ``["/a/b", "/a", "/"]``: a parent's quota limits its children too."""
+    parts = [p for p in path.strip().split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_cpu_limit(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (e.g. 1.5), the tightest along its path to the
+    root of the hierarchy; None where no quota is set or no cgroup is mounted at ``root``.
+    ``proc_cgroup`` is ``/proc/self/cgroup``; both are parameters so tests can hand in fake files."""
+    lines = (_read(proc_cgroup) or "").splitlines()
+    v2_path, v1_path = "/", "/"
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            v2_path = path or "/"
+        elif "cpu" in controllers.split(","):
+            v1_path = path or "/"
+    limits = []
+    # cgroup v2: one unified hierarchy, cpu.max = "QUOTA PERIOD"
+    for path in _ancestors(v2_path):
+        text = _read(os.path.join(root, path.lstrip("/"), "cpu.max"))
+        if text is not None and (q := _quota(text)) is not None:
+            limits.append(q)
+    # cgroup v1: the cpu controller's own mount (cpu, or cpu,cpuacct)
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for path in _ancestors(v1_path):
+            folder = os.path.join(root, mount, path.lstrip("/"))
+            quota, period = _read(os.path.join(folder, "cpu.cfs_quota_us")), _read(os.path.join(folder, "cpu.cfs_period_us"))
+            if quota is not None and period is not None and (q := _quota(quota, period)) is not None:
+                limits.append(q)
+    return min(limits) if limits else None
+
+
+def usable_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
+    """Whole CPUs this process may use: ``DIFFUSION_CPUS`` if it is a number, else the smaller of its
+    affinity mask and its cgroup quota (rounded down: a thread beyond the quota is throttled while
+    the others wait at the next barrier), at least 1."""
+    given = os.environ.get(ENV, "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cpus = affinity_cpus()
+    quota = cgroup_cpu_limit(root, proc_cgroup)
+    if quota is not None:
+        cpus = min(cpus, math.floor(quota))
+    return max(1, cpus)
+
+
+def local_ranks() -> int:
+    """Training processes on this node (Composer's and torchrun's ``LOCAL_WORLD_SIZE``), at least 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def rank_cpus() -> int:
+    """This rank's share of the usable CPUs, at least 1."""
+    return max(1, usable_cpus() // local_ranks())
+
+
+def configure_process() -> None:
+    """Before torch loads: waiting OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``;
+    libgomp and Intel's runtime read it once, at load), for this process and every process it starts
+    (loader workers, Ray's workers). A user's own ``OMP_WAIT_POLICY`` wins; ``DIFFUSION_CPUS=off`` sets nothing."""
+    given = os.environ.get(ENV, "").strip()
+    if given and enabled() and not (given.isdigit() and int(given) > 0):
+        from diffusion.errors import ConfigError
+        raise ConfigError(f"{ENV}={given!r} is not a number of CPUs; set a whole number of at least 1, "
+                          f"or off to leave thread pools at their libraries' defaults")
+    if enabled():
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def size_torch() -> dict[str, int] | None:
+    """Size torch's intra-op and inter-op pools to this rank's CPUs (:func:`rank_cpus`), unless the user
+    chose (``OMP_NUM_THREADS``) or ``DIFFUSION_CPUS=off``; returns what was set, or None."""
+    if not enabled() or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+    threads = rank_cpus()
+    torch.set_num_threads(threads)
+    sized = {"threads": threads}
+    try:  # only before the first inter-op work; a no-op (not an error) for a process that already ran some
+        torch.set_num_interop_threads(threads)
+        sized["interop_threads"] = threads
+    except RuntimeError:
+        pass
+    return sized
+
+
+def loader_workers(requested: int) -> int:
+    """The loader's worker processes: ``requested``, at most this rank's CPUs (a worker that has no
+    CPU only adds a process to wait for); 0 (load in the training process) stays 0."""
+    if requested <= 0 or not enabled():
+        return requested
+    return min(requested, rank_cpus())
+
+
+def ray_cpus() -> int | None:
+    """``num_cpus`` for a new local Ray cluster: the usable CPUs (Ray itself counts the cgroup but
+    not the affinity mask, and truncates a fractional quota), or None with ``DIFFUSION_CPUS=off``."""
+    return usable_cpus() if enabled() else None
+
+
+def describe(workers: tuple[int, int] | None = None) -> str:
+    """One line for a run's log: the CPUs found and how the pools were sized; ``workers`` is the
+    train loader's (workers, workers asked for)."""
+    if not enabled():
+        return f"# cpus: {ENV}=off: thread pools at their libraries' defaults"
+    import sys
+    quota, torch = cgroup_cpu_limit(), sys.modules.get("torch")
+    pools = [f"torch threads {torch.get_num_threads()}"] if torch is not None else []
+    if workers is not None:
+        pools.append(f"loader workers {workers[0]}" + (f" ({workers[1]} asked)" if workers[0] != workers[1] else ""))
+    ranks = "" if local_ranks() == 1 else f" per rank of {local_ranks()}"
+    return (f"# cpus: {usable_cpus()} usable (affinity {affinity_cpus()}, cgroup quota "
+            f"{'none' if quota is None else f'{quota:g}'}); {', '.join(pools)}{ranks}; "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")

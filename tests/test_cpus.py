@@ -1,0 +1,138 @@
+"""The CPUs a process may really use (affinity and cgroup quota, not nproc), and the thread pools every
+command sizes from them: on a busy machine torch's spinning pool made training 60-170x slower."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diffusion import cpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def v2(tmp_path, limits: dict[str, str], own: str = "/"):
+    """A fake cgroup v2 mount with ``cpu.max`` per cgroup path, and a /proc/self/cgroup naming ``own``."""
+    for path, text in limits.items():
+        write(tmp_path / "cg" / path.lstrip("/") / "cpu.max", text)
+    write(tmp_path / "proc-cgroup", f"0::{own}\n")
+    return str(tmp_path / "cg"), str(tmp_path / "proc-cgroup")
+
+
+def test_cgroup_v2_quota_in_cpus(tmp_path):
+    assert cpus.cgroup_cpu_limit(*v2(tmp_path, {"/": "150000 100000\n"})) == 1.5
+
+
+def test_cgroup_v2_without_a_quota(tmp_path):
+    assert cpus.cgroup_cpu_limit(*v2(tmp_path, {"/": "max 100000\n"})) is None
+
+
+def test_cgroup_v2_a_parents_tighter_quota_limits_the_child(tmp_path):
+    limits = {"/kubepods/pod1/c1": "max 100000", "/kubepods/pod1": "200000 100000", "/kubepods": "800000 100000"}
+    assert cpus.cgroup_cpu_limit(*v2(tmp_path, limits, own="/kubepods/pod1/c1")) == 2.0
+
+
+def test_cgroup_v1_cfs_quota(tmp_path):
+    folder = tmp_path / "cg" / "cpu,cpuacct" / "docker" / "abc"
+    write(folder / "cpu.cfs_quota_us", "50000\n")
+    write(folder / "cpu.cfs_period_us", "100000\n")
+    write(tmp_path / "cg" / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")  # the root: no limit
+    write(tmp_path / "cg" / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    write(tmp_path / "proc-cgroup", "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
+    assert cpus.cgroup_cpu_limit(str(tmp_path / "cg"), str(tmp_path / "proc-cgroup")) == 0.5
+
+
+def test_no_cgroup_mounted(tmp_path):
+    assert cpus.cgroup_cpu_limit(str(tmp_path / "none"), str(tmp_path / "no-proc")) is None
+
+
+@pytest.mark.parametrize("affinity, quota, expected", [
+    (64, "max 100000", 64),       # a big machine, no limit: all of it
+    (64, "250000 100000", 2),     # a pod's 2.5-CPU limit on it: 2 threads, not 64
+    (2, "800000 100000", 2),      # taskset to 2 of a node with a larger quota: the mask
+    (8, "50000 100000", 1),       # half a CPU: still one
+])
+def test_usable_cpus_is_the_smaller_of_affinity_and_quota(tmp_path, monkeypatch, affinity, quota, expected):
+    monkeypatch.delenv(cpus.ENV, raising=False)
+    monkeypatch.setattr(cpus, "affinity_cpus", lambda: affinity)
+    assert cpus.usable_cpus(*v2(tmp_path, {"/": quota})) == expected
+
+
+def test_affinity_is_the_mask_not_the_machine():
+    assert cpus.affinity_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_ranks_on_a_node_share_the_cpus(monkeypatch):
+    monkeypatch.setenv(cpus.ENV, "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpus.rank_cpus() == 2
+    assert cpus.loader_workers(8) == 2
+    assert cpus.loader_workers(0) == 0  # loading in the training process stays so
+    monkeypatch.setenv(cpus.ENV, "off")
+    assert cpus.loader_workers(8) == 8 and cpus.ray_cpus() is None
+
+
+def _command(code: str, env: dict) -> subprocess.CompletedProcess:
+    """``code`` run as a command through :func:`diffusion.cli.run`, in a fresh process (torch not loaded)."""
+    full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", cpus.ENV)}
+    script = ("import os, sys\nfrom diffusion import cli, cpus\n"
+              f"def main(argv):\n    {code}\n"
+              "cli.run(main, 'probe')\n")
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**full, **env, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=120)
+
+
+PROBE = ("sized = cpus.size_torch(); import torch; "
+         "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads(), torch.get_num_interop_threads())")
+
+
+def test_a_command_makes_waiting_threads_sleep_and_sizes_torch():
+    result = _command(PROBE, {cpus.ENV: "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["PASSIVE", "1", "1"]
+
+
+def test_the_users_own_settings_win():
+    result = _command(PROBE, {cpus.ENV: "1", "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert result.stdout.split()[:2] == ["ACTIVE", "2"], result.stderr
+
+
+def test_off_keeps_the_libraries_defaults():
+    result = _command(PROBE, {cpus.ENV: "off"})
+    assert result.stdout.split()[:2] == ["None", str(len(os.sched_getaffinity(0)))], result.stderr
+
+
+def test_a_bad_setting_is_one_line():
+    result = _command("pass", {cpus.ENV: "lots"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("probe: error: DIFFUSION_CPUS='lots' is not a number of CPUs; set a whole "
+                                     "number of at least 1, or off to leave thread pools at their libraries' defaults")
+
+
+def test_run_py_trains_with_pools_sized_to_the_usable_cpus(train_kit, tmp_path):
+    from train_fixtures import tiny_overrides, write_latent_mds
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=16)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    result = subprocess.run([sys.executable, "run.py", "yamls/tiny-cpu.yaml",
+                             *tiny_overrides(train_kit, mds, batches=1, batch_size=4), "data.train.num_workers=4"],
+                            cwd=ROOT, env={**env, cpus.ENV: "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("# cpus:"))
+    assert line.startswith("# cpus: 1 usable (affinity ")
+    # 4 workers asked for, 1 CPU to run them; threads sleep while they wait
+    assert line.endswith("; torch threads 1, loader workers 1 (4 asked); OMP_WAIT_POLICY=PASSIVE")
+
+
+def test_a_new_local_ray_cluster_gets_the_usable_cpus(monkeypatch):
+    from diffusion import cluster
+    monkeypatch.setenv(cpus.ENV, "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray._private.services.find_bootstrap_address", lambda temp_dir=None: None)
+    assert cluster._local_cpus(None) == 1
+    assert cluster._local_cpus("10.0.0.1:6379") is None  # a running cluster counts its own
