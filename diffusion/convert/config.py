@@ -45,7 +45,8 @@ class ConvertConfig(PipelineSettings):
     local_dir: str | None = flag(None, "staging directory for an s3:// output (stable across re-runs)")
     visualize: int = flag(0, "write visualize.png: N input crops beside VAE decodings of their stored latents",
                           type=int, metavar="N")
-    progress: bool = flag(True, "hide Ray's progress bars")
+    progress: bool = flag(True, "hide the progress line (rows done, written, rejected, rate, ETA: redrawn each "
+                                "second on a terminal, a line a minute to a log)")
     deterministic: bool = flag(False, "same input, same parts in the same order (so the same training order); "
                                       "keeps Ray's row order, which can idle workers on a large cluster")
     where: str | None = flag(None, "keep only parquet rows whose metadata passes this filter, decided before any "

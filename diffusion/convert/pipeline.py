@@ -31,6 +31,7 @@ from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.config import ConvertConfig
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts, part_roots,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
+from diffusion.convert.progress import ConversionProgress, input_rows
 from diffusion.convert.readers import check_inputs, input_files, read_raw
 from diffusion.convert.dedupe import find_duplicates, later_copies
 from diffusion.convert.where_check import check_where
@@ -331,14 +332,24 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
 
     ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = cfg.progress and ctx.enable_progress_bars
+    ctx.enable_progress_bars = False  # the progress line (below) says it in one line, and
+    from ray.util.debug import log_once
+    log_once("ray_data_progress_manager_disabled")  # Ray's warning that its bars are off is expected: not shown
     # The first N rows must be the same N on every run; --deterministic also fixes which rows share a
     # part, hence the training order. Both hold blocks back until their predecessors are done.
     if cfg.limit is not None or cfg.deterministic:
         ctx.execution_options.preserve_order = True
     plan = plan_pools(ray.cluster_resources(), cfg)
-    duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out) if cfg.dedupe == "bytes" else None
-    with _storage_errors_in_one_line(cfg):
+    duplicates = None
+    if cfg.dedupe == "bytes":
+        duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out)
+        wait_for_free_cpus(ray)
+    progress = contextlib.nullcontext()
+    if cfg.progress:
+        columns = cfg.raw_columns()
+        progress = ConversionProgress(out, total=lambda: input_rows(input_files(cfg.input, columns), columns),
+                                      limit=cfg.limit)
+    with _storage_errors_in_one_line(cfg), progress:
         build_pipeline(cfg, out, written | set(rejected), plan, duplicates).write_datasink(sink)
     if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
         sink.finalize()
@@ -351,6 +362,17 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     if cfg.is_remote:
         upload_directory(out, cfg.output)
     return summary
+
+
+def wait_for_free_cpus(ray, seconds: float = 30.0) -> None:
+    """Wait (at most ``seconds``) until the cluster shows a free CPU. Ray Data warns that a job "will
+    hang unless more CPUs are freed up" when it starts while none shows free; right after the
+    ``--dedupe`` pass none does for a moment (its tasks are done, but their CPUs are reported back a
+    little later, the more so on a busy machine), and the warning was a false alarm. Past ``seconds``
+    the CPUs are really taken (by other jobs on the cluster), and Ray's warning says so."""
+    deadline = time.monotonic() + seconds
+    while not ray.available_resources().get("CPU") and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
