@@ -332,9 +332,9 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
 
     ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # the progress line (below) says it in one line, and
-    from ray.util.debug import log_once
-    log_once("ray_data_progress_manager_disabled")  # Ray's warning that its bars are off is expected: not shown
+    ctx.enable_progress_bars = False  # the progress line (below) replaces Ray's bars, so Ray's warning
+    from ray.util.debug import log_once  # that they are off is expected: marked as said, it is not shown
+    log_once("ray_data_progress_manager_disabled")
     # The first N rows must be the same N on every run; --deterministic also fixes which rows share a
     # part, hence the training order. Both hold blocks back until their predecessors are done.
     if cfg.limit is not None or cfg.deterministic:
