@@ -2,6 +2,7 @@
 
     python bench/bench_recipes.py [--batches 4000] [--every 1000] [--out out/bench-recipes]
     python bench/bench_recipes.py --recipes unet-v mmdit-flow mmdit-masked   # + the micro-budget recipe
+    python bench/bench_recipes.py --scenes geneval --batches 2000   # GenEval's six categories, held out
 
 ``mmdit-masked`` is the micro-budget recipe (issue 28) in two phases, 3/4 of the batches with 75% of the
 patches masked (yamls/tiny-mmdit-masked-cpu.yaml), then 1/4 unmasked from its weights and EMA
@@ -17,6 +18,15 @@ chance 1 in 6). CPU-seconds are the training processes' user + system time (reso
 child), allotted to checkpoints in proportion to their batch (the step cost is flat after the first
 batches). Sampling is not counted. The table ends with the headline: the CPU-seconds each recipe needed
 to reach the UNet's final adherence, and their ratio.
+
+Beside the colour score, every point has the scene judge's categories (:mod:`diffusion.sample.judge`): on
+the colour prompts, single object (the named shape is there) and colours (in the named colour). With
+``--scenes geneval`` the data is the sample scenes in GenEval's six categories' forms without the
+held-out colour-shape pairs (``diffusion.kit.sample --scenes geneval --hold-out``, 1,024 rows, into
+``out/demo-geneval``), and each point samples the held-out prompt set (``diffusion.kit.scenes``: 4 prompts
+per category x 4 images = 96 images, guidance 3, 25 steps, seed 0): single object, two objects, counting,
+colours, position and colour attribution on combinations training never saw, and GenEval's overall
+score (their mean).
 """
 
 from __future__ import annotations
@@ -49,29 +59,41 @@ def _run(cmd: list[str]) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def ensure_data(mds: str, kit: str) -> str:
+def ensure_data(mds: str, kit: str, scenes: str = "default") -> str:
     if os.path.exists(os.path.join(mds, "dataset.json")):
         return mds
     from diffusion.demo import WHERE
     raw = os.path.join(os.path.dirname(mds), "raw")
     py = sys.executable
-    _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", "1024", "--seed", "0"])
+    options = ["--scenes", "geneval", "--hold-out"] if scenes == "geneval" else []
+    _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", "1024", "--seed", "0", *options])
     _run([py, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit, "--resolutions", "64",
           "--deterministic", "--where", WHERE, "--dedupe", "bytes"])
     return mds
 
 
-def adherence(checkpoint: str, grid: str) -> float:
+HELD_OUT_PER_CATEGORY, HELD_OUT_IMAGES = 4, 4  # --scenes geneval: 24 prompts x 4 images
+
+
+def adherence(checkpoint: str, grid: str, scenes: str = "default") -> dict:
+    """The checkpoint's colour score and the scene judge's per-category accuracy on one grid."""
     from diffusion.demo import IMAGES_PER_PROMPT, PROMPTS
+    from diffusion.kit.scenes import prompt_set
+    from diffusion.sample import judge
     from diffusion.sample.evaluate import prompt_adherence
     from diffusion.sample.grid import read_grid
+    lines = prompt_set(HELD_OUT_PER_CATEGORY, seed=0) if scenes == "geneval" else None
+    prompts = [line["prompt"] for line in lines] if lines else list(PROMPTS)
+    per_prompt = HELD_OUT_IMAGES if lines else IMAGES_PER_PROMPT
     cmd = [sys.executable, "-m", "diffusion.generate", "--checkpoint", checkpoint, "--out", grid, "--seed", "0",
-           "--images-per-prompt", str(IMAGES_PER_PROMPT), "--guidance-scale", "3"]
-    for prompt in PROMPTS:
+           "--images-per-prompt", str(per_prompt), "--guidance-scale", "3"]
+    for prompt in prompts:
         cmd += ["--prompt", prompt]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    images, prompts = read_grid(grid)
-    return prompt_adherence(images, prompts)
+    images, labels = read_grid(grid)
+    by_prompt = {line["prompt"]: line for line in lines or ()}
+    judged, _ = judge.judge_pairs([(im, by_prompt.get(p, p)) for im, p in zip(images, labels)])
+    return {"adherence": prompt_adherence(images, labels), "judge": judged["accuracy"], "overall": judged["overall"]}
 
 
 def main(argv=None) -> dict:
@@ -81,11 +103,17 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(ROOT / "out" / "bench-recipes"))
     p.add_argument("--data", default=str(ROOT / "out" / "demo" / "mds"), help="converted demo data (made if missing)")
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--scenes", choices=("default", "geneval"), default="default",
+                   help="geneval: train on the six categories' scenes without the held-out pairs, judge held-out prompts")
     args = p.parse_args(argv)
+    if args.scenes == "geneval" and args.data == p.get_default("data"):
+        args.data = str(ROOT / "out" / "demo-geneval" / "mds")
+    if args.scenes == "geneval" and args.out == p.get_default("out"):
+        args.out = str(ROOT / "out" / "bench-recipes-geneval")
     from diffusion.kit.build import ensure_kit
     kits = {name: str(ensure_kit(preset, ROOT / ".cache" / "kit" / preset, progress=False))
             for name, (preset, _) in RECIPES.items() if name in args.recipes or preset == "tiny"}
-    mds = ensure_data(args.data, kits["unet-v"])
+    mds = ensure_data(args.data, kits["unet-v"], args.scenes)
     curves = {}
     for name in args.recipes:
         _, phases = RECIPES[name]
@@ -104,34 +132,42 @@ def main(argv=None) -> dict:
             done = sum(int(round(args.batches * s)) for _, s in phases[:phase])
             for batch in range(args.every, batches + 1, args.every):
                 checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
-                score = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"))
+                scores = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"), args.scenes)
                 cpu_at = cpu_before + cpu * batch / batches
-                points.append({"batch": done + batch, "cpu_seconds": cpu_at, "adherence": score, "phase": phase + 1})
-                print(f"{name:>12} batch {done + batch:>5}: {score:.0%} at {cpu_at:,.0f} CPU-s", flush=True)
+                points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
+                print(f"{name:>12} batch {done + batch:>5}: {scores['adherence']:.0%} at {cpu_at:,.0f} CPU-s; judge "
+                      + ", ".join(f"{t} {a:.0%}" for t, a in scores["judge"].items()), flush=True)
                 previous = checkpoint
             cpu_before += cpu
         curves[name] = {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
 
-    print(f"\n{'recipe':>11} {'batch':>6} {'CPU-s':>8} {'adherence':>10}")
+    tags = list(curves[args.recipes[0]]["points"][0]["judge"]) if curves else []
+    short = {"single_object": "single", "two_object": "two", "counting": "count", "colors": "colour",
+             "position": "position", "color_attr": "attrib"}
+    print(f"\n{'recipe':>11} {'batch':>6} {'CPU-s':>8} {'adherence':>10}" + "".join(f" {short[t]:>8}" for t in tags)
+          + (f" {'overall':>8}" if args.scenes == "geneval" else ""))
     for name, curve in curves.items():
         for point in curve["points"]:
-            print(f"{name:>11} {point['batch']:>6} {point['cpu_seconds']:>8,.0f} {point['adherence']:>10.0%}")
+            print(f"{name:>11} {point['batch']:>6} {point['cpu_seconds']:>8,.0f} {point['adherence']:>10.0%}"
+                  + "".join(f" {point['judge'].get(t, 0):>8.0%}" for t in tags)
+                  + (f" {point['overall']:>8.0%}" if args.scenes == "geneval" else ""))
         print(f"{name:>11} trained {curve['points'][-1]['batch']} batches in {curve['cpu_seconds']:,.0f} CPU-s "
               f"({curve['wall_seconds']:,.0f} s wall)")
+    key, what = ("overall", "GenEval overall") if args.scenes == "geneval" else ("adherence", "adherence")
     if "unet-v" in curves and len(curves) > 1:
-        target = curves["unet-v"]["points"][-1]["adherence"]
-        reach = {name: next((pt["cpu_seconds"] for pt in curve["points"] if pt["adherence"] >= target), None)
+        target = curves["unet-v"]["points"][-1][key]
+        reach = {name: next((pt["cpu_seconds"] for pt in curve["points"] if pt[key] >= target), None)
                  for name, curve in curves.items()}
         unet = reach["unet-v"]
         for name, curve in curves.items():
             if name == "unet-v":
                 continue
-            best = max(pt["adherence"] for pt in curve["points"])
+            best = max(pt[key] for pt in curve["points"])
             if reach[name] is None:
-                print(f"headline {name}: never reached the UNet's final {target:.0%} (best {best:.0%}) in "
+                print(f"headline {name}: never reached the UNet's final {what} {target:.0%} (best {best:.0%}) in "
                       f"{curve['cpu_seconds']:,.0f} CPU-s")
             else:
-                print(f"headline {name}: the UNet's final adherence {target:.0%} at {reach[name]:,.0f} CPU-s, the "
+                print(f"headline {name}: the UNet's final {what} {target:.0%} at {reach[name]:,.0f} CPU-s, the "
                       f"UNet at {unet:,.0f} ({reach[name] / unet:.2f}x); best {best:.0%}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "curves.json"), "w") as f:

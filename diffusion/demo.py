@@ -102,12 +102,15 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     from diffusion.sample.grid import read_grid
     adherences = {name: prompt_adherence(*read_grid(path)) for name, path in grids.items()}
     adherence = adherences["square"]
+    from diffusion.sample.judge import judge_pairs
+    judged, _ = judge_pairs(zip(*read_grid(grid)))  # the colour prompts: single object and colours
 
     with open(os.path.join(mds, "dataset.json")) as f:
         info = json.load(f)
     summary = {"sample_data": raw, "model_kit": kit, "mds": mds, "samples": info.get("count"),
                "rejects": info.get("rejects"), "checkpoint": checkpoint, "grid": grid,
-               "before_after": before_after, "prompt_adherence": adherence, "seconds": round(time.time() - start, 1),
+               "before_after": before_after, "prompt_adherence": adherence,
+               "judge": judged["accuracy"], "seconds": round(time.time() - start, 1),
                **({"buckets": info.get("buckets"), "grids": grids, "prompt_adherence_by_grid": adherences}
                   if buckets else {}),
                "steps": [{"command": c, "seconds": round(s, 1)} for c, s in log]}
@@ -120,6 +123,8 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
           f"{summary['rejects']}")
     print(f"  prompt adherence: {adherence:.0%} of images show the colour their prompt names "
           f"(chance {1 / len(PROMPTS):.0%})")
+    print("  scene judge:     " + ", ".join(f"{t} {a:.0%}" for t, a in judged["accuracy"].items())
+          + " (the named shape is there; in the named colour)")
     print(f"  checkpoint:      {checkpoint}")
     print(f"  prompt grid:     {grid}")
     for name, path in grids.items():

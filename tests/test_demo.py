@@ -51,6 +51,9 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_pa
     assert json.loads((out / "summary.json").read_text())["prompt_adherence"] == summary["prompt_adherence"]
     # Learned conditioning: the colour the prompt names dominates well above chance (1 in 6).
     assert summary["prompt_adherence"] >= 2 / len(PROMPTS), summary["prompt_adherence"]
+    # The scene judge's categories for the colour prompts: the shape named, and in its colour.
+    assert set(summary["judge"]) == {"single_object", "colors"}
+    assert summary["judge"]["colors"] <= summary["judge"]["single_object"]
     # `make demo` a second time in the same folder: every step finds its output done (training reports
     # the finished run instead of failing) and the same checkpoint draws the same grid.
     again = run_demo(str(out), n=1024, kit=tiny_kit)
