@@ -69,6 +69,13 @@ def tiny_dcae_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kit() -> str:
+    """The tiny-flux kit (Flux.1's transformer at toy widths over the tiny-vae16 autoencoder)."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-flux", CACHE / "kit" / "tiny-flux"))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.kit.build import ensure_kit

@@ -20,6 +20,9 @@
   ``AutoencoderKL`` with a shift factor (SD3's and Flux's kind, /8) and a random ``AutoencoderDC``
   (DC-AE's kind: 32 channels, /32, deterministic latents), each with an MMDiT reading its channels.
   Random autoencoders decode noise: for the latent contract, not for judging images.
+- ``tiny-flux``: Flux.1's transformer (``FluxTransformer2DModel``: 2x2-packed 16-channel latents, no guidance
+  embedding, as schnell) at toy widths over the tiny-vae16 autoencoder, the tiny CLIP text encoder and a
+  flow-matching scheduler.
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -58,7 +61,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
-           "tiny-dcae")
+           "tiny-dcae", "tiny-flux")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -255,26 +258,43 @@ TINY_DCAE = dict(latent_channels=32, attention_head_dim=8, encoder_block_types="
 # The tiny MMDiT for each: 16 channels at 8x8 latents (64 px), patches of 2; 32 channels at 2x2, patches of 1.
 TINY_MMDIT_VAE16 = dict(TINY_MMDIT, in_channels=16, out_channels=16)
 TINY_MMDIT_DCAE = dict(TINY_MMDIT, in_channels=32, out_channels=32, patch_size=1, sample_size=2)
+# Flux.1's transformer at toy widths: 16-channel latents packed 2x2 (in_channels 64), one double-stream and two
+# single-stream blocks, rotary axes summing to the head width, the tiny text encoder's width for text and pool.
+TINY_FLUX = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                 num_attention_heads=4, joint_attention_dim=TINY_TEXT["hidden_size"],
+                 pooled_projection_dim=TINY_TEXT["hidden_size"], guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+# Flux.1-schnell's transformer as published (black-forest-labs/FLUX.1-schnell, transformer/config.json): for
+# FLOP counts (diffusion.cost --flops flux-schnell), not a kit. T5 reads 256 tokens at MLPerf's settings.
+FLUX_SCHNELL = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=False,
+                    axes_dims_rope=(16, 56, 56))
+FLUX_TEXT_TOKENS = 256
 
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
-    """``tiny-vae16`` or ``tiny-dcae``: a random autoencoder of that latent space and an MMDiT reading its
-    channels, over the tiny kit's CLIP text encoder, its tokenizer and a flow-matching scheduler."""
+    """``tiny-vae16``, ``tiny-dcae`` or ``tiny-flux``: a random autoencoder of that latent space and a
+    transformer reading its channels, over the tiny kit's CLIP text encoder, its tokenizer and a
+    flow-matching scheduler."""
     import diffusers
-    from diffusers import AutoencoderDC, AutoencoderKL, SD3Transformer2DModel
+    from diffusers import AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    vae_class, vae, mmdit = ((AutoencoderKL, TINY_VAE16, TINY_MMDIT_VAE16) if preset == "tiny-vae16"
-                             else (AutoencoderDC, TINY_DCAE, TINY_MMDIT_DCAE))
+    vae_class, vae, denoiser, config = {
+        "tiny-vae16": (AutoencoderKL, TINY_VAE16, SD3Transformer2DModel, TINY_MMDIT_VAE16),
+        "tiny-dcae": (AutoencoderDC, TINY_DCAE, SD3Transformer2DModel, TINY_MMDIT_DCAE),
+        "tiny-flux": (AutoencoderKL, TINY_VAE16, FluxTransformer2DModel, TINY_FLUX)}[preset]
     torch.manual_seed(0)
-    SD3Transformer2DModel(**mmdit).save_pretrained(out / "transformer")
+    denoiser(**config).save_pretrained(out / "transformer")
     torch.manual_seed(1)
     CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
     torch.manual_seed(2)
     vae_class(**vae).save_pretrained(out / "vae")
     write_clip_tokenizer(out / "tokenizer")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
-    _write_json(out / "model_index.json", _mmdit_index(vae_class.__name__))
+    index = _mmdit_index(vae_class.__name__)
+    if denoiser is FluxTransformer2DModel:
+        index.update(_class_name="FluxPipeline", transformer=["diffusers", "FluxTransformer2DModel"])
+    _write_json(out / "model_index.json", index)
     return {"vae": "random"}
 
 
@@ -391,7 +411,7 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny_captioner(out)
     elif preset == "tiny-t5":
         info = build_tiny_t5(out)
-    elif preset in ("tiny-vae16", "tiny-dcae"):
+    elif preset in ("tiny-vae16", "tiny-dcae", "tiny-flux"):
         info = build_tiny_latent_kit(out, preset)
     else:
         info = build_tiny_clip(out)
@@ -535,7 +555,8 @@ trained from scratch, the VAE and text encoder weights come from the hub), tiny-
 CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-captioner (a tiny random
 BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
 text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
-tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE).
+tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE),
+tiny-flux (Flux.1's transformer at toy widths over the random 16-channel AutoencoderKL).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
@@ -548,7 +569,8 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-captioner --out .cache/kit/tiny-captioner  # --recaption offline
   python -m diffusion.kit --preset tiny-t5 --out .cache/kit/tiny-t5    # convert with --text-length 32
   python -m diffusion.kit --preset tiny-vae16 --out .cache/kit/tiny-vae16  # 16-channel latents (random VAE)
-  python -m diffusion.kit --preset tiny-dcae --out .cache/kit/tiny-dcae    # DC-AE latents, /32 (random)"""
+  python -m diffusion.kit --preset tiny-dcae --out .cache/kit/tiny-dcae    # DC-AE latents, /32 (random)
+  python -m diffusion.kit --preset tiny-flux --out .cache/kit/tiny-flux    # FluxTransformer2DModel, 16 channels"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -175,12 +175,15 @@ def main(argv=None) -> None:
                           scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
     with open(os.path.join(out, "model_index.json")) as f:
         pipeline_class = json.load(f)["_class_name"]
-    empty = ", " + ", ".join(f"{slot}=None" for slot in EMPTY_SLOTS) if pipeline_class == "StableDiffusion3Pipeline" else ""
+    from diffusion.models.denoisers.flux_transformer import EMPTY_SLOTS as FLUX_SLOTS
+    slots = {"StableDiffusion3Pipeline": EMPTY_SLOTS, "FluxPipeline": FLUX_SLOTS}.get(pipeline_class, ())
+    empty = ", " + ", ".join(f"{slot}=None" for slot in slots) if slots else ""
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
     if empty:
         print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
-              "(the text encoder and tokenizer are in text_encoder/ and tokenizer/), or sample with "
-              f"python -m diffusion.generate --checkpoint {out}")
+              "(the text encoder and tokenizer are in text_encoder/ and tokenizer/"
+              + (", and true_cfg_scale for guidance" if pipeline_class == "FluxPipeline" else "")
+              + f"), or sample with python -m diffusion.generate --checkpoint {out}")
     with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
         if json.load(f).get("rescale_betas_zero_snr"):
             print(f"zero terminal SNR: call the pipeline with guidance_rescale="

@@ -119,6 +119,10 @@ class DenoiserAdapter:
         of packed patches returns them packed)."""
         return latents
 
+    def guidance_kwargs(self, guidance_scale: float) -> dict:
+        """The pipeline call's classifier-free guidance arguments."""
+        return {"guidance_scale": guidance_scale}
+
     def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,
                       length: int | None = None, masked: bool = False) -> dict:
         """The pipeline call's prompt arguments (text, or the embeddings our conditioning makes), prompts
@@ -167,7 +171,7 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
     height, width = (latent_size, latent_size) if isinstance(latent_size, int) else latent_size
     with torch.device("meta"):
         module = model_class.from_config(config)
-        sample = torch.empty(1, config["in_channels"], height, width)
+        sample = torch.empty(1, adapter.latent_channels(config), height, width)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
     from diffusion.models.masking import PatchMask

@@ -1,0 +1,162 @@
+"""Flux.1's MMDiT: diffusers' ``FluxTransformer2DModel``, double-stream then single-stream blocks with rotary
+positions, sampled with ``FluxPipeline``.
+
+The model reads **packed** latents: each 2x2 patch of a C-channel latent is one token of 4C channels
+(``in_channels`` = 4C: 64 for Flux's 16-channel VAE), placed by its position ids (0, row, column); the text
+tokens' ids are zeros. The adapter packs a batch of (B, C, H, W) latents, calls the model and unpacks its
+prediction, with the pipeline's own static helpers, so training and ``FluxPipeline`` see the same layout.
+The time is the noise level σ = t / 1000 (the model multiplies it by 1000 itself, as the pipeline passes it).
+Guidance embedding off, as in Flux.1-schnell: sampling guides with true classifier-free guidance
+(``true_cfg_scale``, the negative prompt's prediction in a second call).
+
+Conditioning, as for the SD3 MMDiT (:mod:`diffusion.models.denoisers.sd3_transformer`): the text encoder's
+last hidden state as ``encoder_hidden_states`` (``joint_attention_dim``) and its mean over the tokens as the
+pooled vector (``pooled_projection_dim`` = the same width), so the MMDiT recipe's data trains it unchanged.
+Flux itself pools CLIP and reads T5's sequence: two text encoders, not wired yet. With a text mask
+(``model.text_mask``) every attention reads the caption's tokens only (:func:`masked_attention_class`).
+Patch masking and token routing are not adapted (``masking`` off: refused naming the key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from diffusion.models.denoisers.base import DenoiserAdapter
+from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS as _SD3_SLOTS, pooled, prompt_conditioning
+
+# FluxPipeline's two text-encoder slots, left empty (ours goes beside them, as for SD3): load an export with
+# ``FluxPipeline.from_pretrained(DIR, **dict.fromkeys(EMPTY_SLOTS))``.
+EMPTY_SLOTS = tuple(slot for slot in _SD3_SLOTS if not slot.endswith("_3"))
+
+
+def _pipeline_class():
+    from diffusers import FluxPipeline
+    return FluxPipeline
+
+
+def pack(latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, H, W) → (packed (B, H/2·W/2, 4C), image position ids (H/2·W/2, 3)), as ``FluxPipeline`` does."""
+    b, c, h, w = latents.shape
+    flux = _pipeline_class()
+    ids = flux._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+    return flux._pack_latents(latents, b, c, h, w), ids
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Packed (B, H/2·W/2, 4C) → (B, C, H, W) latents (sides in latent pixels)."""
+    return _pipeline_class()._unpack_latents(tokens, height, width, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def masked_attention_class():
+    """``MaskedFluxAttention``: Flux's attention with a text mask, ``attention_mask`` (B, L) bool over the text
+    tokens, True on the caption's, widened here to the joint sequence (text first, then every image token,
+    as both block kinds order them) so no query reads a padded text key; without a mask it is diffusers'
+    own computation. Defined on first use: diffusers loads only where a model does."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class MaskedFluxAttention(FluxAttnProcessor):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                     image_rotary_emb=None):
+            if attention_mask is not None and attention_mask.ndim == 2:
+                text = attention_mask.shape[1]
+                total = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
+                joint = attention_mask.new_ones(attention_mask.shape[0], total, dtype=torch.bool)
+                joint[:, :text] = attention_mask.to(torch.bool)
+                attention_mask = joint[:, None, None, :]
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    return MaskedFluxAttention
+
+
+class FluxTransformerAdapter(DenoiserAdapter):
+    class_name = "FluxTransformer2DModel"
+    component = "transformer"
+    blocks = frozenset({"FluxTransformerBlock", "FluxSingleTransformerBlock"})
+
+    def latent_channels(self, config):
+        return int(config["in_channels"]) // 4  # 2x2 patches packed into the channels
+
+    def text_dim(self, config):
+        return int(config["joint_attention_dim"])
+
+    def enable_text_mask(self, module):
+        module.set_attn_processor(masked_attention_class()())
+
+    def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0, route=None, route_span=None,
+                 text_mask=None):
+        if keep is not None or route is not None:
+            raise ValueError("model.masking and model.routing are not adapted to the Flux transformer")
+        height, width = noisy.shape[-2:]
+        tokens, image_ids = pack(noisy)
+        text = text.to(noisy.dtype)
+        text_ids = torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype)
+        masked = {"joint_attention_kwargs": {"attention_mask": text_mask}} if text_mask is not None else {}
+        out = module(hidden_states=tokens, encoder_hidden_states=text, pooled_projections=pooled(text, text_mask),
+                     timestep=timesteps.to(noisy.dtype) / 1000, img_ids=image_ids, txt_ids=text_ids,
+                     guidance=None, **masked).sample
+        return unpack(out, height, width)
+
+    def sample_size(self, module) -> int:
+        return int(getattr(module.config, "sample_size", 128))  # FluxPipeline's default: 128 latent pixels
+
+    def forward_flops(self, config, latent_size, text_dim, text_length, mask_ratio=0.0, mixer_blocks=0,
+                      route_ratio=0.0, route_span=None):
+        if mask_ratio or route_ratio:
+            raise ValueError("model.masking and model.routing are not adapted to the Flux transformer")
+        return super().forward_flops(config, latent_size, text_dim, text_length)
+
+    # ---- sampling ------------------------------------------------------------------------------------
+    def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
+        pipe = _pipeline_class()(transformer=module, scheduler=scheduler, vae=vae, **dict.fromkeys(EMPTY_SLOTS))
+        pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are CLIP's and T5's
+        return pipe
+
+    def pipeline_decodes(self, space):
+        return space.autoencoder == "AutoencoderKL"  # FluxPipeline adds the shift back
+
+    def unpack(self, pipe, latents, height, width):
+        return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+
+    def guidance_kwargs(self, guidance_scale: float) -> dict:
+        return {"true_cfg_scale": guidance_scale}  # no guidance embedding: true classifier-free guidance
+
+    def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
+        text_encoder, tokenizer = pipe.conditioning
+        embeds, pooled_embeds, mask = prompt_conditioning(text_encoder, tokenizer, prompts, length, masked)
+        negative, negative_pooled, negative_mask = prompt_conditioning(
+            text_encoder, tokenizer, [negative_prompt or ""] * len(prompts), length, masked)
+        kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds, "negative_prompt_embeds": negative,
+                  "negative_pooled_prompt_embeds": negative_pooled}
+        if masked:
+            kwargs["text_masks"] = (negative_mask, mask, negative)
+        return kwargs
+
+    def mask_kwargs(self, mask, dtype):
+        return {"joint_attention_kwargs": {"attention_mask": mask}}
+
+    @contextlib.contextmanager
+    def text_mask_hook(self, module, masks):
+        """FluxPipeline runs the negative prompt in a call of its own: each call gets the mask of the
+        prompts whose embeddings it reads (the negative ones are recognised by value)."""
+        if masks is None:
+            yield
+            return
+        negative_mask, positive_mask, negative = masks
+
+        def inject(_, args, kwargs):
+            states = kwargs["encoder_hidden_states"]
+            reads_negative = states.shape == negative.shape and torch.equal(states, negative.to(states))
+            mask = negative_mask if reads_negative else positive_mask
+            return args, {**kwargs, **self.mask_kwargs(mask.to(states.device), states.dtype)}
+
+        handle = module.register_forward_pre_hook(inject, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+DENOISERS = {FluxTransformerAdapter.class_name: FluxTransformerAdapter()}

@@ -1,0 +1,115 @@
+"""Flux.1's transformer (``FluxTransformer2DModel``) as a denoiser: it trains its loss down on 16-channel
+latents packed 2x2, is microbatch-invariant, resumes exactly, reads text masks, refuses masking and
+routing in one line, and its FLOPs at 256 px match MLPerf's count for Flux.1-schnell."""
+
+import os
+
+import pytest
+import torch
+
+from diffusion import schema
+from diffusion.errors import ConfigError
+from diffusion.models import denoisers, loading
+from diffusion.train.config import load_config
+from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-mmdit-flow-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def mds(tiny_flux_kit, tmp_path_factory):
+    space = loading.latent_space_of(loading.load_vae_config(tiny_flux_kit))
+    return write_latent_mds(str(tmp_path_factory.mktemp("flux_mds") / "mds"), kit=tiny_flux_kit, n=32,
+                            latent_space=space)
+
+
+def _cfg(kit, mds, *extra, batches=4):
+    overrides = tiny_overrides(kit, mds, batches=batches, batch_size=8, extra=(
+        "model.prediction_type=null", "data.train.num_workers=0", *extra))
+    return load_config(TINY, overrides)
+
+
+def _losses():
+    from composer.core import Callback
+
+    class Losses(Callback):
+        def __init__(self):
+            self.train = []
+
+        def after_train_batch(self, state, logger):
+            self.train.append(float(state.loss))
+    return Losses()
+
+
+def test_the_tiny_flux_trains_its_loss_down(tiny_flux_kit, mds):
+    losses = _losses()
+    cfg = _cfg(tiny_flux_kit, mds, "trainer.seed=3", "data.train.shuffle=false", "optimizer.lr=2e-3", batches=40)
+    weights, _ = fit_in_process(cfg, callbacks=[losses])
+    assert any(name.startswith("denoiser.single_transformer_blocks.") for name in weights)  # it was Flux
+    first, last = sum(losses.train[:8]) / 8, sum(losses.train[-8:]) / 8
+    assert last < 0.8 * first, (first, last)
+
+
+def test_flux_steps_are_the_same_whatever_the_microbatch(tiny_flux_kit, mds):
+    common = ("optimizer.eps=1.0", "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms={}",
+              "data.train.shuffle=false")
+    whole, _ = fit_in_process(_cfg(tiny_flux_kit, mds, *common, batches=3))
+    split, _ = fit_in_process(_cfg(tiny_flux_kit, mds, *common, "trainer.device_train_microbatch_size=2", batches=3))
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_flux_resume_is_exact(tiny_flux_kit, mds, tmp_path):
+    common = ("data.train.shuffle=true", "trainer.save_interval=2ba")
+    straight, _ = fit_in_process(_cfg(tiny_flux_kit, mds, *common, batches=4))
+    folder = str(tmp_path / "ckpt")
+    fit_in_process(_cfg(tiny_flux_kit, mds, *common, f"trainer.save_folder={folder}", batches=2))
+    resumed, trained = fit_in_process(_cfg(tiny_flux_kit, mds, *common, f"trainer.save_folder={folder}",
+                                           "trainer.autoresume=true", batches=4))
+    assert len(trained) == 2
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_packing_round_trips_and_the_prediction_has_the_latents_shape(tiny_flux_kit):
+    from diffusion.models.denoisers.flux_transformer import pack, unpack
+    latents = torch.randn(2, 16, 8, 6)
+    tokens, ids = pack(latents)
+    assert tokens.shape == (2, 12, 64) and ids.shape == (12, 3) and ids[-1].tolist() == [0, 3, 2]
+    torch.testing.assert_close(unpack(tokens, 8, 6), latents)
+    adapter = denoisers.adapter("FluxTransformer2DModel")
+    module = adapter.build(adapter.load_config(tiny_flux_kit))
+    out = adapter(module, latents, torch.tensor([500.0, 10.0]), torch.randn(2, 7, 64))
+    assert out.shape == latents.shape and adapter.latent_channels(dict(module.config)) == 16
+
+
+def test_with_a_text_mask_the_padding_does_not_change_the_prediction(tiny_flux_kit):
+    adapter = denoisers.adapter("FluxTransformer2DModel")
+    module = adapter.build(adapter.load_config(tiny_flux_kit))
+    adapter.enable_text_mask(module)
+    latents, t = torch.randn(2, 16, 8, 8), torch.tensor([300.0, 700.0])
+    text = torch.randn(2, 10, 64)
+    mask = torch.arange(10)[None] < torch.tensor([[4], [7]])
+    other = torch.where(mask[..., None], text, torch.randn(2, 10, 64))  # the same captions, other padding
+    with torch.no_grad():
+        a = adapter(module, latents, t, text, text_mask=mask)
+        b = adapter(module, latents, t, other, text_mask=mask)
+        c = adapter(module, latents, t, other)  # unmasked, the padding is read
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a, c, atol=1e-4)
+
+
+@pytest.mark.parametrize("key, value", [("model.masking.ratio", "0.5"), ("model.routing.ratio", "0.5")])
+def test_masking_and_routing_are_refused_naming_the_key(tiny_flux_kit, mds, key, value):
+    from diffusion.train.trainer import build_trainer
+    with pytest.raises(ConfigError) as error:
+        build_trainer(_cfg(tiny_flux_kit, mds, f"{key}={value}"))
+    assert key in str(error.value) and "\n" not in str(error.value)
+
+
+def test_flux_schnell_flops_at_256_px_match_mlperfs_count():
+    from diffusion import cost
+    tflop = cost.recipe_gflop_per_image("flux-schnell", 256) / 1000
+    assert tflop == pytest.approx(20.3, rel=0.01)  # MLPerf Training v5.1 counts 20.3 TFLOP per sample
+    assert schema.LatentSpace(channels=16).stored_channels == 32
