@@ -1,0 +1,75 @@
+"""Flux's transformer under real FSDP on CPU (`composer -n 2`, gloo): each double- and single-stream block is its
+own FSDP unit (FSDP1 and FSDP2), and two ranks with EMA and microbatches train, with rectified flow on
+16-channel latents, the weights and EMA one process trains on the same global batches."""
+
+import json
+
+import pytest
+import torch
+
+from diffusion.models import loading
+from diffusion.train.config import load_config
+from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
+
+HARNESS = r'''
+import gc, json, os, sys
+import torch
+from composer.utils import dist
+from diffusion.train.algorithms.ema import EMA, parameter_name
+from diffusion.train.config import load_config
+from diffusion.launch import parse_args
+from diffusion.train.trainer import build_trainer
+
+path, overrides = parse_args(sys.argv[1:])
+for variant in json.loads(os.environ["VARIANTS"]):
+    trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
+    model = trainer.state.model
+    blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    wrapped_blocks = sum(1 for m in model.denoiser.modules()
+                         if type(m).__name__ == "FullyShardedDataParallel"
+                         and type(m._fsdp_wrapped_module).__name__ in blocks)
+    fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
+    trainer.fit()
+    record = {"blocks": wrapped_blocks + fsdp2_blocks}
+    if wrapped_blocks:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        with FSDP.summon_full_params(model.denoiser):
+            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
+    record["ema"] = ema.state_dict()["ema_params"]
+    torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
+    trainer.close()
+    del trainer, model
+    gc.collect()
+'''
+
+YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp_train_flux_as_one_process_with_ema(tiny_flux_kit, tmp_path):
+    space = loading.latent_space_of(loading.load_vae_config(tiny_flux_kit))
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=tiny_flux_kit, n=32, latent_space=space)
+    common = tiny_overrides(tiny_flux_kit, mds, batches=3, batch_size=8, extra=(
+        "model.prediction_type=null", "model.objective=flow", "data.train.shuffle=false", "optimizer.eps=1.0",
+        "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms.ema.smoothing=0.9",
+        "algorithms.ema.warmup=false", "trainer.device_train_microbatch_size=2"))
+    variants = [{"name": "fsdp1", "overrides": ["trainer.fsdp={sharding_strategy: FULL_SHARD}"]},
+                {"name": "fsdp2", "overrides": ["trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD}"]}]
+    result = launch_composer(tmp_path / "harness.py", HARNESS, [YAML, *common], port=29581,
+                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    one = fit_in_process(load_config(YAML, common))[0]
+    for name in ("fsdp1", "fsdp2"):
+        ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
+        assert ranks[0]["blocks"] == 3, (name, ranks[0]["blocks"])  # 1 double- and 2 single-stream blocks
+        final = ranks[0]["final"]
+        assert len(final) > 30 and set(final) <= set(one)
+        for key, tensor in final.items():
+            torch.testing.assert_close(tensor, one[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        ema = ranks[0]["ema"]
+        assert set(ema) == set(final)
+        assert [k for k in ema if not torch.allclose(ema[k], one[k])]  # the EMA is its own average
