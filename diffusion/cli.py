@@ -65,12 +65,30 @@ def run(main: Callable[[list[str]], object], prog: str, argv: Sequence[str] | No
             raise
         print(f"{prog}: error: {_describe(e)}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        hint = "; re-run the same command to resume" if resumable else ""
+        # a command that knows how far it got says so (training: "at batch N; re-run ... to resume")
+        hint = f" {e}" if str(e) else "; re-run the same command to resume" if resumable else ""
         print(f"{prog}: interrupted{hint}", file=sys.stderr)
         sys.exit(130)
+    except BaseException as e:  # torch's sharded-checkpoint errors wrap each rank's own (not an Exception)
+        inner = _checkpoint_failure(e)
+        if inner is None or debug or not _is_users(inner):
+            raise
+        print(f"{prog}: error: {_describe(inner)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _checkpoint_failure(error: BaseException) -> BaseException | None:
+    """The first rank's own error inside torch's ``CheckpointException`` (a full disk while saving a
+    sharded checkpoint, a refused entry while loading one), or None for any other exception."""
+    if type(error).__name__ != "CheckpointException":
+        return None
+    failures = getattr(error, "failures", None) or {}
+    for failure in failures.values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return None
 
 
 def _command(module: str, prog: str, resumable: bool = False) -> Callable[[], None]:

@@ -84,7 +84,28 @@ def main_with(path: str, overrides: list[str]):
             print(finished, flush=True)
         trainer.close()
         return trainer
+    rank0 = dist.get_global_rank() == 0
+    if rank0 and trainer.resumed_from:
+        print(f"resuming from {trainer.resumed_from} at batch {int(trainer.state.timestamp.batch)}", flush=True)
     trainer.logger.log_hyperparameters(cfg.to_dict())
-    trainer.fit()
+    try:
+        trainer.fit()
+    except KeyboardInterrupt:
+        batch = int(trainer.state.timestamp.batch)
+        resumable = cfg.trainer.autoresume and cfg.trainer.save_folder
+        raise KeyboardInterrupt(f"at batch {batch}; " + (
+            "re-run the same command to resume from its last checkpoint" if resumable else
+            "trainer.autoresume is off, so a re-run starts from the beginning")) from None
     trainer.close()
+    if rank0:
+        print(closing_line(cfg, trainer), flush=True)
     return trainer
+
+
+def closing_line(cfg, trainer) -> str:
+    """The run's last line: how far it trained and where its checkpoint is."""
+    from diffusion.train.trainer import checkpoint_path
+    batch = int(trainer.state.timestamp.batch)
+    path = checkpoint_path(cfg)
+    where = f"checkpoint: {path}" if path else "no checkpoint saved (trainer.save_folder is not set)"
+    return f"done: trained to batch {batch} of {cfg.trainer.max_duration}; {where}"

@@ -238,6 +238,9 @@ class TrainerConfig:
     save_num_checkpoints_to_keep: int = -1
     save_overwrite: bool = False
     autoresume: bool = False
+    # with autoresume, a save folder whose checkpoints are all unreadable (cut, or not ours) is refused
+    # rather than trained over from batch 0; true starts from the beginning (they stay, set aside)
+    start_fresh: bool = False
     load_path: Optional[str] = None
     load_weights_only: bool = False  # phase 2: weights only, fresh optimizer and schedule
     load_strict: bool = True

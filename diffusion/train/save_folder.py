@@ -30,6 +30,7 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import re
 import socket
 import sys
@@ -45,6 +46,7 @@ INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".run.lock"
 LATEST = "latest-rank0.pt"
 _CHECKPOINT = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")
+_SHARDED = re.compile(r"^ep(\d+)-ba(\d+)$")  # Composer's sharded_ckpt_prefix_dir
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -113,45 +115,106 @@ def is_complete(path: str) -> bool:
         return False
 
 
-def recover(folder: str) -> list[str]:
-    """Make the local save ``folder`` resumable (see the module docstring); returns the notices given."""
+def sharded_problem(folder: str) -> str | None:
+    """Why the sharded checkpoint ``folder`` is not whole, or None: its index (``.metadata``, which torch
+    writes last, through a temporary file renamed into place, once every rank's shard is flushed) must be
+    readable and every shard it names at least as long as the bytes it indexes there. A hostile index is
+    an :class:`~diffusion.errors.InputError`, not a cut checkpoint."""
+    from diffusion.models import safe_checkpoint
+    try:
+        index = safe_checkpoint.read_index(folder)
+    except FileNotFoundError:
+        return "no .metadata: its save never finished"
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as e:
+        return f"its .metadata cannot be read ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in getattr(index, "storage_data", {}).values():
+        name = os.fspath(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"its shard {name} is missing"
+        if os.path.getsize(path) < size:
+            return f"its shard {name} is cut short ({os.path.getsize(path)} of {size} bytes)"
+    return None
+
+
+def _problem(path: str) -> str | None:
+    """Why the checkpoint at ``path`` (a file, or a sharded checkpoint's folder) cannot be resumed from."""
+    if os.path.isdir(path):
+        return sharded_problem(path)
+    if is_complete(path):
+        return None
+    return f"it was cut short ({os.path.getsize(path)} bytes, no zip directory)"
+
+
+class UnreadableCheckpoints(UserError):
+    """The save folder holds checkpoints, and none that autoresume can read."""
+
+
+def recover(folder: str, start_fresh: bool = False) -> list[str]:
+    """Make the local save ``folder`` resumable (see the module docstring); returns the notices given.
+
+    Checkpoints are ``ep{E}-ba{B}-rank0.pt`` files (monolithic) or ``ep{E}-ba{B}`` folders (sharded). If
+    the folder holds checkpoints and none is whole, this raises :class:`UnreadableCheckpoints` rather
+    than let the run start over, unless ``start_fresh`` (``trainer.start_fresh``): the cut ones are set
+    aside either way, never deleted."""
     notices = []
     if not os.path.isdir(folder):
         return notices
-    complete = []
+    complete, set_aside = [], []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name.startswith(PARTIAL_PREFIX) and not os.path.isdir(path):
             os.remove(path)
             notices.append(f"removed {path}, a checkpoint write that never finished")
             continue
-        match = _CHECKPOINT.match(name)
-        if not match or os.path.islink(path) or not os.path.isfile(path):
+        if name.endswith(INCOMPLETE_SUFFIX):
+            set_aside.append(name)
             continue
-        if is_complete(path):
+        match = _CHECKPOINT.match(name) or _SHARDED.match(name)
+        if not match or os.path.islink(path) or not os.path.exists(path):
+            continue
+        if os.path.isdir(path) != (_SHARDED.match(name) is not None):
+            continue  # a folder named like a file, or the reverse: not a checkpoint of ours
+        problem = _problem(path)
+        if problem is None:
             complete.append((int(match.group(2)), name))
         else:
             os.replace(path, path + INCOMPLETE_SUFFIX)
-            notices.append(f"set aside {path} as {name + INCOMPLETE_SUFFIX}: it was cut short "
-                           f"({os.path.getsize(path + INCOMPLETE_SUFFIX)} bytes, no zip directory); resuming from "
-                           f"the last complete checkpoint (delete the set-aside file once you no longer need it)")
+            set_aside.append(name + INCOMPLETE_SUFFIX)
+            notices.append(f"set aside {path} as {name + INCOMPLETE_SUFFIX}: {problem}; resuming from the last "
+                           f"complete checkpoint (delete the set-aside one once you no longer need it)")
     latest = os.path.join(folder, LATEST)
     target = os.path.join(folder, os.readlink(latest)) if os.path.islink(latest) else None
     newest = max(complete)[1] if complete else None
-    if target is not None and os.path.isfile(target) and is_complete(target):
+    if target is not None and os.path.exists(target) and _problem(target) is None:
         # a complete latest: moved only when a newer complete checkpoint exists (a kill between the
         # rename and Composer's symlink update), which Composer would otherwise refuse to save past
         inside = os.path.dirname(os.path.abspath(target)) == os.path.abspath(folder)
-        current = _CHECKPOINT.match(os.path.basename(target)) if inside else None
+        base = os.path.basename(os.path.normpath(target))
+        current = (_CHECKPOINT.match(base) or _SHARDED.match(base)) if inside else None
         if newest is None or current is None or int(current.group(2)) >= max(complete)[0]:
             return notices
     if newest is not None:
         _point(latest, newest)
         notices.append(f"{latest} now points to {newest}, the last complete checkpoint")
-    elif os.path.lexists(latest):
+        return notices
+    unreadable = set_aside or (target is not None and os.path.lexists(latest))
+    if unreadable and not start_fresh:
+        what = ", ".join(set_aside) or f"{LATEST} -> {os.readlink(latest)}"
+        for message in notices:
+            note(message)
+        raise UnreadableCheckpoints(
+            f"trainer.save_folder={folder} holds checkpoints autoresume cannot read ({what}) and no complete "
+            f"one; rather than start this run over, nothing was trained: set trainer.start_fresh=true to "
+            f"start from the beginning (the unreadable ones stay set aside), or give this run another "
+            f"trainer.save_folder")
+    if os.path.lexists(latest):
         os.remove(latest)
         notices.append(f"removed {latest}: it pointed to no complete checkpoint and there is none; "
-                       f"training starts from the beginning")
+                       f"training starts from the beginning (trainer.start_fresh)")
     return notices
 
 
@@ -262,9 +325,9 @@ class SaveFolderLock(Callback):
 
 # ---- at the start of a run -----------------------------------------------------------------------------
 
-def claim(save_folder: str | None, run_name: str | None, autoresume: bool) -> list[Callback]:
+def claim(save_folder: str | None, run_name: str | None, autoresume: bool, start_fresh: bool = False) -> list[Callback]:
     """At the start of a run, on global rank 0: lock the save folder and, with autoresume, :func:`recover`
-    it; every rank raises the same error if that fails. Returns ``[lock]`` for the Trainer's callbacks
+    it (``start_fresh``: see there); every rank raises the same error if that fails. Returns ``[lock]`` for the Trainer's callbacks
     (``[]`` without a save folder, and on other ranks)."""
     from composer.utils import dist, format_name_with_dist, parse_uri
     if not save_folder:
@@ -278,7 +341,7 @@ def claim(save_folder: str | None, run_name: str | None, autoresume: bool) -> li
         try:
             notices = lock.acquire()
             if autoresume:
-                notices += recover(folder)
+                notices += recover(folder, start_fresh)
             for message in notices:
                 note(message)
         except UserError as e:
@@ -287,7 +350,7 @@ def claim(save_folder: str | None, run_name: str | None, autoresume: bool) -> li
         shared = [str(error) if error else None]
         dist.broadcast_object_list(shared, src=0)
         if shared[0] and error is None:
-            error = SaveFolderInUse(shared[0])
+            error = UserError(shared[0])
     if error is not None:
         raise error
     return [lock] if lock is not None else []

@@ -21,14 +21,14 @@ from diffusion.train import components
 from diffusion.train.optimizers import build_optimizer
 from diffusion.train.algorithms.ema import EMA
 from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
-from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, remote_pruner
+from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, local_pruner, remote_pruner
 from diffusion.train.config import Config
 from diffusion import schema
 from diffusion.errors import ConfigError
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
-from diffusion.train import save_folder
+from diffusion.train import resume, save_folder
 from diffusion.models import denoisers, objectives, safe_checkpoint
 from diffusion.models.masking import PatchMask
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
@@ -208,16 +208,69 @@ def check_weights_for(model: LatentDiffusion, path: str) -> None:
 
 
 def _local_checkpoints_to_load(cfg: Config) -> list[str]:
-    """The local files this run's Trainer will read: ``trainer.load_path`` and, with autoresume, the save
-    folder's latest checkpoint of this rank."""
+    """The local checkpoints this run's Trainer will read: ``trainer.load_path`` and, with autoresume, the
+    save folder's latest checkpoint (of this rank; a sharded checkpoint's folder is every rank's)."""
     t, paths = cfg.trainer, []
-    if t.load_path and "://" not in t.load_path and os.path.isfile(os.path.expanduser(t.load_path)):
+    if t.load_path and "://" not in t.load_path and os.path.exists(os.path.expanduser(t.load_path)):
         paths.append(t.load_path)
-    if t.autoresume and t.save_folder and "://" not in t.save_folder:
-        latest = os.path.join(t.save_folder, f"latest-rank{dist.get_global_rank()}.pt")
-        if os.path.isfile(latest):
-            paths.append(latest)
+    latest = _autoresume_checkpoint(cfg)
+    if latest is not None:
+        paths.append(latest)
     return paths
+
+
+def _autoresume_checkpoint(cfg: Config) -> str | None:
+    """The checkpoint autoresume will load from a local save folder (a file, or a sharded folder), or None."""
+    t = cfg.trainer
+    if not (t.autoresume and t.save_folder and "://" not in t.save_folder):
+        return None
+    from composer.utils import format_name_with_dist
+    folder = format_name_with_dist(t.save_folder, _run_name(cfg) or "")
+    rank = 0 if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" else dist.get_global_rank()
+    latest = os.path.join(folder, f"latest-rank{rank}.pt")
+    return latest if os.path.exists(latest) else None
+
+
+def _check_checkpoint(path: str) -> None:
+    """Refuse (one line) a checkpoint whose pickles would call anything outside our allow-list."""
+    if os.path.isdir(os.path.expanduser(path)):
+        safe_checkpoint.check_sharded(os.path.expanduser(path))
+    else:
+        safe_checkpoint.check(path)
+
+
+def check_loads(cfg: Config, model: LatentDiffusion) -> str | None:
+    """Before Composer reads a checkpoint: nothing in it may run code, a sharded one loads only into a
+    sharded run (and a file only into one that is not), autoresume loads only this run's own checkpoint
+    (:mod:`diffusion.train.resume`) and ``trainer.load_path`` holds this model's weights. Returns the
+    checkpoint autoresume will load from a local save folder, or None."""
+    t = cfg.trainer
+    safe_checkpoint.guard_composer_loads()  # load_path and autoresume read weights-only: no code runs
+    safe_checkpoint.guard_sharded_loads()
+    for path in _local_checkpoints_to_load(cfg):  # named as the user gave them, before Composer copies them
+        _check_checkpoint(path)
+    latest = _autoresume_checkpoint(cfg)
+    if latest is not None:
+        check_checkpoint_kind(cfg, latest, f"trainer.save_folder={t.save_folder}: autoresume's "
+                                           f"{os.path.basename(latest)}")
+        resume.check_own_run(latest, t.save_folder, model, model.run_identity["data"],
+                             model.run_identity["text_encoder"])
+    elif t.load_path and t.load_path in _local_checkpoints_to_load(cfg):
+        check_checkpoint_kind(cfg, t.load_path, "trainer.load_path")
+        if not os.path.isdir(os.path.expanduser(t.load_path)):
+            check_weights_for(model, t.load_path)
+    return latest
+
+
+def check_checkpoint_kind(cfg: Config, path: str, where: str) -> None:
+    """A sharded checkpoint (a folder) loads only into a run that saves sharded ones, and a file only
+    into one that does not: Composer picks its reader by the run's ``state_dict_type``."""
+    sharded = cfg.trainer.fsdp is not None and cfg.trainer.fsdp.state_dict_type == "sharded"
+    folder = os.path.isdir(os.path.expanduser(path))
+    if folder != sharded:
+        kind, need = (("a sharded checkpoint (a folder)", "trainer.fsdp.state_dict_type=sharded") if folder else
+                      ("a full checkpoint (one file)", "trainer.fsdp.state_dict_type=full (or no trainer.fsdp)"))
+        raise ConfigError(f"{where}={path} is {kind}, which this run cannot read: load it with {need}")
 
 
 def _run_name(cfg: Config) -> str | None:
@@ -266,7 +319,8 @@ def attach_text_encoder(cfg: Config, model: LatentDiffusion, info: schema.Datase
         empty_ids = dataset_info.load_empty_input_ids(cfg.data.train)
     model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
                                                   empty_text_embeds=empty_text_embeds, probe=info.text_probe,
-                                                  where=where, empty_tokens=info.empty_text_tokens)
+                                                  where=where, empty_tokens=info.empty_text_tokens,
+                                                  dataset=cfg.data.train.path or "")
 
 
 def _empty_embedding_or_none(loader_cfg):
@@ -323,12 +377,19 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     if t.autoresume:
         forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy
     # one run per save folder; checkpoints written whole; a cut one set aside before autoresume looks
-    callbacks += save_folder.claim(t.save_folder, _run_name(cfg), t.autoresume)
-    safe_checkpoint.guard_composer_loads()  # load_path and autoresume read weights-only: no code runs
-    for path in _local_checkpoints_to_load(cfg):  # named as the user gave them, before Composer copies them
-        safe_checkpoint.check(path)
-    if t.load_path and t.load_path in _local_checkpoints_to_load(cfg):
-        check_weights_for(model, t.load_path)
+    model.run_identity = {"data": resume.data_identity(cfg),
+                          "text_encoder": cfg.model.text_encoder or info.text_encoder_ref}
+    claimed = save_folder.claim(t.save_folder, _run_name(cfg), t.autoresume, t.start_fresh)
+    callbacks += claimed
+    try:
+        latest = check_loads(cfg, model)
+    except BaseException:
+        for lock in claimed:  # refused before training: the folder is left as it was, unlocked
+            lock.release()
+        raise
+    # a local folder is pruned by the folder's contents, earlier runs' checkpoints counted (Composer's
+    # own rotation counts only what this process saved); a remote one after each upload
+    pruners = local_pruner(t.save_folder, t.save_num_checkpoints_to_keep)
     with _fsdp_device(device, cfg):
         trainer = Trainer(
             model=model, train_dataloader=train_loader, eval_dataloader=build_evaluators(cfg, eval_loader, algorithms),
@@ -343,14 +404,31 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
             parallelism_config=build_parallelism(cfg),
             compile_config=_compile_options(t) if t.compile and t.fsdp is None else None,
             save_folder=t.save_folder, save_interval=t.save_interval,
-            save_num_checkpoints_to_keep=t.save_num_checkpoints_to_keep, save_overwrite=t.save_overwrite,
+            save_num_checkpoints_to_keep=-1 if pruners else t.save_num_checkpoints_to_keep,
+            save_overwrite=t.save_overwrite,
             autoresume=t.autoresume, load_path=t.load_path, load_weights_only=t.load_weights_only,
             load_strict_model_weights=t.load_strict, dist_timeout=t.dist_timeout)
     # Composer prunes local checkpoints only; this prunes a remote save_folder, after Composer's
     # CheckpointSaver (which the Trainer appends last) has uploaded.
-    trainer.state.callbacks.extend(remote_pruner(t.save_folder, t.save_num_checkpoints_to_keep))
+    trainer.state.callbacks.extend(pruners + remote_pruner(t.save_folder, t.save_num_checkpoints_to_keep))
     set_phase(trainer, model, train_loader)
+    trainer.resumed_from = None  # what this run continues, for its first line
+    if int(trainer.state.timestamp.batch) > 0:
+        trainer.resumed_from = os.path.realpath(latest) if latest else (t.save_folder if t.autoresume else t.load_path)
     return trainer
+
+
+def checkpoint_path(cfg: Config) -> str | None:
+    """The run's latest checkpoint: the file (or sharded folder) ``latest`` points to in a local save
+    folder, the remote save folder itself, or None without one."""
+    t = cfg.trainer
+    if not t.save_folder:
+        return None
+    if "://" in t.save_folder:
+        return t.save_folder
+    from composer.utils import format_name_with_dist
+    latest = os.path.join(format_name_with_dist(t.save_folder, _run_name(cfg) or ""), save_folder.LATEST)
+    return os.path.realpath(latest) if os.path.lexists(latest) else None
 
 
 def set_phase(trainer: Trainer, model: LatentDiffusion, loader) -> int:

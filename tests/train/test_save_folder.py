@@ -151,3 +151,32 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoints
     assert not os.path.exists(folder / "ep0-ba4-rank0.pt")
     assert is_complete(str(folder / "ep0-ba2-rank0.pt"))
     assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba2-rank0.pt"
+
+
+def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(train_kit, mmdit_train_kit, mds, tmp_path):
+    """A second command with another model or dataset into the same save folder (the README's T5 command
+    once inherited the demo's) is refused in one line naming the folder and the difference; the first
+    run's checkpoints, ``latest`` and lock are untouched."""
+    folder = tmp_path / "ckpt"
+    first = _run(_args(train_kit, mds, folder, 2, "trainer.autoresume=true"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"done: trained to batch 2 of 2ba; checkpoint: {folder / 'ep0-ba2-rank0.pt'}" in first.stdout
+    before = {name: os.stat(folder / name, follow_symlinks=False).st_mtime_ns for name in os.listdir(folder)}
+    other_data = write_latent_mds(str(tmp_path / "other"), kit=train_kit, n=16, seed=3)
+    for change, expected in ((f"data.train.path={other_data}", f"its training data is '{mds}', this run's "
+                                                                f"'{other_data}'"),
+                             (f"model.ref={mmdit_train_kit}", f"its model.ref is '{train_kit}', this run's "
+                                                               f"'{mmdit_train_kit}'")):
+        second = _run(_args(train_kit, mds, folder, 4, "trainer.autoresume=true", change))
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        [line] = _error_lines(second)
+        assert line.startswith(f"run.py: error: trainer.save_folder={folder} holds another run's checkpoint "
+                               f"(ep0-ba2-rank0.pt): {expected}"), line
+        assert "give this run its own trainer.save_folder" in line
+        after = {name: os.stat(folder / name, follow_symlinks=False).st_mtime_ns for name in os.listdir(folder)}
+        assert after == before
+    # the same command again resumes its own run
+    again = _run(_args(train_kit, mds, folder, 4, "trainer.autoresume=true"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {folder / 'ep0-ba2-rank0.pt'} at batch 2" in again.stdout

@@ -176,3 +176,77 @@ def _saves(state: State) -> int:
     """How many checkpoints Composer's CheckpointSaver has saved in this process."""
     from composer.callbacks import CheckpointSaver
     return sum(cb.symlink_count for cb in state.callbacks if isinstance(cb, CheckpointSaver))
+
+
+# ---- the local save folder ----------------------------------------------------------------------------
+_LOCAL = re.compile(r"^ep(\d+)-ba(\d+)(-rank\d+\.pt)?$")  # a monolithic file, or a sharded checkpoint's folder
+
+
+def local_pruner(save_folder: str | None, num_checkpoints_to_keep: int) -> list[Callback]:
+    """``[LocalCheckpointPruner]`` for a local ``save_folder`` and a positive count; else ``[]``."""
+    if not save_folder or "://" in save_folder or num_checkpoints_to_keep <= 0:
+        return []
+    return [LocalCheckpointPruner(save_folder, num_checkpoints_to_keep)]
+
+
+class LocalCheckpointPruner(Callback):
+    """Keeps the newest ``keep`` checkpoints in a local save folder, counting those earlier runs of the
+    same command left there (Composer's own rotation forgets them once a run is interrupted and resumed,
+    so a resumed run kept one more than asked after every interruption). Never deletes what ``latest``
+    points to, nor anything newer; set-aside (``.incomplete``) and unfinished (``.partial-``) ones are not
+    checkpoints here and are left alone. Rank 0 prunes, after each save and at the end of ``fit()``; the
+    trainer hands Composer ``save_num_checkpoints_to_keep=-1`` so the two never delete the same file.
+    """
+
+    def __init__(self, folder: str, keep: int):
+        if keep <= 0:
+            raise ValueError(f"keep must be positive, got {keep}")
+        self.folder, self.keep = folder, int(keep)
+        self._saves_seen = 0
+        self.deleted: list[str] = []
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        saves = _saves(state)
+        if saves != self._saves_seen:
+            self._saves_seen = saves
+            self.prune(state.run_name)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.prune(state.run_name)
+
+    def prune(self, run_name: str | None = None) -> list[str]:
+        if dist.get_global_rank() != 0:
+            return []
+        import shutil
+        from composer.utils import format_name_with_dist
+        folder = format_name_with_dist(self.folder, run_name or "") if "{" in self.folder else self.folder
+        if not os.path.isdir(folder):
+            return []
+        groups: dict[int, list[str]] = {}
+        for name in os.listdir(folder):
+            match = _LOCAL.match(name)
+            path = os.path.join(folder, name)
+            if match and not os.path.islink(path):
+                groups.setdefault(int(match.group(2)), []).append(path)
+        protected = None
+        for name in os.listdir(folder):
+            if name.startswith("latest-rank") and os.path.islink(os.path.join(folder, name)):
+                batch = _batch_of(os.readlink(os.path.join(folder, name)))
+                if batch is not None:
+                    protected = batch if protected is None else min(protected, batch)
+        newest = sorted(groups, reverse=True)[:self.keep]
+        deleted = []
+        for batch in sorted(groups):
+            if batch in newest or (protected is not None and batch >= protected):
+                continue
+            for path in sorted(groups[batch]):
+                try:
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    log.warning("Could not delete old checkpoint %s: %s", path, e)
+                    continue
+                deleted.append(path)
+        self.deleted += deleted
+        return deleted
