@@ -225,3 +225,25 @@ def test_model_loading_drops_diffusers_advice_but_not_real_warnings(tiny_kit):
     text = "\n".join(records.messages)
     assert "accelerate" not in text and "kept in float32: []" not in text, text
     assert "a real warning stays" in text
+
+
+def test_a_full_disk_inside_a_sharded_checkpoint_save_is_one_line(capsys):
+    """torch wraps each rank's error in a CheckpointException (a BaseException); a full disk in there is
+    still the user's one line, exit 2, and anything else inside stays a traceback."""
+    import errno
+    from torch.distributed.checkpoint.api import CheckpointException
+    from diffusion import cli
+
+    def save_on_a_full_disk(argv):
+        full = OSError(errno.ENOSPC, "No space left on device", "ckpt/ep0-ba4/__0_0.distcp")
+        raise CheckpointException("save", {0: (full, None)})
+
+    with pytest.raises(SystemExit) as exited:
+        cli.run(save_on_a_full_disk, "run.py", [])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "run.py: error: ckpt/ep0-ba4/__0_0.distcp: No space left on device\n"
+
+    def a_bug(argv):
+        raise CheckpointException("save", {0: (ZeroDivisionError("bug"), None)})
+    with pytest.raises(CheckpointException):
+        cli.run(a_bug, "run.py", [])

@@ -50,7 +50,22 @@ def load(path, map_location="cpu", mmap: bool = False):
             if found:
                 raise InputError(f"{path}: refused: the checkpoint asks to call {found.group(1)}, which no "
                                  f"checkpoint of ours holds; loading it could run code, so it is not read") from None
+            raise InputError(f"{path}: refused: not a checkpoint torch.save wrote (a raw pickle or a damaged "
+                             f"file: {_first_line(e)}); reading it could run code, so it is not read") from None
+        except RuntimeError as e:
+            if "legacy .tar format" in str(e) or "legacy" in str(e).lower() and "weights_only" in str(e):
+                raise InputError(f"{path}: refused: a checkpoint in torch's legacy .tar format, which cannot be "
+                                 f"read without running code; re-save it with torch.save from a trusted "
+                                 f"copy") from None
             raise
+
+
+def _first_line(error: BaseException) -> str:
+    """The part of torch's several-paragraph refusal that says what it met."""
+    text = str(error)
+    if "WeightsUnpickler error: " in text:
+        return text.split("WeightsUnpickler error: ", 1)[1].splitlines()[0][:160]
+    return (text.strip().splitlines() or [type(error).__name__])[0][:160]
 
 
 def check(path) -> None:

@@ -84,3 +84,25 @@ def test_training_refuses_it_as_load_path_and_in_autoresume(checkpoints):
     result = _run(*common, f"trainer.save_folder={folder}", "trainer.autoresume=true")
     _refused(result, "latest-rank0.pt")
     assert not checkpoints["marker"].exists()
+
+
+def test_a_raw_pickle_or_a_legacy_tar_is_one_line_naming_the_file(tmp_path):
+    """Neither is a file torch.save writes today; each is refused in one line, not torch's paragraphs."""
+    import io
+    import pickle
+    import tarfile
+    from diffusion.errors import InputError
+    raw = tmp_path / "weights.pkl"
+    raw.write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    with pytest.raises(InputError) as refused:
+        safe_checkpoint.load(raw)
+    assert str(refused.value).startswith(f"{raw}: refused: not a checkpoint torch.save wrote (a raw pickle")
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 400
+    legacy = tmp_path / "old.tar"
+    with tarfile.open(legacy, "w") as archive:
+        data = b"hello"
+        info = tarfile.TarInfo("storages")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    with pytest.raises(InputError, match=r"refused: a checkpoint in torch's legacy \.tar format"):
+        safe_checkpoint.load(legacy)
