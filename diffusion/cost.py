@@ -131,7 +131,7 @@ def project_cost(samples: dict[int, int], samples_per_sec_per_gpu: dict[int, flo
 
 
 # ---- any recipe's FLOPs per image (issue 26) ---------------------------------------------------------
-RECIPES = ("sd2-unet", "sd3-medium", "flux-schnell")
+RECIPES = ("sd2-unet", "sd3-medium", "flux-schnell", "sana-1.6b")
 
 
 @functools.lru_cache(maxsize=16)
@@ -141,14 +141,19 @@ def recipe_gflop_per_image(recipe: str, resolution: int) -> float:
     width 1536, 16-channel latents, 77 CLIP + 256 T5 tokens of 4096). The MMDiT's pooled text here is
     its text states' mean, 4096 wide where SD3 pools two CLIPs' 2048: one linear layer, < 0.01%.
     ``flux-schnell``: Flux.1-schnell's transformer (19 double- and 38 single-stream blocks of width 3072,
-    16-channel latents packed 2x2, 256 T5 tokens of 4096; pooled likewise, 4096 wide where CLIP's is 768)."""
-    from diffusion.kit.build import FLUX_SCHNELL, FLUX_TEXT_TOKENS, SD2_UNET, SD3_MEDIUM, SD3_TEXT_TOKENS
+    16-channel latents packed 2x2, 256 T5 tokens of 4096; pooled likewise, 4096 wide where CLIP's is 768).
+    ``sana-1.6b``: SANA-1.6B's linear-attention DiT (20 blocks of width 2240) on DC-AE's 32-channel latents at
+    /32, 300 Gemma-2 tokens of 2304."""
+    from diffusion.kit.build import (FLUX_SCHNELL, FLUX_TEXT_TOKENS, SANA_1600M, SANA_TEXT_TOKENS, SD2_UNET,
+                                     SD3_MEDIUM, SD3_TEXT_TOKENS)
     from diffusion.models.flops import training_gflop_per_image
     recipes = {"sd2-unet": ("UNet2DConditionModel", SD2_UNET, 1024, 77),
                "sd3-medium": ("SD3Transformer2DModel", dict(SD3_MEDIUM, pooled_projection_dim=4096),
                               SD3_MEDIUM["joint_attention_dim"], SD3_TEXT_TOKENS),
                "flux-schnell": ("FluxTransformer2DModel", dict(FLUX_SCHNELL, pooled_projection_dim=4096),
-                                FLUX_SCHNELL["joint_attention_dim"], FLUX_TEXT_TOKENS)}
+                                FLUX_SCHNELL["joint_attention_dim"], FLUX_TEXT_TOKENS),
+               "sana-1.6b": ("SanaTransformer2DModel", SANA_1600M, SANA_1600M["caption_channels"], SANA_TEXT_TOKENS,
+                             32)}
     if recipe not in recipes:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(recipes)}")
     return training_gflop_per_image(*recipes[recipe][:2], resolution, *recipes[recipe][2:])

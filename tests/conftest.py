@@ -76,6 +76,13 @@ def tiny_flux_kit() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_sana_kit() -> str:
+    """The tiny-sana kit (SANA's linear-attention DiT at toy widths over the tiny-dcae autoencoder)."""
+    from diffusion.kit.build import ensure_kit
+    return str(ensure_kit("tiny-sana", CACHE / "kit" / "tiny-sana"))
+
+
+@pytest.fixture(scope="session")
 def sd2_kit() -> str:
     """The SD2-base configs and tokenizer (no weights)."""
     from diffusion.kit.build import ensure_kit

@@ -23,6 +23,8 @@
 - ``tiny-flux``: Flux.1's transformer (``FluxTransformer2DModel``: 2x2-packed 16-channel latents, no guidance
   embedding, as schnell) at toy widths over the tiny-vae16 autoencoder, the tiny CLIP text encoder and a
   flow-matching scheduler.
+- ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny-dcae
+  autoencoder, the tiny CLIP text encoder and a flow-matching scheduler.
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -61,7 +63,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
-           "tiny-dcae", "tiny-flux")
+           "tiny-dcae", "tiny-flux", "tiny-sana")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -269,6 +271,16 @@ FLUX_SCHNELL = dict(patch_size=1, in_channels=64, num_layers=19, num_single_laye
                     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=False,
                     axes_dims_rope=(16, 56, 56))
 FLUX_TEXT_TOKENS = 256
+# SANA's DiT at toy widths on the tiny DC-AE's 32-channel 2x2 latents (64 px), the tiny text encoder's width.
+TINY_SANA = dict(in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                 num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+                 caption_channels=TINY_TEXT["hidden_size"], sample_size=2, patch_size=1)
+# SANA-1.6B at 1024 px as published (Efficient-Large-Model/Sana_1600M_1024px_diffusers, transformer/config.json;
+# diffusers' defaults): for FLOP counts (diffusion.cost --flops sana-1.6b). Gemma-2 reads 300 tokens of 2,304.
+SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+                  num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+                  caption_channels=2304, mlp_ratio=2.5, sample_size=32, patch_size=1)
+SANA_TEXT_TOKENS = 300
 
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
@@ -276,13 +288,15 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     transformer reading its channels, over the tiny kit's CLIP text encoder, its tokenizer and a
     flow-matching scheduler."""
     import diffusers
-    from diffusers import AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
+    from diffusers import (AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SanaTransformer2DModel,
+                           SD3Transformer2DModel)
     from transformers import CLIPTextConfig, CLIPTextModel
 
     vae_class, vae, denoiser, config = {
         "tiny-vae16": (AutoencoderKL, TINY_VAE16, SD3Transformer2DModel, TINY_MMDIT_VAE16),
         "tiny-dcae": (AutoencoderDC, TINY_DCAE, SD3Transformer2DModel, TINY_MMDIT_DCAE),
-        "tiny-flux": (AutoencoderKL, TINY_VAE16, FluxTransformer2DModel, TINY_FLUX)}[preset]
+        "tiny-flux": (AutoencoderKL, TINY_VAE16, FluxTransformer2DModel, TINY_FLUX),
+        "tiny-sana": (AutoencoderDC, TINY_DCAE, SanaTransformer2DModel, TINY_SANA)}[preset]
     torch.manual_seed(0)
     denoiser(**config).save_pretrained(out / "transformer")
     torch.manual_seed(1)
@@ -292,8 +306,9 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     write_clip_tokenizer(out / "tokenizer")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
     index = _mmdit_index(vae_class.__name__)
-    if denoiser is FluxTransformer2DModel:
-        index.update(_class_name="FluxPipeline", transformer=["diffusers", "FluxTransformer2DModel"])
+    if denoiser is not SD3Transformer2DModel:
+        pipeline = {FluxTransformer2DModel: "FluxPipeline", SanaTransformer2DModel: "SanaPipeline"}[denoiser]
+        index.update(_class_name=pipeline, transformer=["diffusers", denoiser.__name__])
     _write_json(out / "model_index.json", index)
     return {"vae": "random"}
 
@@ -411,7 +426,7 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny_captioner(out)
     elif preset == "tiny-t5":
         info = build_tiny_t5(out)
-    elif preset in ("tiny-vae16", "tiny-dcae", "tiny-flux"):
+    elif preset in ("tiny-vae16", "tiny-dcae", "tiny-flux", "tiny-sana"):
         info = build_tiny_latent_kit(out, preset)
     else:
         info = build_tiny_clip(out)
@@ -556,7 +571,8 @@ CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-capt
 BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
 text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
 tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE),
-tiny-flux (Flux.1's transformer at toy widths over the random 16-channel AutoencoderKL).
+tiny-flux (Flux.1's transformer at toy widths over the random 16-channel AutoencoderKL), tiny-sana (SANA's
+DiT at toy widths over the random DC-AE).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
@@ -570,7 +586,8 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-t5 --out .cache/kit/tiny-t5    # convert with --text-length 32
   python -m diffusion.kit --preset tiny-vae16 --out .cache/kit/tiny-vae16  # 16-channel latents (random VAE)
   python -m diffusion.kit --preset tiny-dcae --out .cache/kit/tiny-dcae    # DC-AE latents, /32 (random)
-  python -m diffusion.kit --preset tiny-flux --out .cache/kit/tiny-flux    # FluxTransformer2DModel, 16 channels"""
+  python -m diffusion.kit --preset tiny-flux --out .cache/kit/tiny-flux    # FluxTransformer2DModel, 16 channels
+  python -m diffusion.kit --preset tiny-sana --out .cache/kit/tiny-sana    # SanaTransformer2DModel on DC-AE"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -197,7 +197,7 @@ class Sampler:
         """The diffusers pipeline of ``denoiser``'s class around it (safety checker off). An autoencoder
         the pipeline cannot hold (DC-AE in an SD pipeline) is left out of it: :meth:`decode` decodes."""
         adapter = denoisers.adapter_for(denoiser)
-        holds = "block_out_channels" in self.vae.config or adapter.pipeline_decodes(self.space)
+        holds = self.space.autoencoder in adapter.pipeline_autoencoders
         pipe = adapter.pipeline(denoiser, vae=self.vae if holds else None, text_encoder=self.text_encoder,
                                 tokenizer=self.tokenizer, scheduler=self.scheduler)
         if not holds:  # the pipeline's latent size comes from the autoencoder's downsampling
@@ -253,7 +253,7 @@ class Sampler:
                 kwargs = adapter.prompt_kwargs(pipe, chunk, negative_prompt, guidance_rescale, length, masked)
                 with adapter.text_mask_hook(denoiser, kwargs.pop("text_masks", None)):
                     out = pipe(**kwargs, height=height, width=width, num_inference_steps=steps,
-                               **adapter.guidance_kwargs(guidance_scale), generator=generators, output_type="latent")
+                               **adapter.call_kwargs(guidance_scale), generator=generators, output_type="latent")
                 # decoded here, not by the pipeline: one decoding (shift included) for every pipeline
                 images.extend(pipe.image_processor.postprocess(self.decode(adapter.unpack(pipe, out.images, height, width)),
                                                                output_type="pil"))

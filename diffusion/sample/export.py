@@ -176,7 +176,9 @@ def main(argv=None) -> None:
     with open(os.path.join(out, "model_index.json")) as f:
         pipeline_class = json.load(f)["_class_name"]
     from diffusion.models.denoisers.flux_transformer import EMPTY_SLOTS as FLUX_SLOTS
-    slots = {"StableDiffusion3Pipeline": EMPTY_SLOTS, "FluxPipeline": FLUX_SLOTS}.get(pipeline_class, ())
+    from diffusion.models.denoisers.sana_transformer import EMPTY_SLOTS as SANA_SLOTS
+    slots = {"StableDiffusion3Pipeline": EMPTY_SLOTS, "FluxPipeline": FLUX_SLOTS,
+             "SanaPipeline": SANA_SLOTS}.get(pipeline_class, ())
     empty = ", " + ", ".join(f"{slot}=None" for slot in slots) if slots else ""
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
     if empty:

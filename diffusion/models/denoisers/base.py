@@ -108,19 +108,23 @@ class DenoiserAdapter:
         """A diffusers pipeline around ``module`` and the frozen parts."""
         raise NotImplementedError
 
+    # The autoencoder classes :meth:`pipeline`'s diffusers class holds, and whether it adds the shift factor
+    # back when it decodes (SD's pipelines divide by the scaling factor only).
+    pipeline_autoencoders: tuple = ("AutoencoderKL",)
+    pipeline_shift: bool = False
+
     def pipeline_decodes(self, space) -> bool:
-        """Whether :meth:`pipeline`'s diffusers class decodes latents of ``space`` (a
-        :class:`~diffusion.schema.LatentSpace`) itself, so an exported pipeline draws what we draw:
-        SD's pipelines divide by the scaling factor only, with an ``AutoencoderKL``."""
-        return space.autoencoder == "AutoencoderKL" and not space.shift_factor
+        """Whether the diffusers pipeline decodes latents of ``space`` (a :class:`~diffusion.schema.LatentSpace`)
+        itself, so an exported pipeline draws what we draw."""
+        return space.autoencoder in self.pipeline_autoencoders and (self.pipeline_shift or not space.shift_factor)
 
     def unpack(self, pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """(B, C, h, w) latents from what the pipeline returns with ``output_type="latent"`` (a pipeline
         of packed patches returns them packed)."""
         return latents
 
-    def guidance_kwargs(self, guidance_scale: float) -> dict:
-        """The pipeline call's classifier-free guidance arguments."""
+    def call_kwargs(self, guidance_scale: float) -> dict:
+        """The pipeline call's arguments beyond the prompts, size, steps and generators: the guidance."""
         return {"guidance_scale": guidance_scale}
 
     def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,

@@ -114,13 +114,12 @@ class FluxTransformerAdapter(DenoiserAdapter):
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are CLIP's and T5's
         return pipe
 
-    def pipeline_decodes(self, space):
-        return space.autoencoder == "AutoencoderKL"  # FluxPipeline adds the shift back
+    pipeline_shift = True  # FluxPipeline adds the shift back
 
     def unpack(self, pipe, latents, height, width):
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
 
-    def guidance_kwargs(self, guidance_scale: float) -> dict:
+    def call_kwargs(self, guidance_scale: float) -> dict:
         return {"true_cfg_scale": guidance_scale}  # no guidance embedding: true classifier-free guidance
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):

@@ -221,8 +221,7 @@ class SD3TransformerAdapter(DenoiserAdapter):
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are SD3's three
         return pipe
 
-    def pipeline_decodes(self, space):
-        return space.autoencoder == "AutoencoderKL"  # SD3's pipeline adds the shift back
+    pipeline_shift = True  # SD3's pipeline adds the shift back
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
         text_encoder, tokenizer = pipe.conditioning
