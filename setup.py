@@ -17,7 +17,8 @@ setup(
     entry_points={"console_scripts": [
         f"{name} = diffusion.cli:{name.replace('-', '_')}"
         for name in ("sd-download", "sd-convert", "sd-train", "sd-online", "sd-generate", "sd-export",
-                     "sd-evaluate", "sd-cost", "sd-kit", "sd-sample-data", "sd-demo")]},
+                     "sd-evaluate", "sd-cost", "sd-kit", "sd-sample-data", "sd-demo",
+                     "sd-posthoc-ema")]},
     install_requires=[
         "torch>=2.6",
         "torchvision",

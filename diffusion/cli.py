@@ -112,6 +112,7 @@ sd_cost = _command("diffusion.cost", "sd-cost")
 sd_kit = _command("diffusion.kit.build", "sd-kit")
 sd_sample_data = _command("diffusion.kit.sample", "sd-sample-data")
 sd_demo = _command("diffusion.demo", "sd-demo")
+sd_posthoc_ema = _command("diffusion.posthoc_ema", "sd-posthoc-ema")
 
 
 # ---- command-line flags -----------------------------------------------------------------------------

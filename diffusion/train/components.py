@@ -15,6 +15,7 @@ from diffusion.errors import ConfigError
 
 ALGORITHMS = {
     "ema": "diffusion.train.algorithms.ema:EMA",
+    "posthoc_ema": "diffusion.train.algorithms.posthoc_ema:PostHocEMA",
     "low_precision_groupnorm": "composer.algorithms:LowPrecisionGroupNorm",
     "low_precision_layernorm": "composer.algorithms:LowPrecisionLayerNorm",
 }

@@ -572,5 +572,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.ema (the EMA is "
                           "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "
                           "algorithms.ema=null")
+    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "posthoc_ema" in cfg.algorithms:
+        raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.posthoc_ema (its "
+                          "averages are checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full")
     for key in ("max_duration", "eval_interval", "save_interval"):
         _check_duration(f"trainer.{key}", getattr(t, key))
