@@ -30,8 +30,7 @@ import torch
 
 from diffusion.errors import UserError
 from diffusion import schema
-from diffusion.models import checkpoint as checkpoints, loading, sampling
-from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS
+from diffusion.models import checkpoint as checkpoints, denoisers, loading, sampling
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -175,16 +174,13 @@ def main(argv=None) -> None:
                           scheduler=args.scheduler, dtype=args.dtype, overwrite=args.overwrite)
     with open(os.path.join(out, "model_index.json")) as f:
         pipeline_class = json.load(f)["_class_name"]
-    from diffusion.models.denoisers.flux_transformer import EMPTY_SLOTS as FLUX_SLOTS
-    from diffusion.models.denoisers.sana_transformer import EMPTY_SLOTS as SANA_SLOTS
-    slots = {"StableDiffusion3Pipeline": EMPTY_SLOTS, "FluxPipeline": FLUX_SLOTS,
-             "SanaPipeline": SANA_SLOTS}.get(pipeline_class, ())
-    empty = ", " + ", ".join(f"{slot}=None" for slot in slots) if slots else ""
+    adapter = denoisers.adapter(denoisers.resolve_class(out))
+    empty = ", " + ", ".join(f"{slot}=None" for slot in adapter.empty_slots) if adapter.empty_slots else ""
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
     if empty:
         print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
               "(the text encoder and tokenizer are in text_encoder/ and tokenizer/"
-              + (", and true_cfg_scale for guidance" if pipeline_class == "FluxPipeline" else "")
+              + (f", and {adapter.cfg_argument} for guidance" if adapter.cfg_argument != "guidance_scale" else "")
               + f"), or sample with python -m diffusion.generate --checkpoint {out}")
     with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
         if json.load(f).get("rescale_betas_zero_snr"):

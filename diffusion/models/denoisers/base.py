@@ -112,6 +112,10 @@ class DenoiserAdapter:
     # back when it decodes (SD's pipelines divide by the scaling factor only).
     pipeline_autoencoders: tuple = ("AutoencoderKL",)
     pipeline_shift: bool = False
+    # The pipeline's text-encoder slots left empty (our one encoder and tokenizer are saved beside them in
+    # text_encoder/ and tokenizer/): an export loads with ``from_pretrained(DIR, **dict.fromkeys(empty_slots))``.
+    empty_slots: tuple = ()
+    cfg_argument: str = "guidance_scale"  # the pipeline call's classifier-free guidance scale
 
     def pipeline_decodes(self, space) -> bool:
         """Whether the diffusers pipeline decodes latents of ``space`` (a :class:`~diffusion.schema.LatentSpace`)
@@ -125,7 +129,7 @@ class DenoiserAdapter:
 
     def call_kwargs(self, guidance_scale: float) -> dict:
         """The pipeline call's arguments beyond the prompts, size, steps and generators: the guidance."""
-        return {"guidance_scale": guidance_scale}
+        return {self.cfg_argument: guidance_scale}
 
     def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,
                       length: int | None = None, masked: bool = False) -> dict:

@@ -75,6 +75,8 @@ class FluxTransformerAdapter(DenoiserAdapter):
     class_name = "FluxTransformer2DModel"
     component = "transformer"
     blocks = frozenset({"FluxTransformerBlock", "FluxSingleTransformerBlock"})
+    empty_slots = EMPTY_SLOTS
+    cfg_argument = "true_cfg_scale"  # no guidance embedding: true classifier-free guidance
 
     def latent_channels(self, config):
         return int(config["in_channels"]) // 4  # 2x2 patches packed into the channels
@@ -118,9 +120,6 @@ class FluxTransformerAdapter(DenoiserAdapter):
 
     def unpack(self, pipe, latents, height, width):
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-
-    def call_kwargs(self, guidance_scale: float) -> dict:
-        return {"true_cfg_scale": guidance_scale}  # no guidance embedding: true classifier-free guidance
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
         text_encoder, tokenizer = pipe.conditioning

@@ -25,6 +25,7 @@ class SanaTransformerAdapter(DenoiserAdapter):
     class_name = "SanaTransformer2DModel"
     component = "transformer"
     blocks = frozenset({"SanaTransformerBlock"})
+    empty_slots = EMPTY_SLOTS
     pipeline_autoencoders = ("AutoencoderDC",)  # SanaPipeline reads DC-AE's config
 
     def text_dim(self, config):

@@ -186,6 +186,7 @@ class SD3TransformerAdapter(DenoiserAdapter):
     class_name = "SD3Transformer2DModel"
     component = "transformer"
     blocks = frozenset({"JointTransformerBlock"})
+    empty_slots = EMPTY_SLOTS
 
     def text_dim(self, config):
         return int(config["joint_attention_dim"])
