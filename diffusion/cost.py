@@ -18,7 +18,7 @@ Wall-clock time assumes perfect scaling over ``--gpus``: days = GPU-hours / gpus
 ``throughput/samples_per_sec`` divided by ``--run-gpus``) from a text log, a JSON / JSON-lines metrics
 file, or a run directory (wandb offline run dirs hold ``files/wandb-summary.json``).
 
-Below the table, the text storage of the shards (issue 16; the converter's ``--text``): bytes per
+Below the table, the text storage of the shards (the converter's ``--text``): bytes per
 sample, TB stored and TB streamed per epoch and over the schedule for ``embeds`` (the text encoder's
 output, 77x1024 float16) vs ``ids`` (the 77 token ids, int32), from SD2's shapes
 (:func:`sample_bytes`), and the GPU time that encoding the text during training adds with ``ids``: an
@@ -248,7 +248,7 @@ class TextStorageProjection:
                             for r in self.resolutions)
         head = (f"{'--text':<8} {'bytes/sample':>12} {'TB stored':>10} {'TB/epoch':>9} {'TB streamed':>12}  "
                 f"text encoder on the training GPUs (estimate)")
-        rows = [f"Text storage (issue 16): {self.stored_samples:,} stored samples with moments at {res} px; "
+        rows = [f"Text storage: {self.stored_samples:,} stored samples with moments at {res} px; "
                 f"SD2 shapes before compression: moments {moments} float16, text_embeds {schema.MAX_TOKENS}x"
                 f"{self.text_dim} float16 or input_ids {schema.MAX_TOKENS} int32, "
                 f"~{self.other_bytes} B caption/key/sizes",
@@ -360,7 +360,7 @@ Input: samples per phase, throughput per phase (images/s per GPU, or per node wi
 measured: --from-run reads what a training run logged), GPUs and $ per GPU-hour; the defaults are
 MosaicML's published SD2-base recipe on 8xA100. Output: a table on stdout of each phase's samples,
 throughput, GPU-hours, days (assuming perfect scaling over --gpus) and dollars, and the total; then
-the text storage of the shards (--text embeds vs ids, issue 16): bytes/sample, TB stored and streamed
+the text storage of the shards (--text embeds vs ids): bytes/sample, TB stored and streamed
 per epoch and over the schedule (SD2 shapes, --stored-samples), and the GPU time that encoding text
 during training adds with ids (an estimate from FLOPs until measured)."""
 EXAMPLES = """examples:

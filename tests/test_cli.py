@@ -82,6 +82,7 @@ def test_help_says_what_with_examples_and_explains_every_flag(name):
         assert text.startswith(f"usage: python -m {name} "), text.splitlines()[0]
     description = text.split("\n\n")[1]
     assert len(description.split()) >= 8, f"{name}: no description of what it does:\n{text}"
+    assert not re.search(r"\bissues? \d", text), f"{name}: an internal issue number in --help"
 
 
 # ---- one line for a user's mistake -------------------------------------------------------------------------

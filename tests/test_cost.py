@@ -18,6 +18,12 @@ def test_reproduces_mosaicml_8xa100_row(capsys):
     assert "81.33 days" in printed and "$31,230" in printed
 
 
+def test_output_names_no_internal_issue_numbers(capsys):
+    cost.main(["--text", "ids"])
+    printed = capsys.readouterr().out
+    assert "Text storage:" in printed and "issue" not in printed
+
+
 def test_defaults_are_the_mosaicml_recipe_and_api_matches_cli():
     projection = cost.project_cost(cost.RECIPE_SAMPLES, {256: 137.5, 512: 36.25}, gpus=8, price_per_gpu_hour=2.0)
     assert round(projection.gpu_hours) == 15_615
