@@ -57,6 +57,7 @@ import time
 import torch
 
 from diffusion.errors import KitError
+from diffusion.kit import vae_fit
 from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_ASSET, VAE_SEED  # noqa: F401
 from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
@@ -246,17 +247,12 @@ def _mmdit_index(vae: str = "AutoencoderKL") -> dict:
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
 
 
-# Random tiny autoencoders of the other latent spaces (seeded; for the latent contract, not legible images).
+# Random tiny autoencoders of the other latent spaces (seeded; for the latent contract, not legible images:
+# python -m diffusion.kit.vae_fit --kind vae16 / dcae fits these architectures on the sample scenes).
 # A 16-channel AutoencoderKL, /8, with a scaling and a shift factor as SD3's and Flux's VAEs have.
-TINY_VAE16 = dict(sample_size=64, in_channels=3, out_channels=3, latent_channels=16, layers_per_block=1,
-                  block_out_channels=(16, 32, 32, 32), norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.5, shift_factor=0.1)
+TINY_VAE16 = dict(vae_fit.TINY_VAE16, scaling_factor=0.5, shift_factor=0.1)
 # DC-AE's shape at toy widths: six stages (/32), 32 latent channels, residual blocks only.
-TINY_DCAE = dict(latent_channels=32, attention_head_dim=8, encoder_block_types="ResBlock",
-                 decoder_block_types="ResBlock", encoder_block_out_channels=(8, 16, 16, 32, 32, 32),
-                 decoder_block_out_channels=(8, 16, 16, 32, 32, 32), encoder_layers_per_block=(1,) * 6,
-                 decoder_layers_per_block=(1,) * 6, encoder_qkv_multiscales=((),) * 6,
-                 decoder_qkv_multiscales=((),) * 6, scaling_factor=0.41407)
+TINY_DCAE = dict(vae_fit.TINY_DCAE, scaling_factor=0.41407)
 # The tiny MMDiT for each: 16 channels at 8x8 latents (64 px), patches of 2; 32 channels at 2x2, patches of 1.
 TINY_MMDIT_VAE16 = dict(TINY_MMDIT, in_channels=16, out_channels=16)
 TINY_MMDIT_DCAE = dict(TINY_MMDIT, in_channels=32, out_channels=32, patch_size=1, sample_size=2)

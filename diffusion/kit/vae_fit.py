@@ -44,6 +44,22 @@ TINY_VAE = dict(
     up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=1.0,  # set from the fitted latents
 )
 FIT_SIZE = 64
+# The other latent spaces' tiny autoencoders (the tiny-vae16/tiny-flux and tiny-dcae/tiny-sana kits), fitted the
+# same way: a 16-channel AutoencoderKL at /8 whose latents get a shift and a scale (as SD3's and Flux's VAEs
+# do), and DC-AE's shape at toy widths, six stages (/32), 32 channels, residual blocks, deterministic latents.
+TINY_VAE16 = dict(sample_size=64, in_channels=3, out_channels=3, latent_channels=16, layers_per_block=1,
+                  block_out_channels=(16, 32, 32, 32), norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 4,
+                  up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=1.0, shift_factor=0.0)
+TINY_DCAE = dict(latent_channels=32, attention_head_dim=8, encoder_block_types="ResBlock",
+                 decoder_block_types="ResBlock", encoder_block_out_channels=(8, 16, 16, 32, 32, 32),
+                 decoder_block_out_channels=(8, 16, 16, 32, 32, 32), encoder_layers_per_block=(1,) * 6,
+                 decoder_layers_per_block=(1,) * 6, encoder_qkv_multiscales=((),) * 6,
+                 decoder_qkv_multiscales=((),) * 6, scaling_factor=1.0)
+ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
+# name -> (diffusers class, config, shipped asset, fit crop): the crop covers at least one latent pixel's field
+KINDS = {"tiny": ("AutoencoderKL", TINY_VAE, TINY_VAE_ASSET, 32),
+         "vae16": ("AutoencoderKL", TINY_VAE16, ASSETS / "tiny-vae16", 32),
+         "dcae": ("AutoencoderDC", TINY_DCAE, ASSETS / "tiny-dcae", 64)}
 
 
 @dataclasses.dataclass
@@ -75,7 +91,10 @@ def sample_images(n: int, seed: int, size: int = FIT_SIZE) -> torch.Tensor:
 
 
 def _loss(vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float) -> torch.Tensor:
-    posterior = vae.encode(x).latent_dist
+    encoded = vae.encode(x)
+    if not hasattr(encoded, "latent_dist"):  # a deterministic autoencoder (DC-AE): reconstruction only
+        return (vae.decode(encoded.latent).sample - x).pow(2).mean()
+    posterior = encoded.latent_dist
     eps = torch.randn(posterior.mean.shape, generator=generator)
     z = posterior.mean + posterior.std * eps
     reconstruction = vae.decode(z).sample
@@ -122,10 +141,13 @@ def fit_vae(vae, config: FitConfig = FitConfig(), progress: bool = True) -> dict
 
 @torch.no_grad()
 def reconstruction_psnr(vae, images: torch.Tensor, batch_size: int = 32) -> float:
-    """Mean PSNR (dB, 8-bit scale) of ``decode(encode(x).mean)`` over ``images`` in [-1, 1]."""
+    """Mean PSNR (dB, 8-bit scale) of ``decode(encode(x).mean)`` (a deterministic autoencoder's latent) over
+    ``images`` in [-1, 1]."""
     scores = []
     for batch in images.split(batch_size):
-        decoded = vae.decode(vae.encode(batch).latent_dist.mean).sample.clamp(-1, 1)
+        encoded = vae.encode(batch)
+        z = encoded.latent_dist.mean if hasattr(encoded, "latent_dist") else encoded.latent
+        decoded = vae.decode(z).sample.clamp(-1, 1)
         mse = ((decoded - batch) / 2).pow(2).flatten(1).mean(1)  # on a [0, 1] scale
         scores.append(10 * torch.log10(1.0 / mse.clamp_min(1e-10)))
     return torch.cat(scores).mean().item()
@@ -140,19 +162,41 @@ def latent_scaling_factor(vae, images: torch.Tensor, seed: int = 0) -> float:
     return 1.0 / z.std().item()
 
 
-def fit_tiny_vae(out, config: FitConfig = FitConfig(), progress: bool = True) -> dict:
-    """Fit the tiny kit's VAE from its seeded initial weights and save it to ``out`` (diffusers
-    layout, float32 safetensors) with its latent scaling factor; returns the fit info."""
-    from diffusers import AutoencoderKL
+@torch.no_grad()
+def latent_shift_and_scale(vae, images: torch.Tensor, seed: int = 0) -> tuple[float, float]:
+    """(shift, scale) making ``(z - shift) * scale`` zero-mean with unit variance over sampled latents (a
+    KL autoencoder's draws, a deterministic one's latents), as SD3's and Flux's VAEs record them."""
+    encoded = vae.encode(images)
+    if hasattr(encoded, "latent_dist"):
+        generator = torch.Generator().manual_seed(seed)
+        posterior = encoded.latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    else:
+        z = encoded.latent
+    return z.mean().item(), 1.0 / z.std().item()
 
 
+def fit_tiny_vae(out, config: FitConfig = FitConfig(), progress: bool = True, kind: str = "tiny") -> dict:
+    """Fit a tiny autoencoder of ``kind`` (:data:`KINDS`: the tiny kit's 4-channel VAE, the 16-channel one,
+    the DC-AE) from its seeded initial weights and save it to ``out`` (diffusers layout, float32
+    safetensors) with its latent scaling factor (and, but for ``tiny``, the shift); returns the fit info."""
+    import diffusers
+
+    class_name, vae_config, _, crop = KINDS[kind]
     torch.manual_seed(VAE_SEED)
-    vae = AutoencoderKL(**TINY_VAE)
-    fit = fit_vae(vae, config, progress=progress)
+    vae = getattr(diffusers, class_name)(**vae_config)
+    fit = fit_vae(vae, dataclasses.replace(config, crop=crop), progress=progress)
     held_out = sample_images(64, seed=HELD_OUT_SEED)
     fit["psnr_held_out"] = round(reconstruction_psnr(vae, held_out), 2)
-    scaling = latent_scaling_factor(vae, sample_images(256, seed=HELD_OUT_SEED + 1))
-    vae.register_to_config(scaling_factor=round(scaling, 5))
+    statistics = sample_images(256, seed=HELD_OUT_SEED + 1)
+    if kind == "tiny":  # the shipped 4-channel VAE's recipe, SD's: a scale only
+        vae.register_to_config(scaling_factor=round(latent_scaling_factor(vae, statistics), 5))
+    else:
+        shift, scale = latent_shift_and_scale(vae, statistics)
+        vae.register_to_config(scaling_factor=round(scale, 5))
+        if "shift_factor" in vae_config:
+            vae.register_to_config(shift_factor=round(shift, 5))
+            fit["shift_factor"] = vae.config.shift_factor
     vae.save_pretrained(out, safe_serialization=True)  # float32: the weights were never cast
     fit["scaling_factor"] = vae.config.scaling_factor
     fit["seconds"] = round(fit["seconds"], 1)
@@ -170,15 +214,20 @@ and fit.json (steps, loss, seconds, held-out PSNR, scaling factor, seeds); the s
 The tiny kit copies the shipped result (diffusion/kit/assets/tiny-vae); this regenerates it."""
 EXAMPLES = """examples:
   python -m diffusion.kit.vae_fit --out diffusion/kit/assets/tiny-vae   # regenerate the shipped VAE (~2.6 min)
-  python -m diffusion.kit.vae_fit --out /tmp/vae --steps 200 --quiet    # a quick, rougher fit"""
+  python -m diffusion.kit.vae_fit --out /tmp/vae --steps 200 --quiet    # a quick, rougher fit
+  python -m diffusion.kit.vae_fit --kind vae16   # regenerate diffusion/kit/assets/tiny-vae16 (16 channels, shift)
+  python -m diffusion.kit.vae_fit --kind dcae    # regenerate diffusion/kit/assets/tiny-dcae (DC-AE, /32)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffusion.kit.vae_fit", description=DESCRIPTION,
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(TINY_VAE_ASSET), metavar="DIR",
+    parser.add_argument("--kind", choices=sorted(KINDS), default="tiny",
+                        help="which autoencoder: the tiny kit's 4-channel VAE, the 16-channel one (tiny-vae16, "
+                             "tiny-flux) or the DC-AE (tiny-dcae, tiny-sana) (default: %(default)s)")
+    parser.add_argument("--out", default=None, metavar="DIR",
                         help="folder for config.json, diffusion_pytorch_model.safetensors and fit.json "
-                             "(default: the shipped asset)")
+                             "(default: the kind's shipped asset)")
     parser.add_argument("--steps", type=cli.positive_int, default=FitConfig.steps,
                         help="training steps (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -187,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out or KINDS[args.kind][2])
     if out.exists() and not out.is_dir():
         raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", str(out))
     out.mkdir(parents=True, exist_ok=True)
-    fit = fit_tiny_vae(out, FitConfig(steps=args.steps), progress=not args.quiet)
+    fit = fit_tiny_vae(out, FitConfig(steps=args.steps), progress=not args.quiet, kind=args.kind)
     with open(out / FIT_INFO, "w") as f:
         json.dump(fit, f, indent=2)
         f.write("\n")
