@@ -59,7 +59,8 @@ PUBLISHED = {("SD2 UNet", "SD2 VAE f8c4"), ("SD3-medium MMDiT", "KL f8c16 (SD3, 
 def main() -> list[dict]:
     start = time.perf_counter()
     rows = []
-    head = f"{'denoiser':<18}{'autoencoder':<23}{'':<9}" + "".join(f"{f'{r} px tokens':>16}{'TFLOP':>9}" for r in RESOLUTIONS)
+    head = f"{'denoiser':<18}{'autoencoder':<23}{'':<9}"
+    head += "".join(f"{f'{r} px tokens':>16}{'TFLOP':>9}" for r in RESOLUTIONS)
     print(head)
     print("-" * len(head))
     for name, (make, autoencoders) in DENOISERS.items():
