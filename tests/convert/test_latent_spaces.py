@@ -59,3 +59,14 @@ def test_a_resolution_off_the_autoencoders_grid_is_refused():
     columns = schema.mds_columns([64], 64, latent_space=space)
     assert columns["vae_latents_64"] == "ndarray:float16:32,2,2" and "vae_moments_64" not in columns
     assert schema.resolutions_in(columns) == [64]
+
+
+@pytest.mark.parametrize("kit_name", sorted(KITS))
+def test_the_description_the_stream_shares_records_the_latent_space(kit_name, request):
+    """Online mode trains from encoders.describe_dataset's description, as offline training reads dataset.json."""
+    from diffusion.convert.encoders import describe_dataset
+    autoencoder, channels, f, stored, column = KITS[kit_name]
+    info, _ = describe_dataset(request.getfixturevalue(kit_name), [64])
+    space = info.latent_space
+    assert (space.autoencoder, space.channels, space.downsample, space.stored) == (autoencoder, channels, f, stored)
+    assert space.column(64) == column
