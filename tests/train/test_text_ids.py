@@ -236,8 +236,8 @@ def test_a_text_encoder_that_differs_only_on_words_the_probe_lacks_is_refused_by
     encoder.save_pretrained(str(tmp_path / "others" / "text_encoder"))
     assert (changed - own).abs().max() > 0.3 * own.abs().max()  # the dataset's own captions: far off
     others = str(tmp_path / "others")
-    with pytest.raises(DatasetMismatchError, match=r"^text encoder '.*others' \(model.text_encoder\) is not the one the "
-                                                   r"dataset was converted with: its weights' sha256 [0-9a-f]{16} "
+    with pytest.raises(DatasetMismatchError, match=r"^text encoder '.*others' \(model.text_encoder\) is not the one "
+                                                   r"dataset .*ids was converted with: its weights' sha256 [0-9a-f]{16} "
                                                    r"differs from the [0-9a-f]{16} that dataset.json's text_probe"):
         build_trainer(_config(train_kit, ids, f"model.text_encoder={others}"))
     old = {k: v for k, v in info["text_probe"].items() if k != "weights_sha256"}
