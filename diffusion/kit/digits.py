@@ -47,7 +47,7 @@ def load(split: str = "train") -> tuple[np.ndarray, np.ndarray]:
 def to_image(digit: np.ndarray, size: int = SIZE) -> Image.Image:
     """An 8x8 digit (0..16 ink) as a ``size`` px RGB picture, dark ink on white."""
     gray = (255 - np.clip(digit, 0, 16) * (255 / 16)).astype(np.uint8)
-    return Image.fromarray(gray, "L").resize((size, size), Image.BICUBIC).convert("RGB")
+    return Image.fromarray(gray).resize((size, size), Image.BICUBIC).convert("RGB")
 
 
 def to_features(image: Image.Image) -> np.ndarray:
