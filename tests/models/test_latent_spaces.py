@@ -96,3 +96,22 @@ def test_the_dataset_json_of_a_16_channel_mix_agrees(tiny_vae16_kit, tmp_path):
         recorded = json.load(f)
     assert recorded["latent_channels"] == 16 and recorded["shift_factor"] == pytest.approx(0.1)
     assert read_dataset_info(mds).latent_space == _space(tiny_vae16_kit)
+
+
+def test_a_later_phase_in_another_latent_space_is_refused(tiny_vae16_kit):
+    import dataclasses
+    from diffusion.models import objectives
+    from diffusion.models.latent_diffusion import LatentDiffusion
+    from diffusion.models import denoisers
+    adapter = denoisers.adapter("SD3Transformer2DModel")
+    space = _space(tiny_vae16_kit)
+
+    def model(s):
+        return LatentDiffusion(adapter.build(adapter.load_config(tiny_vae16_kit)),
+                               objectives.from_description("flow", FLOW), model_ref=tiny_vae16_kit, resolution=64,
+                               latent_space=s)
+    state = model(space).get_extra_state()
+    model(dataclasses.replace(space, scaling_factor=0.3)).set_extra_state(state)  # a new scale: warned, allowed
+    with pytest.raises(ConfigError, match="latent space") as error:
+        model(dataclasses.replace(space, shift_factor=0.0)).set_extra_state(state)
+    assert "\n" not in str(error.value)
