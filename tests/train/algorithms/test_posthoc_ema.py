@@ -180,3 +180,61 @@ def test_a_killed_run_resumes_its_profiles_and_snapshots_exactly(mmdit_train_kit
         fit_in_process(load_config(yaml, mmdit_overrides(mmdit_train_kit, mds, "trainer.autoresume=true",
                                                          "algorithms.posthoc_ema.sigma_rels=[0.07]",
                                                          "trainer.max_duration=8ba", save_folder=str(resumed))))
+
+
+HARNESS = r'''
+import json, os, shutil, sys
+from composer.utils import dist
+from diffusion.train.config import load_config
+from diffusion.launch import parse_args
+from diffusion.train.trainer import build_trainer
+
+path, overrides = parse_args(sys.argv[1:])
+root = os.environ["RECORD_DIR"]
+for variant in json.loads(os.environ["VARIANTS"]):
+    folder = os.path.join(root, variant["name"])
+    if variant.get("resume_from"):  # a run killed after its batch-2 checkpoint, resumed by autoresume
+        if dist.get_global_rank() == 0:
+            os.makedirs(folder)
+            shutil.copy(os.path.join(root, variant["resume_from"], "ep0-ba2-rank0.pt"), folder)
+            os.symlink("ep0-ba2-rank0.pt", os.path.join(folder, "latest-rank0.pt"))
+            shutil.copytree(os.path.join(root, variant["resume_from"], "posthoc"), os.path.join(folder, "posthoc"),
+                            ignore=lambda d, names: [n for n in names if "-ba2." not in n])  # what it had written
+        dist.barrier()
+    trainer = build_trainer(load_config(path, overrides + variant["overrides"] + [f"trainer.save_folder={folder}"]))
+    trainer.fit()
+    trainer.close()
+'''
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mmdit_train_kit, mds, tmp_path):
+    """`composer -n 2`: under FSDP1 (full state dicts: the EMA's gather) and FSDP2 (DTensors), rank 0
+    writes the snapshots of the whole weights one process averages; an FSDP1 run killed after batch 2
+    and resumed (the profiles scattered back into the shards) writes the same snapshots."""
+    from safetensors.torch import load_file
+    yaml = "yamls/tiny-mmdit-flow-cpu.yaml"
+    # Adam with eps = 1, no clipping: the float error of the split stays small (see test_multiprocess.py)
+    common = mmdit_overrides(mmdit_train_kit, mds, "data.train.shuffle=false", "optimizer.eps=1.0",
+                             "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms.ema=null",
+                             "algorithms.posthoc_ema.snapshot_every=2ba", batches=4)
+    fsdp1 = ["trainer.fsdp={sharding_strategy: FULL_SHARD}"]
+    variants = [{"name": "fsdp1", "overrides": fsdp1},
+                {"name": "fsdp2", "overrides": ["trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD}"]},
+                {"name": "fsdp1-resumed", "overrides": fsdp1 + ["trainer.autoresume=true"], "resume_from": "fsdp1"}]
+    import json
+    from train_fixtures import launch_composer
+    result = launch_composer(tmp_path / "harness.py", HARNESS, [yaml, *common], port=29581,
+                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    one = tmp_path / "one"
+    fit_in_process(load_config(yaml, common + [f"trainer.save_folder={one}"]))
+    names = sorted(os.listdir(one / "posthoc"))
+    assert names == sorted(phe.snapshot_name(w, b) for w in (0.05, 0.1) for b in (2, 4))
+    for variant in ("fsdp1", "fsdp2", "fsdp1-resumed"):
+        assert sorted(os.listdir(tmp_path / variant / "posthoc")) == names, variant
+        for name in names:
+            expected, got = load_file(one / "posthoc" / name), load_file(tmp_path / variant / "posthoc" / name)
+            assert got.keys() == expected.keys() and len(got) > 50  # whole tensors, every parameter
+            for key, tensor in expected.items():
+                torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{variant} {name} {key}")
