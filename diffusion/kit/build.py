@@ -25,6 +25,8 @@
   flow-matching scheduler.
 - ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny-dcae
   autoencoder, the tiny CLIP text encoder and a flow-matching scheduler.
+- ``flux-schnell``: configs only (as ``mmdit-base``): Flux.1-schnell's transformer (11.9B), its 16-channel VAE and
+  T5-XXL's text encoder, with a flow-matching scheduler: MLPerf Training's Flux benchmark (yamls/mlperf-flux/).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -64,7 +66,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
-           "tiny-dcae", "tiny-flux", "tiny-sana")
+           "tiny-dcae", "tiny-flux", "tiny-sana", "flux-schnell")
 
 # What each preset writes at its top level, for kits stamped before the stamp listed its files.
 _DIFFUSERS_LAYOUT = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json", STAMP})
@@ -277,6 +279,18 @@ SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, atten
                   num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
                   caption_channels=2304, mlp_ratio=2.5, sample_size=32, patch_size=1)
 SANA_TEXT_TOKENS = 300
+# The MLPerf Flux recipe's kit (yamls/mlperf-flux/), configs only: Flux.1-schnell's transformer, its 16-channel VAE
+# (black-forest-labs/FLUX.1-schnell, vae/config.json: scale 0.3611, shift 0.1159) and T5-XXL v1.1 as the text encoder
+# (google/t5-v1_1-xxl, 4096 wide). One text encoder conditions the model here, so the pooled vector is T5's mean
+# (4096 wide) where Flux pools CLIP's 768: one linear layer of 12.6M in 11.9B.
+FLUX_VAE = dict(sample_size=1024, in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
+                block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
+                use_quant_conv=False, use_post_quant_conv=False)
+T5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu",
+              vocab_size=32128, relative_attention_num_buckets=32, tie_word_embeddings=False, pad_token_id=0,
+              eos_token_id=1, decoder_start_token_id=0)
+FLUX_SCHNELL_KIT = dict(FLUX_SCHNELL, pooled_projection_dim=T5_XXL["d_model"])
 
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
@@ -354,6 +368,26 @@ def build_mmdit_base(out: pathlib.Path) -> dict:
     return {}
 
 
+def build_flux_schnell(out: pathlib.Path) -> dict:
+    """Configs only (as mmdit-base): Flux.1-schnell's transformer, its VAE and T5-XXL's text encoder config, a flow
+    scheduler. The VAE's and T5's weights and T5's tokenizer come from the hub when converting (yamls/mlperf-flux/)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import T5Config
+    with torch.device("meta"):
+        FluxTransformer2DModel(**FLUX_SCHNELL_KIT).save_config(out / "transformer")
+        AutoencoderKL(**FLUX_VAE).save_config(out / "vae")
+    config = T5Config(**T5_XXL)
+    config.architectures = ["T5EncoderModel"]
+    config.save_pretrained(out / "text_encoder")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
+    index = _mmdit_index()
+    index.update(_class_name="FluxPipeline", transformer=["diffusers", "FluxTransformer2DModel"],
+                 text_encoder=["transformers", "T5EncoderModel"], tokenizer=["transformers", "T5TokenizerFast"])
+    _write_json(out / "model_index.json", index)
+    return {}
+
+
 def build_tiny_clip(out: pathlib.Path) -> dict:
     """A tiny random CLIPModel with the CLIP tokenizer and a 64 px image processor in one directory."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
@@ -424,6 +458,8 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_tiny_t5(out)
     elif preset in ("tiny-vae16", "tiny-dcae", "tiny-flux", "tiny-sana"):
         info = build_tiny_latent_kit(out, preset)
+    elif preset == "flux-schnell":
+        info = build_flux_schnell(out)
     else:
         info = build_tiny_clip(out)
     stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
@@ -568,7 +604,7 @@ BLIP image-to-text model with its processor, for the converter's --recaption), t
 text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
 tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE),
 tiny-flux (Flux.1's transformer at toy widths over the random 16-channel AutoencoderKL), tiny-sana (SANA's
-DiT at toy widths over the random DC-AE).
+DiT at toy widths over the random DC-AE), flux-schnell (configs only: MLPerf's Flux.1-schnell, yamls/mlperf-flux/).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
@@ -583,7 +619,8 @@ EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-vae16 --out .cache/kit/tiny-vae16  # 16-channel latents (random VAE)
   python -m diffusion.kit --preset tiny-dcae --out .cache/kit/tiny-dcae    # DC-AE latents, /32 (random)
   python -m diffusion.kit --preset tiny-flux --out .cache/kit/tiny-flux    # FluxTransformer2DModel, 16 channels
-  python -m diffusion.kit --preset tiny-sana --out .cache/kit/tiny-sana    # SanaTransformer2DModel on DC-AE"""
+  python -m diffusion.kit --preset tiny-sana --out .cache/kit/tiny-sana    # SanaTransformer2DModel on DC-AE
+  python -m diffusion.kit --preset flux-schnell --out kits/flux-schnell   # yamls/mlperf-flux/ (configs only)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
