@@ -21,10 +21,11 @@
   (DC-AE's kind: 32 channels, /32, deterministic latents), each with an MMDiT reading its channels.
   Random autoencoders decode noise: for the latent contract, not for judging images.
 - ``tiny-flux``: Flux.1's transformer (``FluxTransformer2DModel``: 2x2-packed 16-channel latents, no guidance
-  embedding, as schnell) at toy widths over the tiny-vae16 autoencoder, the tiny CLIP text encoder and a
+  embedding, as schnell) at toy widths over the tiny-vae16 autoencoder's architecture, fitted on the sample scenes
+  (shipped in ``diffusion/kit/assets/tiny-vae16``, with its shift and scale), the tiny CLIP text encoder and a
   flow-matching scheduler.
-- ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny-dcae
-  autoencoder, the tiny CLIP text encoder and a flow-matching scheduler.
+- ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny DC-AE, fitted
+  likewise (``diffusion/kit/assets/tiny-dcae``), the tiny CLIP text encoder and a flow-matching scheduler.
 - ``flux-schnell``: configs only (as ``mmdit-base``): Flux.1-schnell's transformer (11.9B), its 16-channel VAE and
   T5-XXL's text encoder, with a flow-matching scheduler: MLPerf Training's Flux benchmark (yamls/mlperf-flux/).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
@@ -63,7 +64,7 @@ from diffusion.kit import vae_fit
 from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_ASSET, VAE_SEED  # noqa: F401
 from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
-KIT_VERSION = 3  # bump when a preset's contents change: older kits are then rebuilt
+KIT_VERSION = 4  # bump when a preset's contents change: older kits are then rebuilt
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
            "tiny-dcae", "tiny-flux", "tiny-sana", "flux-schnell")
@@ -294,8 +295,8 @@ FLUX_SCHNELL_KIT = dict(FLUX_SCHNELL, pooled_projection_dim=T5_XXL["d_model"])
 
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
-    """``tiny-vae16``, ``tiny-dcae`` or ``tiny-flux``: a random autoencoder of that latent space and a
-    transformer reading its channels, over the tiny kit's CLIP text encoder, its tokenizer and a
+    """``tiny-vae16``, ``tiny-dcae``, ``tiny-flux`` or ``tiny-sana``: an autoencoder of that latent space (random;
+    for tiny-flux and tiny-sana the shipped one fitted on the scenes) and a transformer reading its channels, over the tiny kit's CLIP text encoder, its tokenizer and a
     flow-matching scheduler."""
     import diffusers
     from diffusers import (AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SanaTransformer2DModel,
@@ -311,8 +312,13 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     denoiser(**config).save_pretrained(out / "transformer")
     torch.manual_seed(1)
     CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
-    torch.manual_seed(2)
-    vae_class(**vae).save_pretrained(out / "vae")
+    fitted = {"tiny-flux": "vae16", "tiny-sana": "dcae"}.get(preset)  # their autoencoders, fitted on the scenes
+    if fitted:
+        info = {"vae": "shipped", "vae_fit": copy_tiny_vae(out / "vae", vae_fit.KINDS[fitted][2])}
+    else:
+        torch.manual_seed(2)
+        vae_class(**vae).save_pretrained(out / "vae")
+        info = {"vae": "random"}
     write_clip_tokenizer(out / "tokenizer")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
     index = _mmdit_index(vae_class.__name__)
@@ -320,7 +326,7 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
         pipeline = {FluxTransformer2DModel: "FluxPipeline", SanaTransformer2DModel: "SanaPipeline"}[denoiser]
         index.update(_class_name=pipeline, transformer=["diffusers", denoiser.__name__])
     _write_json(out / "model_index.json", index)
-    return {"vae": "random"}
+    return info
 
 
 # The tiny T5 encoder: the tiny CLIP text encoder's width (so the tiny UNet and MMDiT configs fit it), two
@@ -603,8 +609,8 @@ CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-capt
 BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
 text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
 tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE),
-tiny-flux (Flux.1's transformer at toy widths over the random 16-channel AutoencoderKL), tiny-sana (SANA's
-DiT at toy widths over the random DC-AE), flux-schnell (configs only: MLPerf's Flux.1-schnell, yamls/mlperf-flux/).
+tiny-flux (Flux.1's transformer at toy widths over a 16-channel AutoencoderKL fitted on the scenes), tiny-sana (SANA's
+DiT at toy widths over a DC-AE fitted on the scenes), flux-schnell (configs only: MLPerf's Flux.1-schnell, yamls/mlperf-flux/).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
