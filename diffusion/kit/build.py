@@ -296,7 +296,8 @@ FLUX_SCHNELL_KIT = dict(FLUX_SCHNELL, pooled_projection_dim=T5_XXL["d_model"])
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     """``tiny-vae16``, ``tiny-dcae``, ``tiny-flux`` or ``tiny-sana``: an autoencoder of that latent space (random;
-    for tiny-flux and tiny-sana the shipped one fitted on the scenes) and a transformer reading its channels, over the tiny kit's CLIP text encoder, its tokenizer and a
+    for tiny-flux and tiny-sana the shipped one fitted on the scenes) and a transformer reading its channels, over
+    the tiny kit's CLIP text encoder, its tokenizer and a
     flow-matching scheduler."""
     import diffusers
     from diffusers import (AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SanaTransformer2DModel,
@@ -609,8 +610,9 @@ CLIPModel with tokenizer and image processor, for diffusion.evaluate), tiny-capt
 BLIP image-to-text model with its processor, for the converter's --recaption), tiny-t5 (a tiny random T5
 text encoder with a tokenizer trained on the sample captions, the tiny UNet and MMDiT: long captions),
 tiny-vae16 and tiny-dcae (the tiny MMDiT over a random 16-channel AutoencoderKL, or a random DC-AE),
-tiny-flux (Flux.1's transformer at toy widths over a 16-channel AutoencoderKL fitted on the scenes), tiny-sana (SANA's
-DiT at toy widths over a DC-AE fitted on the scenes), flux-schnell (configs only: MLPerf's Flux.1-schnell, yamls/mlperf-flux/).
+tiny-flux (Flux.1's transformer at toy widths over a 16-channel AutoencoderKL fitted on the scenes), tiny-sana
+(SANA's DiT at toy widths over a DC-AE fitted on the scenes), flux-schnell (configs only: MLPerf's Flux.1-schnell,
+yamls/mlperf-flux/).
 Input: the preset. Output: --out with unet/ vae/ text_encoder/ tokenizer/ scheduler/ model_index.json
 (tiny-clip, tiny-captioner: a transformers model directory) and kit.json, which lists the files the kit wrote. An
 existing complete kit is kept as it is; a folder holding other files is refused."""
