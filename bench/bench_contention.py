@@ -1,0 +1,200 @@
+"""Training beside other work: samples per CPU-second of the tiny UNet alone and beside a competing load.
+
+    python bench/bench_contention.py                       # before and after, alone and beside 1 busy loop per CPU
+    python bench/bench_contention.py --load training       # the competing load: a second identical training
+    python bench/bench_contention.py --variants after --seconds 30
+    python bench/bench_contention.py --alone-nice -20      # the rows alone as on a quiet machine (root)
+
+Each row trains yamls/tiny-cpu.yaml's tiny UNet (64 px, batch 32, fp32, CPU, loading in the training
+process) on synthetic MDS shards, through the command's own start (:func:`diffusion.cli.run`, then the
+pool sizing of ``run.py``), in a fresh process. After ``--warmup`` batches it measures wall time and the
+process's CPU time (every thread) over the next batches, for at most ``--seconds``. Variants:
+
+- ``before``: ``DIFFUSION_CPUS=off``, torch's defaults (one intra-op thread per CPU of the affinity
+  mask; libgomp's threads spin at every barrier before they sleep), as every run was before.
+- ``after``: the CPUs this process may use (:mod:`diffusion.cpus`), and ``OMP_WAIT_POLICY=PASSIVE``.
+- ``one-thread`` (on request): ``OMP_NUM_THREADS=1``, a user's own setting (it wins over the sizing).
+
+Loads: ``alone``, and beside a competing load as large as the machine: one busy-loop process per usable
+CPU (``--load busy``), or a second training of the same variant (``--load training``). The headline is
+samples per CPU-second beside the load over the same figure alone (goal: at least 0.5; a fair share of
+the CPU changes samples/s, not the work a CPU-second buys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_YAML = str(ROOT / "yamls" / "tiny-cpu.yaml")
+VARIANTS = {"before": {"DIFFUSION_CPUS": "off"}, "after": {}, "one-thread": {"OMP_NUM_THREADS": "1"}}
+DEFAULT_VARIANTS = ["before", "after"]
+RESULT = "RESULT "
+
+
+def worker(data: str, batches: int, warmup: int, seconds: float) -> None:
+    """One measured training, started as ``run.py`` starts one (in a fresh process); prints a RESULT line."""
+    from diffusion import cli
+
+    def main(argv):
+        from diffusion import launch
+        from diffusion.train.config import load_config
+        cfg = load_config(TINY_YAML, [f"model.ref={data}/kit", f"data.train.path={data}/mds",
+                                      f"trainer.max_duration={batches}ba", "trainer.save_folder=null",
+                                      "trainer.autoresume=false", "loggers={}", "callbacks={}"])
+        from composer.core import Callback
+
+        from diffusion.train.trainer import build_trainer
+        launch._size_pools(cfg)  # what run.py does before it builds the trainer
+
+        class Clock(Callback):
+            def __init__(self):
+                self.marks, self.losses = [], []
+
+            def batch_end(self, state, logger):
+                self.marks.append((time.perf_counter(), time.process_time()))
+                self.losses.append(float(state.loss))
+                measured = len(self.marks) - 1 - warmup
+                if measured >= 3 and self.marks[-1][0] - self.marks[warmup][0] > seconds:
+                    state.stop_training()
+
+        import torch
+        trainer = build_trainer(cfg)
+        clock = Clock()
+        trainer.state.callbacks.append(clock)
+        trainer.fit()
+        (w0, c0), (w1, c1) = clock.marks[warmup], clock.marks[-1]
+        n = (len(clock.marks) - 1 - warmup) * cfg.data.train.batch_size
+        print(RESULT + json.dumps({"samples": n, "wall": w1 - w0, "cpu": c1 - c0, "losses": clock.losses,
+                                   "threads": torch.get_num_threads(),
+                                   "wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}), flush=True)
+        trainer.close()
+
+    cli.run(main, "bench_contention")
+
+
+def _env(variant: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "DIFFUSION_CPUS")}
+    return {**env, **VARIANTS[variant], "PYTHONPATH": str(ROOT)}
+
+
+def _start(variant: str, data: str, batches: int, warmup: int, seconds: float, nice: int = 0) -> subprocess.Popen:
+    def priority():
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    return subprocess.Popen([sys.executable, __file__, "--worker", data, str(batches), str(warmup), str(seconds)],
+                            env=_env(variant), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=priority)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    for line in out.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    raise RuntimeError(f"the training failed (exit status {proc.returncode}):\n{err[-3000:]}")
+
+
+def busy_loops(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def measure(variant: str, load: str, args, data: str) -> dict:
+    """One row: the measured training, alone or beside the competing load (stopped once it is done)."""
+    competing, load_average = [], os.getloadavg()[0]
+    if load == "busy":
+        competing = busy_loops(args.cpus)
+    elif load == "training":  # the same training, started first and running for longer than the measured one
+        competing = [_start(variant, data, 100_000, 0, 1e9)]
+    try:
+        time.sleep(1 if competing else 0)
+        nice = args.alone_nice if load == "alone" else 0
+        result = _result(_start(variant, data, args.batches, args.warmup, args.seconds, nice))
+    finally:
+        for proc in competing:
+            proc.kill()
+            proc.wait()
+    result.update(variant=variant, load=load, load_average=load_average)
+    return result
+
+
+def table(rows: list[dict], load_name: str, at: int) -> str:
+    head = (f"| variant | load | machine's load average at the start | threads | OMP_WAIT_POLICY | samples/s | "
+            f"CPU-s | samples per CPU-s | loss at batch {at} |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {'alone' if r['load'] == 'alone' else load_name} | {r['load_average']:.1f} | "
+                     f"{r['threads']} | {r['wait_policy']} | {r['samples'] / r['wall']:.1f} | {r['cpu']:.1f} | "
+                     f"{r['samples'] / r['cpu']:.1f} | {r['losses'][at - 1]:.6f} |")
+    return "\n".join(lines)
+
+
+def headline(rows: list[dict]) -> list[str]:
+    per_cpu = {(r["variant"], r["load"]): r["samples"] / r["cpu"] for r in rows}
+    rate = {(r["variant"], r["load"]): r["samples"] / r["wall"] for r in rows}
+    lines = []
+    for variant in VARIANTS:
+        alone = per_cpu.get((variant, "alone"))
+        loaded = next((v for (var, load), v in per_cpu.items() if var == variant and load != "alone"), None)
+        if alone and loaded:
+            verdict = "goal met" if loaded / alone >= 0.5 else f"goal missed by {0.5 / (loaded / alone):.1f}x"
+            lines.append(f"{variant}: samples per CPU-s beside the load / alone = {loaded / alone:.2f} "
+                         f"(goal >= 0.5: {verdict})")
+    loaded = {var: v for (var, load), v in rate.items() if load != "alone"}
+    if "before" in loaded and "after" in loaded:
+        lines.append(f"beside the load, after / before: {loaded['after'] / loaded['before']:.1f}x samples/s")
+    return lines
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS,
+                   help="one-thread: OMP_NUM_THREADS=1, the user's own setting")
+    p.add_argument("--load", choices=("busy", "training", "none"), default="busy",
+                   help="the competing load (none: the rows alone only)")
+    p.add_argument("--samples", type=int, default=512, help="synthetic MDS samples (an epoch is samples/32 batches)")
+    p.add_argument("--batches", type=int, default=200, help="at most this many batches per run")
+    p.add_argument("--warmup", type=int, default=10, help="batches before the measurement starts")
+    p.add_argument("--seconds", type=float, default=20.0, help="measure for about this long per run")
+    p.add_argument("--alone-nice", type=int, default=0,
+                   help="niceness of the rows alone: -20 (root) stands in for a quiet machine on a shared one, "
+                        "where other users' work would otherwise compete with the row 'alone'")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from diffusion import cpus
+    from train_fixtures import write_latent_mds, write_training_kit
+    args.cpus = cpus.usable_cpus()
+    load_name = (f"beside {args.cpus} busy loop{'s' * (args.cpus > 1)}" if args.load == "busy"
+                 else "beside a second training")
+
+    rows, load_average = [], os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-contention-") as data:
+        kit = write_training_kit(os.path.join(data, "kit"))
+        write_latent_mds(os.path.join(data, "mds"), kit=kit, n=args.samples, resolution=64)
+        for variant in args.variants:
+            for load in ("alone", args.load)[:1 if args.load == "none" else 2]:
+                rows.append(measure(variant, load, args, data))
+                print(f"# {variant}, {load}: {rows[-1]['samples'] / rows[-1]['cpu']:.1f} samples per CPU-s", flush=True)
+    print(f"\ntiny UNet, 64 px, batch 32, {args.cpus} usable CPUs (nproc {os.cpu_count()}), "
+          f"load average at the start {load_average:.1f}; measured after {args.warmup} batches, "
+          f"about {args.seconds:g} s per row" + (f"; the rows alone at niceness {args.alone_nice}" if args.alone_nice else ""))
+    print(table(rows, load_name, args.warmup + 3))
+    print()
+    print("\n".join(headline(rows)))
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.path.insert(0, str(ROOT))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    else:
+        main()
