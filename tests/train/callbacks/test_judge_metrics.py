@@ -32,3 +32,15 @@ def test_judge_metrics_are_logged_and_leave_training_unchanged(tiny_kit, tmp_pat
         assert 0.0 <= logged[f"metrics/judge/{tag}"] <= 1.0
     assert logged["metrics/judge/seconds"] > 0
     assert logged["metrics/judge/seconds_total"] > logged["metrics/judge/seconds"]  # two rounds counted
+
+
+def test_judge_metrics_log_cmmd_against_a_reference(tiny_kit, tiny_clip, sample_data, tmp_path):
+    from diffusion.train.callbacks.judge_metrics import JudgeMetrics
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=tiny_kit, n=16)
+    cfg = load_config(TINY, tiny_overrides(tiny_kit, mds, batches=2, batch_size=8, extra=("data.train.num_workers=0",)))
+    judged = JudgeMetrics(per_category=1, images_per_prompt=1, steps=2, interval="2ba", clip_model=tiny_clip,
+                          reference=sample_data, reference_images=16)
+    fit_in_process(cfg, callbacks=[judged])
+    (logged,) = judged.history
+    assert logged["metrics/judge/cmmd"] > 0  # untrained samples against drawn scenes
+    assert len(judged._reference_features) == 16
