@@ -18,6 +18,7 @@ encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), comp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -29,7 +30,7 @@ from torchmetrics import MeanMetric
 
 from diffusion import schema
 from diffusion.errors import ConfigError
-from diffusion.models import denoisers, loading, objectives
+from diffusion.models import denoisers, loading, objectives, repa as repa_module
 from diffusion.models.description import ModelDescription
 from diffusion.models.text_encoder import FrozenTextEncoder, attention_mask
 
@@ -45,7 +46,7 @@ class LatentDiffusion(ComposerModel):
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
                  route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
-                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False):
+                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter_for(denoiser)
@@ -86,6 +87,9 @@ class LatentDiffusion(ComposerModel):
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self._register_load_state_dict_pre_hook(_upgrade_state_dict)
+        # representation alignment (model.repa, :mod:`diffusion.models.repa`): its projector is a child
+        self.repa = repa
+        repa_module.state_dict_hooks(self)
         self.loaded_extra_state: dict | None = None
         # Which phase of a staged recipe this run is: 0 from scratch, one more than the run whose weights
         # it starts from (recorded in checkpoints; the per-sample draws are salted with it).
@@ -184,9 +188,14 @@ class LatentDiffusion(ComposerModel):
         noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
         routing = {"route": route, "route_span": self.route_span} if route is not None else {}
         masked = {"text_mask": text_mask} if text_mask is not None else {}
-        prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
-                                  mixer_blocks=self.mixer_blocks, **routing, **masked)
+        aligned = {}  # REPA: the aligned block's image tokens, while it is on (training only)
+        align = self.repa is not None and self.repa.active and self.training
+        with self.repa.capture(self.denoiser, aligned) if align else contextlib.nullcontext():
+            prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
+                                      mixer_blocks=self.mixer_blocks, **routing, **masked)
         outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
+        if align:
+            outputs["repa"] = self.repa.loss(aligned["tokens"], latents, keep if keep is not None else route)
         if keep is not None:  # the loss is taken over the kept patches only
             outputs["loss_mask"] = self.adapter.loss_mask(self.denoiser, keep.to(latents.device), latents.shape)
         return outputs
@@ -196,6 +205,8 @@ class LatentDiffusion(ComposerModel):
         weight = self.objective.weights(outputs["levels"])
         if weight is not None:
             per_sample = per_sample * weight
+        if "repa" in outputs:  # + λ · the alignment's negative cosine similarity
+            return per_sample.mean() + self.repa.weight * outputs["repa"].mean()
         return per_sample.mean()
 
     # ---- evaluation: pinned noise and levels per held-out sample -------------------------------------
@@ -246,6 +257,11 @@ class LatentDiffusion(ComposerModel):
         per_image = self.adapter.forward_flops(dict(self.denoiser.config), tuple(moments.shape[2:]), self.text_dim,
                                                self.text_length, mask_ratio=masked, mixer_blocks=self.mixer_blocks,
                                                **routed)
+        if self.repa is not None and self.repa.active:
+            tokens = (moments.shape[2] // self.repa.patch) * (moments.shape[3] // self.repa.patch)
+            per_image = 3.0 * per_image + self.repa.flops_per_image(
+                (self.latent_space.channels, *moments.shape[2:]), tokens)
+            return per_image * moments.shape[0]
         return 3.0 * per_image * moments.shape[0]
 
     # ---- self-description in checkpoints ---------------------------------------------------------------
@@ -372,6 +388,7 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
     denoiser = build_denoiser(model_cfg, ref, seed=seed)
     check_latent_channels(denoiser, info, f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained
                           else f"model.ref {ref}")
+    repa = repa_module.build(model_cfg, denoiser, denoisers.adapter_for(denoiser), info, seed=seed)
     return LatentDiffusion(
         denoiser, objective, model_ref=ref, resolution=model_cfg.resolution,
         latent_space=info.latent_space, offset_noise=model_cfg.offset_noise,
@@ -379,4 +396,4 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
         route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
-        text_mask=text_mask_of(model_cfg, info))
+        text_mask=text_mask_of(model_cfg, info), repa=repa)

@@ -162,6 +162,38 @@ def load_vae(ref: str, dtype=None):
     return model.eval().requires_grad_(False)
 
 
+def load_image_encoder(ref: str, dtype=None):
+    """A transformers vision encoder (DINOv2, DINOv3, SigLIP's vision tower, a ViT) by its config, through
+    ``AutoModel``: a local directory with ``config.json`` and weights, or a hub id; frozen, in eval mode.
+    Returns ``(model, preprocessing)``: the image mean and std its preprocessor_config.json records
+    (ImageNet's where none)."""
+    import transformers
+    expanded = os.path.expanduser(os.fspath(ref))
+    path = os.path.abspath(expanded)
+    if not os.path.isdir(expanded):
+        if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+            raise ModelReferenceError(f"vision encoder {ref!r}: no such directory, and not a hub id (owner/name)")
+        try:
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(ref, allow_patterns=["*.json", "*.safetensors"])
+        except Exception as e:  # offline, unknown repo, gated, ...
+            raise ModelReferenceError(f"could not fetch vision encoder {ref!r} from the hub ({type(e).__name__}: "
+                                      f"{e}); pass a local directory instead") from e
+    if not os.path.isfile(os.path.join(path, "config.json")) or not _has_weights(path):
+        raise ModelReferenceError(f"vision encoder {ref!r}: {path} needs config.json and weights (a transformers "
+                                  f"model directory, e.g. save_pretrained's)")
+    model = transformers.AutoModel.from_pretrained(path, dtype=dtype)
+    if hasattr(model, "vision_model"):  # SigLIP / CLIP: the vision tower
+        model = model.vision_model
+    preprocessing = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+    processor = os.path.join(path, "preprocessor_config.json")
+    if os.path.isfile(processor):
+        with open(processor) as f:
+            saved = json.load(f)
+        preprocessing.update({k: saved[k] for k in ("image_mean", "image_std") if k in saved})
+    return model.eval().requires_grad_(False), preprocessing
+
+
 def latent_space_of(vae_config: dict):
     """The :class:`~diffusion.schema.LatentSpace` of an autoencoder config: an ``AutoencoderKL`` stores
     posterior moments, an ``AutoencoderDC`` (no posterior) its latents; the scaling factor is the config's

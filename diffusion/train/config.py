@@ -65,6 +65,20 @@ class RoutingConfig:
 
 
 @dataclasses.dataclass
+class RepaConfig:
+    """Representation alignment (REPA, Yu et al. 2024) for a transformer denoiser: a small MLP maps the
+    image tokens after block ``block`` to a frozen vision encoder's patch features of the clean image
+    (the latent decoded by the data's autoencoder in the step), and ``weight`` × their negative cosine
+    similarity is added to the loss, until batch ``until`` (:mod:`diffusion.models.repa`)."""
+
+    encoder: str = ""  # a transformers vision encoder (AutoModel): hub id or local directory
+    block: int = 8  # align the output of this block (1 = the first); PRX: 8
+    weight: float = 0.5  # λ of the alignment loss (REPA, PRX: 0.5)
+    until: Optional[int] = None  # the batch from which it is off (PRX: ~200k); null: never
+    projector_dim: int = 2048  # the projector MLP's hidden width (REPA: 2048)
+
+
+@dataclasses.dataclass
 class ModelConfig:
     ref: str = "stabilityai/stable-diffusion-2-base"  # hub id or diffusers directory (denoiser config, scheduler)
     # the diffusers denoiser class (UNet2DConditionModel, SD3Transformer2DModel); auto: the reference's
@@ -95,6 +109,7 @@ class ModelConfig:
     # the MMDiT's joint attention), from the token counts the dataset stores; None: on for a T5 text
     # encoder (long padded captions), off for CLIP (SD2 trained on the padded embeddings).
     text_mask: Optional[bool] = None
+    repa: Optional[RepaConfig] = None  # representation alignment to a frozen vision encoder; null: off
 
 
 DEFAULT_MDS_PATH = "out/demo/mds"  # data.train.path (and data.eval.path) when neither path nor streams is set
@@ -503,6 +518,14 @@ def _check_model(m: ModelConfig) -> None:
     _require(not (m.routing.ratio and m.masking.ratio), f"model.routing.ratio={m.routing.ratio} and "
              f"model.masking.ratio={m.masking.ratio}: a step either masks patches or routes tokens; set one to 0")
     _require(m.routing.start >= 0, f"model.routing.start={m.routing.start} must be at least 0")
+    if m.repa is not None:
+        r = m.repa
+        _require(bool(r.encoder), "model.repa.encoder is empty: give a vision encoder (hub id or local directory), "
+                                  "e.g. facebook/dinov2-base")
+        _require(r.block >= 1, f"model.repa.block={r.block} must be at least 1 (the first block's output)")
+        _require(r.weight > 0, f"model.repa.weight={r.weight} must be positive (model.repa=null: off)")
+        _require(r.until is None or r.until >= 0, f"model.repa.until={r.until} must be >= 0 (null: never off)")
+        _require(r.projector_dim >= 1, f"model.repa.projector_dim={r.projector_dim} must be positive")
     f = m.flow
     _require(f.shift > 0, f"model.flow.shift={f.shift} must be positive")
     _require(f.logit_std > 0, f"model.flow.logit_std={f.logit_std} must be positive")

@@ -31,6 +31,7 @@ from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.train import resume, save_folder
 from diffusion.models import denoisers, objectives, safe_checkpoint
 from diffusion.models.masking import PatchMask
+from diffusion.models.repa import RepaSwitch
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
 from diffusion.models.text_encoder import load_frozen_text_encoder
 
@@ -367,6 +368,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
 
     optimizer = build_optimizer(cfg, model)
     algorithms = components.build_components("algorithms", cfg.algorithms)
+    if model.repa is not None:  # REPA's switch-off batch, from the trainer's batch count
+        algorithms.append(RepaSwitch(model.repa))
     if t.grad_clip_norm:
         algorithms.append(LoggedGradientClipping(t.grad_clip_norm))  # Composer's, logging the pre-clip norm
 

@@ -1,0 +1,175 @@
+"""Representation alignment (issue 41, ``model.repa``): the loss, where gradients go, the switch-off batch,
+masked tokens, microbatch invariance, checkpoints with and without the projector, refusals."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion import schema
+from diffusion.errors import ConfigError
+from diffusion.kit.encoder_fit import TINY_ENCODER_ASSET
+from diffusion.kit.vae_fit import TINY_VAE_ASSET
+from diffusion.loader.batches import NoiseDraws
+from diffusion.models.latent_diffusion import build_model
+from diffusion.models.masking import PatchMask
+from diffusion.train.config import FlowConfig, MaskingConfig, ModelConfig, RepaConfig, load_config
+from train_fixtures import fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+YAML = os.path.join(ROOT, "yamls", "tiny-mmdit-flow-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def repa_kit(mmdit_train_kit, tmp_path_factory):
+    """The tiny MMDiT kit with the shipped fitted VAE's weights (REPA decodes latents with the data's VAE)."""
+    kit = str(tmp_path_factory.mktemp("repa") / "kit")
+    shutil.copytree(mmdit_train_kit, kit)
+    shutil.rmtree(os.path.join(kit, "vae"), ignore_errors=True)
+    shutil.copytree(TINY_VAE_ASSET, os.path.join(kit, "vae"))
+    return kit
+
+
+def _model(kit, block=2, until=None, ratio=0.0):
+    info = schema.DatasetInfo(model=kit, scaling_factor=0.18215, resolutions=[64], text_dim=kit_text_dim(kit))
+    repa = RepaConfig(encoder=str(TINY_ENCODER_ASSET), block=block, weight=0.5, until=until, projector_dim=32)
+    return build_model(ModelConfig(ref=kit, resolution=64, objective="flow", flow=FlowConfig(), repa=repa,
+                                   masking=MaskingConfig(ratio=ratio, mixer_blocks=1)), info)
+
+
+def _batch(model, n=3, ratio=0.0):
+    g = torch.Generator().manual_seed(0)
+    batch = {schema.BATCH_MOMENTS: torch.cat([torch.randn(n, 4, 8, 8, generator=g), torch.full((n, 4, 8, 8), -8.0)], 1),
+             schema.BATCH_TEXT_EMBEDS: torch.randn(n, 77, model.text_dim, generator=g)}
+    batch.update(NoiseDraws(seed=1, mask=PatchMask(ratio, 2) if ratio else None)(
+        [f"{i}" for i in range(n)], 0, (4, 8, 8)))
+    return batch
+
+
+def _features_by_hand(model, latents):
+    """The encoder's patch features of the decoded latents on the 4×4 token grid, computed here."""
+    vae, encoder = model.repa.decoder.vae, model.repa.encoder.model
+    images = vae.decode(latents / model.latent_space.scaling_factor).sample.clamp(-1, 1)
+    x = F.interpolate(images, size=(64, 64), mode="bicubic", align_corners=False, antialias=True)
+    x = ((x + 1) / 2 - 0.5) / 0.5  # the tiny encoder's preprocessor: mean 0.5, std 0.5
+    patches = encoder(pixel_values=x).last_hidden_state[:, 1:]  # after the class token: 8×8
+    grid = patches.transpose(1, 2).reshape(len(x), -1, 8, 8)
+    grid = F.interpolate(grid, size=(4, 4), mode="bilinear", align_corners=False, antialias=True)
+    return grid.flatten(2).transpose(1, 2)
+
+
+def test_the_loss_is_the_denoising_loss_plus_weight_times_minus_the_cosine(repa_kit):
+    model = _model(repa_kit).train()
+    batch = _batch(model)
+    hidden = {}
+    handle = model.denoiser.transformer_blocks[1].register_forward_hook(lambda m, a, out: hidden.update(x=out[1]))
+    outputs = model(batch)
+    handle.remove()
+    with torch.no_grad():
+        projected = model.repa.projector(hidden["x"])
+        features = _features_by_hand(model, outputs["latents"])
+        cosine = (projected * features).sum(-1) / (projected.norm(dim=-1) * features.norm(dim=-1))
+        mse = (outputs["prediction"] - outputs["target"]).pow(2).mean()
+        expected = mse - 0.5 * cosine.mean()
+    torch.testing.assert_close(model.loss(outputs, batch).detach(), expected, rtol=1e-4, atol=1e-5)
+    assert outputs["repa"].shape == (3,)
+    model.eval()  # evaluation never aligns
+    assert "repa" not in model.eval_forward(batch)
+
+
+def test_the_projector_and_the_early_blocks_learn_the_encoder_does_not(repa_kit):
+    model = _model(repa_kit, block=2).train()
+    outputs = model(_batch(model))
+    outputs["repa"].mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.repa.projector.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.denoiser.transformer_blocks[0].parameters())
+    assert all(p.grad is None for p in model.denoiser.transformer_blocks[3].parameters())  # after block 2
+    assert all(not p.requires_grad and p.grad is None for p in model.repa.encoder.model.parameters())
+    assert all(p.grad is None for p in model.repa.decoder.vae.parameters())
+    # frozen parts are not the model's: out of the optimizer, the EMA and checkpoints
+    assert all(k.startswith(("denoiser.", "repa.projector.")) for k in model.state_dict() if k != "_extra_state")
+    assert any(k.startswith("repa.projector.") for k in model.state_dict())
+
+
+def test_only_the_kept_patches_are_aligned(repa_kit):
+    model = _model(repa_kit, block=3, ratio=0.75).train()
+    batch = _batch(model, ratio=0.75)
+    keep = batch[schema.BATCH_PATCH_KEEP]
+    hidden = {}
+    handle = model.denoiser.transformer_blocks[2].register_forward_hook(lambda m, a, out: hidden.update(x=out[1]))
+    outputs = model(batch)
+    handle.remove()
+    assert hidden["x"].shape[1] == keep.shape[1] == 4  # the block saw the kept quarter
+    with torch.no_grad():
+        features = _features_by_hand(model, outputs["latents"])
+        kept = features.gather(1, keep[..., None].expand(-1, -1, features.shape[-1]))
+        expected = -F.cosine_similarity(model.repa.projector(hidden["x"]), kept, dim=-1).mean(1)
+    torch.testing.assert_close(outputs["repa"].detach(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_unet_and_a_block_out_of_range_are_refused(repa_kit, train_kit):
+    with pytest.raises(ConfigError, match="model.repa.block=5: the SD3Transformer2DModel has 4 blocks"):
+        _model(repa_kit, block=5)
+    info = schema.DatasetInfo(model=repa_kit, scaling_factor=0.18215, resolutions=[64],
+                              text_dim=kit_text_dim(train_kit))
+    with pytest.raises(ConfigError, match="model.repa: UNet2DConditionModel has no image tokens to align"):
+        build_model(ModelConfig(ref=train_kit, resolution=64, repa=RepaConfig(encoder=str(TINY_ENCODER_ASSET))), info)
+    with pytest.raises(ConfigError, match="model.repa.encoder is empty"):
+        load_config(YAML, ["model.repa.block=2"])
+
+
+def test_checkpoints_with_and_without_the_projector_load_both_ways(repa_kit, tmp_path):
+    from diffusion.models import checkpoint
+    with_repa = _model(repa_kit)
+    info = schema.DatasetInfo(model=repa_kit, scaling_factor=0.18215, resolutions=[64], text_dim=kit_text_dim(repa_kit))
+    plain = build_model(ModelConfig(ref=repa_kit, resolution=64, objective="flow"), info)
+    plain.load_state_dict(with_repa.state_dict())  # strict: the projector's tensors are dropped
+    before = {k: v.clone() for k, v in with_repa.repa.state_dict().items()}
+    with_repa.load_state_dict(plain.state_dict())  # strict: a fresh projector stays as it was
+    assert all(torch.equal(before[k], v) for k, v in with_repa.repa.state_dict().items())
+    partial = {k: v for k, v in _model(repa_kit).state_dict().items() if not k.endswith("0.weight")}
+    with pytest.raises(RuntimeError, match="repa.projector.0.weight"):
+        with_repa.load_state_dict(partial)
+    # sampling and export read the denoiser alone, projector or not
+    path = tmp_path / "ckpt.pt"
+    torch.save({"state": {"model": with_repa.state_dict()}}, path)
+    denoiser, description, _ = checkpoint.load_denoiser(str(path))
+    assert description.denoiser == "SD3Transformer2DModel"
+    assert torch.equal(denoiser.proj_out.weight, with_repa.denoiser.proj_out.weight)
+
+
+def _training(kit, tmp_path, *extra, batches=3):
+    mds = str(tmp_path / "mds")
+    if not os.path.exists(os.path.join(mds, "dataset.json")):
+        write_latent_mds(mds, kit=kit, n=16)
+    common = ("model.prediction_type=null", "model.objective=flow", f"model.repa.encoder={TINY_ENCODER_ASSET}",
+              "model.repa.block=2", "model.repa.projector_dim=16", "optimizer.eps=1.0", "optimizer.lr=0.05",
+              "trainer.grad_clip_norm=null", "algorithms={}", "data.train.shuffle=false", "data.train.num_workers=0")
+    return load_config(YAML, tiny_overrides(kit, mds, batches=batches, batch_size=4, extra=(*common, *extra)))
+
+
+def test_the_alignment_switches_off_at_until(repa_kit, tmp_path):
+    """Before batch ``until`` the projector learns; from it on it has no gradient, and AdamW leaves it."""
+    from composer.core import Callback
+
+    class Record(Callback):
+        def __init__(self):
+            self.weights = []
+
+        def batch_end(self, state, logger):
+            self.weights.append(state.model.repa.projector[0].weight.detach().clone())
+
+    record = Record()
+    fit_in_process(_training(repa_kit, tmp_path, "model.repa.until=2", batches=4), callbacks=[record])
+    moved = [not torch.equal(a, b) for a, b in zip(record.weights, record.weights[1:])]
+    assert moved == [True, False, False]  # batch 2 (the 2nd) changes it, 3 and 4 do not
+
+
+def test_aligned_steps_are_the_same_whatever_the_microbatch(repa_kit, tmp_path):
+    whole, _ = fit_in_process(_training(repa_kit, tmp_path, batches=2))
+    split, _ = fit_in_process(_training(repa_kit, tmp_path, "trainer.device_train_microbatch_size=2", batches=2))
+    assert any(k.startswith("repa.projector.") for k in whole)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
