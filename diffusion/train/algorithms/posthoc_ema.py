@@ -53,6 +53,8 @@ from diffusion.train.algorithms.ema import EMA, _uses_fsdp1
 SNAPSHOT_DIR = "posthoc"
 SNAPSHOT_SUFFIX = ".safetensors"
 _SNAPSHOT = re.compile(r"^ema-(\d+(?:\.\d+)?)-ba(\d+)\.safetensors$")
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 UNIFORM_SIGMA_REL = 12 ** -0.5  # gamma = 0: every weight so far counts the same; wider is not a power profile
 
 
@@ -135,6 +137,7 @@ def write_snapshot(folder: str, snapshot: Snapshot, params: dict[str, torch.Tens
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in params.items()}
     save_file(tensors, partial, metadata={"sigma_rel": repr(snapshot.sigma_rel), "gamma": repr(snapshot.gamma),
                                           "t": str(snapshot.t), "batch": str(snapshot.batch)})
+    os.chmod(partial, 0o666 & ~_UMASK)  # safetensors writes 0600; readable as the checkpoints beside it are
     os.replace(partial, path)
     return path
 

@@ -90,6 +90,7 @@ def test_power_average_and_its_snapshots_match_a_direct_sum(tmp_path):
     from safetensors.torch import load_file
     for s in snapshots:
         assert s.t == s.batch and s.gamma == pytest.approx(phe.gamma_of(s.sigma_rel))
+        assert os.stat(s.path).st_mode & 0o777 == 0o666 & ~phe._UMASK  # as readable as the checkpoints
         saved = load_file(s.path)
         for name, tensor in power_average(weights[:s.batch], s.gamma).items():
             torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
