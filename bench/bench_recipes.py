@@ -2,11 +2,17 @@
 
     python bench/bench_recipes.py [--batches 4000] [--every 1000] [--out out/bench-recipes]
     python bench/bench_recipes.py --recipes unet-v mmdit-flow mmdit-masked   # + the micro-budget recipe
+    python bench/bench_recipes.py --recipes unet-v mmdit-flow flux-flow sana-flow   # + Flux and SANA
     python bench/bench_recipes.py --scenes geneval --batches 2000   # GenEval's six categories, held out
 
 ``mmdit-masked`` is the micro-budget recipe (issue 28) in two phases, 3/4 of the batches with 75% of the
 patches masked (yamls/tiny-mmdit-masked-cpu.yaml), then 1/4 unmasked from its weights and EMA
 (yamls/tiny-mmdit-finetune-cpu.yaml); its CPU-seconds add up over both phases.
+
+``flux-flow`` and ``sana-flow`` are the flow recipe (yamls/tiny-mmdit-flow-cpu.yaml) on the tiny-flux kit
+(Flux's transformer, 16-channel latents) and the tiny-sana kit (SANA's linear-attention DiT, DC-AE's 32-channel
+latents at /32), each over its autoencoder fitted on the scenes (diffusion/kit/assets/tiny-vae16, tiny-dcae), on
+the same demo rows converted with that autoencoder (``--data`` + ``-tiny-flux`` / ``-tiny-sana``, made if missing).
 
 The UNet recipe (yamls/tiny-cpu.yaml: v-prediction, offset noise, DDIM) and the MMDiT recipe
 (yamls/tiny-mmdit-flow-cpu.yaml: SD3's transformer, rectified flow, flow-matching Euler) train on the
@@ -47,7 +53,12 @@ sys.path.insert(0, str(ROOT))
 RECIPES = {"unet-v": ("tiny", [("yamls/tiny-cpu.yaml", 1.0)]),
            "mmdit-flow": ("tiny-mmdit", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)]),
            "mmdit-masked": ("tiny-mmdit", [("yamls/tiny-mmdit-masked-cpu.yaml", 0.75),
-                                           ("yamls/tiny-mmdit-finetune-cpu.yaml", 0.25)])}
+                                           ("yamls/tiny-mmdit-finetune-cpu.yaml", 0.25)]),
+           # the flow recipe on Flux's transformer over 16-channel latents, and on SANA's over DC-AE's (/32)
+           "flux-flow": ("tiny-flux", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)]),
+           "sana-flow": ("tiny-sana", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)])}
+# kits of another latent space train on the demo rows converted with their own autoencoder, beside --data
+OWN_LATENTS = ("tiny-flux", "tiny-sana")
 
 
 def _run(cmd: list[str]) -> float:
@@ -66,7 +77,8 @@ def ensure_data(mds: str, kit: str, scenes: str = "default") -> str:
     raw = os.path.join(os.path.dirname(mds), "raw")
     py = sys.executable
     options = ["--scenes", "geneval", "--hold-out"] if scenes == "geneval" else []
-    _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", "1024", "--seed", "0", *options])
+    if not os.path.isdir(raw):  # another latent space's conversion reuses the rows
+        _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", "1024", "--seed", "0", *options])
     _run([py, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit, "--resolutions", "64",
           "--deterministic", "--where", WHERE, "--dedupe", "bytes"])
     return mds
@@ -116,7 +128,8 @@ def main(argv=None) -> dict:
     mds = ensure_data(args.data, kits["unet-v"], args.scenes)
     curves = {}
     for name in args.recipes:
-        _, phases = RECIPES[name]
+        preset, phases = RECIPES[name]
+        data = ensure_data(f"{args.data}-{preset}", kits[name], args.scenes) if preset in OWN_LATENTS else mds
         start, cpu_before, points, previous = time.time(), 0.0, [], None
         for phase, (yaml, share) in enumerate(phases):
             batches = int(round(args.batches * share))
@@ -125,7 +138,7 @@ def main(argv=None) -> dict:
             if previous:  # the next phase starts from the last one's weights and EMA
                 extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
                          f"algorithms.ema.init_from={previous}"]
-            cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={mds}",
+            cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={data}",
                         f"trainer.save_folder={folder}", f"trainer.max_duration={batches}ba",
                         f"trainer.save_interval={args.every}ba", "trainer.save_num_checkpoints_to_keep=-1",
                         "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
