@@ -37,7 +37,7 @@ def test_the_tiny_sana_trains_its_loss_down_on_dcae_latents(tiny_sana_kit, mds):
         def after_train_batch(self, state, logger):
             losses.append(float(state.loss))
 
-    cfg = _cfg(tiny_sana_kit, mds, "trainer.seed=3", "data.train.shuffle=false", "optimizer.lr=2e-3", batches=40)
+    cfg = _cfg(tiny_sana_kit, mds, "trainer.seed=3", "data.train.shuffle=false", "optimizer.lr=2e-3", batches=60)
     weights, _ = fit_in_process(cfg, callbacks=[Losses()])
     assert any(name.startswith("denoiser.transformer_blocks.") for name in weights)
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
