@@ -62,7 +62,7 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_ratio(tiny_kit, tmp_path):
+def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_ratio(tiny_kit, tiny_mmdit_kit, tmp_path):
     """`python -m diffusion.demo --buckets`: the sample's scenes of every shape land in the three preset
     buckets, the model trains on them and draws the prompts at 48x80 and 80x48 as well as square."""
     from diffusion.sample.grid import read_grid
@@ -74,3 +74,16 @@ def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_rat
         images, prompts = read_grid(summary["grids"][name])
         assert len(images) == len(PROMPTS) * 16 and images[0].size == (width, height), name
         assert 0.0 <= summary["prompt_adherence_by_grid"][name] <= 1.0
+    # `make demo RECIPE=mmdit-flow` on the same data: the flow MMDiT trains into its own checkpoint folder
+    # and draws its own grids; the UNet's checkpoint and grids are left as they were
+    unet_checkpoint = summary["checkpoint"]
+    before = {path: os.path.getmtime(path) for path in (unet_checkpoint, *summary["grids"].values())}
+    flow = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_mmdit_kit, buckets=True,
+                    recipe="mmdit-flow")
+    assert flow["recipe"] == "mmdit-flow"
+    assert os.path.dirname(flow["checkpoint"]) == str(tmp_path / "demo" / "checkpoints-mmdit-flow")
+    assert set(flow["grids"].values()).isdisjoint(summary["grids"].values())
+    for name, (width, height) in (("48x80", (48, 80)), ("square", (64, 64))):
+        images, _ = read_grid(flow["grids"][name])
+        assert len(images) == len(PROMPTS) * 16 and images[0].size == (width, height), name
+    assert before == {path: os.path.getmtime(path) for path in before}
