@@ -109,7 +109,8 @@ def test_a_folder_of_unreadable_checkpoints_is_refused_unless_asked_to_start_fre
         if name.startswith("ep0-ba"):
             os.remove(folder / name / ".metadata")
     refused = _launch(_args(train_kit, mds, folder, 6), port=29564)
-    assert refused.returncode == 2, refused.stderr[-4000:]
+    # every rank refuses (exit 2); Composer's launcher exits with its own code once a rank has failed
+    assert refused.returncode != 0, refused.stderr[-4000:]
     assert "Traceback" not in refused.stderr
     [line] = _error_lines(refused)[:1]
     assert f"trainer.save_folder={folder} holds checkpoints autoresume cannot read" in line
@@ -141,7 +142,7 @@ def test_a_second_run_into_a_sharded_runs_folder_is_refused(runs, train_kit, tmp
     finally:
         holder.kill()
         holder.wait()
-    assert second.returncode == 2, second.stderr[-4000:]
+    assert second.returncode != 0, second.stderr[-4000:]
     [line] = _error_lines(second)[:1]
     assert f"trainer.save_folder={folder} is in use by another run (pid {holder.pid}" in line
     assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba5"
