@@ -48,8 +48,7 @@ def load(path, map_location="cpu", mmap: bool = False):
         except pickle.UnpicklingError as e:
             found = _UNSUPPORTED.search(str(e))
             if found:
-                raise InputError(f"{path}: refused: the checkpoint asks to call {found.group(1)}, which no "
-                                 f"checkpoint of ours holds; loading it could run code, so it is not read") from None
+                raise _asks_to_call(path, found.group(1)) from None
             raise InputError(f"{path}: refused: not a checkpoint torch.save wrote (a raw pickle or a damaged "
                              f"file: {_first_line(e)}); reading it could run code, so it is not read") from None
         except RuntimeError as e:
@@ -58,6 +57,12 @@ def load(path, map_location="cpu", mmap: bool = False):
                                  f"read without running code; re-save it with torch.save from a trusted "
                                  f"copy") from None
             raise
+
+
+def _asks_to_call(where, name: str, what: str = "the checkpoint", holder: str = "checkpoint of ours") -> InputError:
+    """The one-line refusal of a file whose pickle names ``name``, outside what ``holder`` ever holds."""
+    return InputError(f"{where}: refused: {what} asks to call {name}, which no {holder} holds; loading it could "
+                      f"run code, so it is not read")
 
 
 def _first_line(error: BaseException) -> str:
@@ -80,8 +85,7 @@ def check(path) -> None:
     allowed |= {name.replace("numpy._core.", "numpy.core.") for name in allowed}
     refused = [name for name in names if name not in allowed]
     if refused:
-        raise InputError(f"{path}: refused: the checkpoint asks to call {refused[0]}, which no checkpoint of ours "
-                         f"holds; loading it could run code, so it is not read")
+        raise _asks_to_call(path, refused[0])
 
 
 def guard_composer_loads() -> None:
@@ -155,8 +159,7 @@ def read_index(folder):
         except pickle.UnpicklingError as e:
             found = _UNSUPPORTED.search(str(e))
             if found:
-                raise InputError(f"{path}: refused: the sharded checkpoint's index asks to call {found.group(1)}, "
-                                 f"which no checkpoint index holds; loading it could run code, so it is not read") from None
+                raise _asks_to_call(path, found.group(1), "the sharded checkpoint's index", "checkpoint index") from None
             raise
 
 
@@ -169,8 +172,7 @@ def load_entry(data: bytes, where: str):
         except pickle.UnpicklingError as e:
             found = _UNSUPPORTED.search(str(e))
             if found:
-                raise InputError(f"{where}: refused: the checkpoint asks to call {found.group(1)}, which no "
-                                 f"checkpoint of ours holds; loading it could run code, so it is not read") from None
+                raise _asks_to_call(where, found.group(1)) from None
             raise
 
 
