@@ -117,6 +117,16 @@ sd_posthoc_ema = _command("diffusion.posthoc_ema", "sd-posthoc-ema")
 
 # ---- command-line flags -----------------------------------------------------------------------------
 
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: a duration as every progress line writes it."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:

@@ -18,21 +18,12 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from diffusion.cli import format_seconds
 from diffusion.convert.sink import REJECTS_DIR, STATS_RECORD, committed_parts, is_record, part_roots, read_rejects
 
 LINE_PREFIX = "[convert] "
 TTY_SECONDS = 1.0  # a terminal's line is redrawn this often
 LOG_SECONDS = 60.0  # a log file gets a line this often
-
-
-def format_seconds(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h07m``: as training's progress line writes them."""
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def input_rows(formats: dict[str, str], columns) -> int | None:

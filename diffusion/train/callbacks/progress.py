@@ -24,21 +24,12 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
+from diffusion.cli import format_seconds
 from diffusion.train.callbacks.nan_catcher import loss_tensors
 
 LINE_PREFIX = "[progress] "  # every line starts so (diffusion.online picks them out of Ray workers' output)
 _UNIT_NAMES = {TimeUnit.BATCH: "batch", TimeUnit.EPOCH: "epoch", TimeUnit.SAMPLE: "sample",
                TimeUnit.TOKEN: "token"}
-
-
-def format_seconds(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h07m``: short enough for a progress line."""
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class ProgressLine(Callback):
