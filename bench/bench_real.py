@@ -1,13 +1,14 @@
 """The real-data bench: the tiny recipes side by side on scikit-learn's handwritten digits, judged by a
 classifier fitted on the real images only.
 
-    python bench/bench_real.py [--batches 1500] [--every 250] [--target 0.8] [--out out/bench-real]
-    python bench/bench_real.py --recipes unet mmdit-flow mmdit-masked
+    python bench/bench_real.py [--batches 2000] [--every 250] [--target 0.8] [--out out/bench-real]
+    python bench/bench_real.py --recipes unet-v mmdit-flow
 
 The 1,437 training digits (``python -m diffusion.kit.digits``: 8x8 scans from UCI's set that
 scikit-learn ships, upscaled to 64 px, captioned "a handwritten digit N") are converted with the
-ordinary converter and the tiny kit's VAE, once. Each recipe (``unet``: yamls/tiny-cpu.yaml;
-``mmdit-flow``: yamls/tiny-mmdit-flow-cpu.yaml; ``mmdit-masked``: the micro-budget two phases) trains on
+ordinary converter and the tiny kit's VAE, once. Each recipe of bench_recipes.py on that latent space
+(``unet-v``: yamls/tiny-cpu.yaml; ``mmdit-flow``: yamls/tiny-mmdit-flow-cpu.yaml; ``mmdit-masked``: the
+micro-budget recipe, 3/4 of the batches 75% masked, then 1/4 unmasked from its weights and EMA) trains on
 them with its own YAML's settings, one after the other, keeping a checkpoint every ``--every`` batches.
 Each checkpoint samples the ten class prompts ``--images-per-prompt`` times (EMA weights, the recipe's
 default sampler, 25 steps, guidance 3, seed 0, the demo's protocol) and
@@ -25,29 +26,18 @@ import argparse
 import json
 import os
 import pathlib
-import resource
-import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name: (kit preset, [(yaml, share of the batches), ...]): phases run in order, each from the last one's weights
-RECIPES = {"unet": ("tiny", [("yamls/tiny-cpu.yaml", 1.0)]),
-           "mmdit-flow": ("tiny-mmdit", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)]),
-           "mmdit-masked": ("tiny-mmdit", [("yamls/tiny-mmdit-masked-cpu.yaml", 0.75),
-                                           ("yamls/tiny-mmdit-finetune-cpu.yaml", 0.25)])}
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_recipes import RECIPES as ALL_RECIPES, _run  # noqa: E402  (one table of recipes, one way to run them)
+
+# the recipes of the kit's latent space (flux-flow and sana-flow train on their own autoencoder's latents)
+RECIPES = {name: ALL_RECIPES[name] for name in ("unet-v", "mmdit-flow", "mmdit-masked")}
 GUIDANCE, STEPS, SEED = 3.0, 25, 0
-
-
-def _run(cmd: list[str]) -> float:
-    """Run ``cmd``; its CPU-seconds (user + system of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                   stdout=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def ensure_data(out: str, kit: str) -> str:
@@ -70,50 +60,61 @@ def judged_accuracy(checkpoint: str, judge, images_per_prompt: int) -> float:
     return judge.accuracy(images, [k for k in range(10) for _ in range(images_per_prompt)])
 
 
+def train_recipe(name: str, kit: str, data: str, out: str, batches: int, every: int, score, describe) -> dict:
+    """Train recipe ``name`` (its phases one after the other, each from the last one's weights and EMA) on
+    ``data`` into ``out``/``name`` (``name``-1, -2 for phases), keeping a checkpoint every ``every`` batches;
+    each is scored by ``score(checkpoint) -> dict`` and printed with ``describe(scores)``. Returns the
+    curve: its CPU-seconds, wall seconds and points (batch, CPU-seconds allotted by batch, phase, scores)."""
+    _, phases = RECIPES.get(name) or ALL_RECIPES[name]
+    start, cpu_before, points, previous = time.time(), 0.0, [], None
+    for phase, (yaml, share) in enumerate(phases):
+        phase_batches = int(round(batches * share))
+        folder = os.path.join(out, name if len(phases) == 1 else f"{name}-{phase + 1}")
+        extra = []
+        if previous:  # the next phase starts from the last one's weights and EMA
+            extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
+                     f"algorithms.ema.init_from={previous}"]
+        cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kit}", f"data.train.path={data}",
+                    f"trainer.save_folder={folder}", f"trainer.max_duration={phase_batches}ba",
+                    f"trainer.save_interval={every}ba", "trainer.save_num_checkpoints_to_keep=-1",
+                    "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
+        done = sum(int(round(batches * s)) for _, s in phases[:phase])
+        for batch in range(every, phase_batches + 1, every):
+            checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
+            scores = score(checkpoint)
+            cpu_at = cpu_before + cpu * batch / phase_batches
+            points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
+            print(f"{name:>12} batch {done + batch:>5}: {describe(scores)} at {cpu_at:,.0f} CPU-s", flush=True)
+            previous = checkpoint
+        cpu_before += cpu
+    return {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", type=int, default=1500)
+    p.add_argument("--batches", type=int, default=2000)
     p.add_argument("--every", type=int, default=250)
     p.add_argument("--target", type=float, default=0.8, help="judged accuracy the headline asks for")
     p.add_argument("--images-per-prompt", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "out" / "bench-real"))
-    p.add_argument("--recipes", nargs="+", default=["unet", "mmdit-flow"], choices=list(RECIPES))
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     args = p.parse_args(argv)
     from diffusion.kit.build import ensure_kit
     from diffusion.kit.digits import DigitJudge
     kits = {name: str(ensure_kit(preset, ROOT / ".cache" / "kit" / preset, progress=False))
             for name, (preset, _) in RECIPES.items() if name in args.recipes or preset == "tiny"}
-    mds = ensure_data(args.out, kits["unet"])
+    mds = ensure_data(args.out, kits["unet-v"])
     judge = DigitJudge()
     ceiling = judge.real_accuracy()
     print(f"judge: logistic regression on the real training digits; {ceiling:.1%} on the real held-out digits",
           flush=True)
-    curves = {}
-    for name in args.recipes:
-        _, phases = RECIPES[name]
-        start, cpu_before, points, previous = time.time(), 0.0, [], None
-        for phase, (yaml, share) in enumerate(phases):
-            batches = int(round(args.batches * share))
-            folder = os.path.join(args.out, name if len(phases) == 1 else f"{name}-{phase + 1}")
-            extra = []
-            if previous:  # the next phase starts from the last one's weights and EMA
-                extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
-                         f"algorithms.ema.init_from={previous}"]
-            cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={mds}",
-                        f"trainer.save_folder={folder}", f"trainer.max_duration={batches}ba",
-                        f"trainer.save_interval={args.every}ba", "trainer.save_num_checkpoints_to_keep=-1",
-                        "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
-            done = sum(int(round(args.batches * s)) for _, s in phases[:phase])
-            for batch in range(args.every, batches + 1, args.every):
-                checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
-                accuracy = judged_accuracy(checkpoint, judge, args.images_per_prompt)
-                cpu_at = cpu_before + cpu * batch / batches
-                points.append({"batch": done + batch, "cpu_seconds": cpu_at, "accuracy": accuracy, "phase": phase + 1})
-                print(f"{name:>12} batch {done + batch:>5}: {accuracy:.0%} judged right at {cpu_at:,.0f} CPU-s",
-                      flush=True)
-                previous = checkpoint
-            cpu_before += cpu
-        curves[name] = {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
+
+    def score(checkpoint: str) -> dict:
+        return {"accuracy": judged_accuracy(checkpoint, judge, args.images_per_prompt)}
+
+    curves = {name: train_recipe(name, kits[name], mds, args.out, args.batches, args.every, score,
+                                 lambda scores: f"{scores['accuracy']:.0%} judged right")
+              for name in args.recipes}
 
     print(f"\n{'recipe':>12} {'batch':>6} {'CPU-s':>8} {'judged':>7}   ({10 * args.images_per_prompt} images a point,"
           f" chance 10%, judge on real held-out digits {ceiling:.0%})")
