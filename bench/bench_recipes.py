@@ -4,10 +4,18 @@
     python bench/bench_recipes.py --recipes unet-v mmdit-flow mmdit-masked   # + the micro-budget recipe
     python bench/bench_recipes.py --recipes unet-v mmdit-flow flux-flow sana-flow   # + Flux and SANA
     python bench/bench_recipes.py --scenes geneval --batches 2000   # GenEval's six categories, held out
+    python bench/bench_recipes.py --recipes mmdit-flow mmdit-repa --batches 1500 --every 500 --held-out  # REPA
 
 ``mmdit-masked`` is the micro-budget recipe (issue 28) in two phases, 3/4 of the batches with 75% of the
 patches masked (yamls/tiny-mmdit-masked-cpu.yaml), then 1/4 unmasked from its weights and EMA
 (yamls/tiny-mmdit-finetune-cpu.yaml); its CPU-seconds add up over both phases.
+
+``mmdit-repa`` is the flow recipe with representation alignment (yamls/tiny-mmdit-repa-cpu.yaml: ``model.repa``
+to the kit's tiny ViT fitted on the scenes, block 2 of 4, weight 0.5, off from batch 1,000).
+
+``--held-out`` adds, for the recipes on the tiny-mmdit kit, the binned held-out loss of every point's
+weights (the EMA, as sampled): bench_knobs' measure (``model.eval_bins: 8``, MLPerf's metric, on 256 sample
+rows of another seed no run trains on; in ``--out``/held-out, converted once); not counted in CPU-seconds.
 
 ``flux-flow`` and ``sana-flow`` are the flow recipe (yamls/tiny-mmdit-flow-cpu.yaml) on the tiny-flux kit
 (Flux's transformer, 16-channel latents) and the tiny-sana kit (SANA's linear-attention DiT, DC-AE's 32-channel
@@ -52,6 +60,8 @@ sys.path.insert(0, str(ROOT))
 # name: (kit preset, [(yaml, share of the batches), ...]): phases run in order, each from the last one's weights
 RECIPES = {"unet-v": ("tiny", [("yamls/tiny-cpu.yaml", 1.0)]),
            "mmdit-flow": ("tiny-mmdit", [("yamls/tiny-mmdit-flow-cpu.yaml", 1.0)]),
+           # the flow recipe + REPA to the kit's fitted tiny ViT (block 2, weight 0.5, off from batch 1,000)
+           "mmdit-repa": ("tiny-mmdit", [("yamls/tiny-mmdit-repa-cpu.yaml", 1.0)]),
            "mmdit-masked": ("tiny-mmdit", [("yamls/tiny-mmdit-masked-cpu.yaml", 0.75),
                                            ("yamls/tiny-mmdit-finetune-cpu.yaml", 0.25)]),
            # the flow recipe on Flux's transformer over 16-channel latents, and on SANA's over DC-AE's (/32)
@@ -117,6 +127,8 @@ def main(argv=None) -> dict:
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--scenes", choices=("default", "geneval"), default="default",
                    help="geneval: train on the six categories' scenes without the held-out pairs, judge held-out prompts")
+    p.add_argument("--held-out", action="store_true",
+                   help="also the binned held-out loss of every point (the tiny-mmdit kit's recipes)")
     args = p.parse_args(argv)
     if args.scenes == "geneval" and args.data == p.get_default("data"):
         args.data = str(ROOT / "out" / "demo-geneval" / "mds")
@@ -126,6 +138,13 @@ def main(argv=None) -> dict:
     kits = {name: str(ensure_kit(preset, ROOT / ".cache" / "kit" / preset, progress=False))
             for name, (preset, _) in RECIPES.items() if name in args.recipes or preset == "tiny"}
     mds = ensure_data(args.data, kits["unet-v"], args.scenes)
+    held_out = None
+    if args.held_out:  # bench_knobs' binned held-out loss (its flow YAML: the same denoiser, evaluated unaligned)
+        import types
+        sys.path.insert(0, str(ROOT / "bench"))
+        import bench_knobs
+        train, held = bench_knobs.held_out_data(types.SimpleNamespace(data="demo", out=args.out), kits["unet-v"])
+        held_out = bench_knobs.HeldOutLoss(train, held)
     curves = {}
     for name in args.recipes:
         preset, phases = RECIPES[name]
@@ -146,10 +165,14 @@ def main(argv=None) -> dict:
             for batch in range(args.every, batches + 1, args.every):
                 checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
                 scores = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"), args.scenes)
+                if held_out is not None and preset == "tiny-mmdit":
+                    scores["held_out_loss"] = held_out(checkpoint, kits[name])
                 cpu_at = cpu_before + cpu * batch / batches
                 points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
                 print(f"{name:>12} batch {done + batch:>5}: {scores['adherence']:.0%} at {cpu_at:,.0f} CPU-s; judge "
-                      + ", ".join(f"{t} {a:.0%}" for t, a in scores["judge"].items()), flush=True)
+                      + ", ".join(f"{t} {a:.0%}" for t, a in scores["judge"].items())
+                      + (f"; held-out loss {scores['held_out_loss']:.4f}" if "held_out_loss" in scores else ""),
+                      flush=True)
                 previous = checkpoint
             cpu_before += cpu
         curves[name] = {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
@@ -158,12 +181,14 @@ def main(argv=None) -> dict:
     short = {"single_object": "single", "two_object": "two", "counting": "count", "colors": "colour",
              "position": "position", "color_attr": "attrib"}
     print(f"\n{'recipe':>11} {'batch':>6} {'CPU-s':>8} {'adherence':>10}" + "".join(f" {short[t]:>8}" for t in tags)
-          + (f" {'overall':>8}" if args.scenes == "geneval" else ""))
+          + (f" {'overall':>8}" if args.scenes == "geneval" else "") + (f" {'held-out':>9}" if args.held_out else ""))
     for name, curve in curves.items():
         for point in curve["points"]:
+            loss = point.get("held_out_loss")
             print(f"{name:>11} {point['batch']:>6} {point['cpu_seconds']:>8,.0f} {point['adherence']:>10.0%}"
                   + "".join(f" {point['judge'].get(t, 0):>8.0%}" for t in tags)
-                  + (f" {point['overall']:>8.0%}" if args.scenes == "geneval" else ""))
+                  + (f" {point['overall']:>8.0%}" if args.scenes == "geneval" else "")
+                  + ((f" {loss:>9.4f}" if loss is not None else f" {'-':>9}") if args.held_out else ""))
         print(f"{name:>11} trained {curve['points'][-1]['batch']} batches in {curve['cpu_seconds']:,.0f} CPU-s "
               f"({curve['wall_seconds']:,.0f} s wall)")
     key, what = ("overall", "GenEval overall") if args.scenes == "geneval" else ("adherence", "adherence")
