@@ -22,7 +22,9 @@ With a reference set, CMMD (:mod:`diffusion.sample.cmmd`) is computed on the CLI
 categories; it needs no CLIP model. Prompts may be GenEval metadata lines (``--prompts-file X.jsonl``,
 e.g. from ``python -m diffusion.kit.scenes``); ``--save-images`` then writes GenEval's folder layout
 (``00000/metadata.jsonl``, ``00000/samples/0000.png``), which ``--images`` reads back and GenEval's own
-evaluator reads. Every result records its protocol (sampler, steps, guidance, seed, image count,
+evaluator reads. A directory of ``ID.txt`` prompts (DPG-Bench's ``dpg_bench/prompts``) as ``--prompts-file``
+makes ``--save-images`` write DPG-Bench's layout (:mod:`diffusion.sample.dpg_layout`: ``ID.png``, the
+prompt's images tiled 2x2). Every result records its protocol (sampler, steps, guidance, seed, image count,
 resizing, feature model).
 """
 
@@ -44,7 +46,7 @@ from diffusion import schema
 from diffusion.convert import readers
 from diffusion.errors import InputError
 from diffusion import cli
-from diffusion.sample import geneval_layout, grid
+from diffusion.sample import dpg_layout, geneval_layout, grid
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MIN_FID_IMAGES = 2  # a covariance needs two samples (a meaningful FID needs thousands)
@@ -390,9 +392,11 @@ EXAMPLES = """examples:
   python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file prompts.txt \\
       --images-per-prompt 8 --reference coco/ --clip-model openai/clip-vit-large-patch14 --out metrics.json
   python -m diffusion.kit.scenes --out heldout.jsonl     # held-out prompts in GenEval's six categories
-  python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file heldout.jsonl \
+  python -m diffusion.evaluate --checkpoint ckpt/latest-rank0.pt --prompts-file heldout.jsonl \\
       --images-per-prompt 4 --judge --save-images out/geneval --out judged.json
-  python -m diffusion.evaluate --images out/geneval --judge    # a GenEval image folder, judged again"""
+  python -m diffusion.evaluate --images out/geneval --judge    # a GenEval image folder, judged again
+  python -m diffusion.evaluate --checkpoint out/exported/ --prompts-file dpg_bench/prompts \\
+      --images-per-prompt 4 --save-images out/dpg --clip-model openai/clip-vit-large-patch14   # DPG-Bench's layout"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,10 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images per feature batch (default: %(default)s)")
     parser.add_argument("--prompts-file", default=None, metavar="FILE",
                         help="with --checkpoint: prompts to generate, one a line; or .jsonl of GenEval metadata "
-                             "lines (python -m diffusion.kit.scenes, GenEval's evaluation_metadata.jsonl)")
+                             "lines (python -m diffusion.kit.scenes, GenEval's evaluation_metadata.jsonl); or a "
+                             "directory of ID.txt prompts (DPG-Bench's dpg_bench/prompts)")
     parser.add_argument("--save-images", default=None, metavar="DIR",
                         help="with --checkpoint: keep the generated images here (NNNNN.png + NNNNN.txt; with a "
-                             ".jsonl prompts file GenEval's layout, NNNNN/metadata.jsonl + NNNNN/samples/NNNN.png)")
+                             ".jsonl prompts file GenEval's layout, NNNNN/metadata.jsonl + NNNNN/samples/NNNN.png; "
+                             "with a prompts directory DPG-Bench's, ID.png: the prompt's images tiled 2x2)")
     parser.add_argument("--out", default=None, metavar="JSON", help="also write the metrics to this JSON file")
     generate.add_sampling_args(parser)
     return parser
@@ -458,6 +464,11 @@ def main(argv=None) -> None:
         parser.error("--checkpoint needs --prompts-file")
     if args.images and (args.prompts_file or args.save_images):
         parser.error("--prompts-file and --save-images go with --checkpoint, not --images")
+    dpg = bool(args.prompts_file) and os.path.isdir(args.prompts_file)
+    if dpg and args.images_per_prompt > dpg_layout.MAX_IMAGES:
+        parser.error(f"--prompts-file {args.prompts_file} is DPG-Bench's prompts directory: its evaluator reads at "
+                     f"most {dpg_layout.MAX_IMAGES} images a prompt (a 2x2 grid), not --images-per-prompt "
+                     f"{args.images_per_prompt}")
     # Everything the user named is checked before a model loads or an image is generated.
     if args.checkpoint:
         generate.check_sampling_args(args)
@@ -474,7 +485,9 @@ def main(argv=None) -> None:
     images, protocol = args.images, None
     if args.checkpoint:
         lines = geneval_layout.read_metadata(args.prompts_file) if args.prompts_file.endswith(".jsonl") else None
-        prompts = [line["prompt"] for line in lines] if lines else generate.read_prompts(args.prompts_file)
+        ids = dict(dpg_layout.read_prompts(args.prompts_file)) if dpg else None
+        prompts = ([line["prompt"] for line in lines] if lines else list(ids.values()) if ids
+                   else generate.read_prompts(args.prompts_file))
         kwargs = generate.sample_kwargs(args)
         protocol = {"images": "generated", "checkpoint": args.checkpoint, "ema": args.ema,
                     "steps": args.steps, "guidance_scale": args.guidance_scale,
@@ -485,6 +498,8 @@ def main(argv=None) -> None:
         labels = [p for p in (lines or prompts) for _ in range(args.images_per_prompt)]
         if args.save_images and lines:
             geneval_layout.write_layout(args.save_images, generated, lines, args.images_per_prompt)
+        elif args.save_images and ids:
+            dpg_layout.write_layout(args.save_images, generated, list(ids), args.images_per_prompt)
         elif args.save_images:
             save_images(generated, labels, args.save_images)
         images = list(zip(generated, labels))

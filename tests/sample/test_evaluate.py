@@ -185,3 +185,54 @@ def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip,
     assert metrics["num_images"] == 1 and np.isfinite(metrics["clip_score"])
     assert "fid" not in metrics and "num_reference" not in metrics  # the reference was never read
     assert "at least 2 images" in metrics["fid_skipped"] and "no FID" in result.stderr
+
+
+# The crops DPG-Bench's evaluator (dpg_bench/compute_dpg_bench.py) takes of ID.png, in its order.
+def _dpg_crops(image, resolution, count):
+    r = resolution
+    return [image.crop(box) for box in [(0, 0, r, r), (r, 0, 2 * r, r), (0, r, r, 2 * r), (r, r, 2 * r, 2 * r)][:count]]
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_dpg_tiles_crop_back_to_each_image_in_the_evaluators_order(count):
+    from diffusion.sample import dpg_layout
+    rng = np.random.default_rng(0)
+    images = [_color_image(name, rng) for name in list(COLORS)[:count]]
+    crops = _dpg_crops(dpg_layout.tile(images), 32, count)
+    assert [np.asarray(c).tolist() for c in crops] == [np.asarray(im).tolist() for im in images]
+
+
+def test_cli_writes_dpg_benchs_layout_from_its_prompts_directory(tiny_kit, tiny_clip, tmp_path):
+    """`--prompts-file dpg_bench/prompts --save-images DIR`: one ID.png per prompt file, the prompt's four
+    images tiled 2x2 at the sampled size, and nothing else in DIR (the evaluator reads every file there)."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "1.txt").write_text("A red pickup truck parked on a beach at dusk,\nwith palm trees behind it.\n")
+    (prompts / "partiprompts7.txt").write_text("a blue square above a green circle")
+    out = tmp_path / "metrics.json"
+    evaluate.main(["--checkpoint", tiny_kit, "--prompts-file", str(prompts), "--images-per-prompt", "4",
+                   "--steps", "2", "--size", "32", "--clip-model", tiny_clip, "--save-images", str(tmp_path / "dpg"),
+                   "--out", str(out), "--device", "cpu"])
+    assert sorted(p.name for p in (tmp_path / "dpg").iterdir()) == ["1.png", "partiprompts7.png"]
+    for path in (tmp_path / "dpg").iterdir():
+        with Image.open(path) as im:
+            assert im.size == (64, 64)
+            tiles = [np.asarray(c) for c in _dpg_crops(im.convert("RGB"), 32, 4)]
+        assert all(t.std() > 0 for t in tiles) and not np.array_equal(tiles[0], tiles[3])  # four samples, no blank
+    metrics = json.loads(out.read_text())
+    assert metrics["num_images"] == 8 and metrics["protocol"]["prompts"] == 2
+
+
+def test_dpg_prompts_refuse_more_than_four_images_and_name_an_empty_file(tiny_kit, tmp_path, capsys):
+    from diffusion.errors import InputError
+    from diffusion.sample import dpg_layout
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "3.txt").write_text("a cat")
+    with pytest.raises(SystemExit):
+        evaluate.main(["--checkpoint", tiny_kit, "--prompts-file", str(prompts), "--images-per-prompt", "8",
+                       "--judge", "--device", "cpu"])
+    assert "at most 4 images a prompt" in capsys.readouterr().err
+    (prompts / "4.txt").write_text("  \n")
+    with pytest.raises(InputError, match="4.txt: an empty prompt"):
+        dpg_layout.read_prompts(str(prompts))
