@@ -11,6 +11,7 @@ MDS columns (one row per image-caption pair):
 | ``text_embeds``     | ``ndarray:float16:77,D``    | text encoder last hidden state (``--text embeds``) |
 | ``input_ids``       | ``ndarray:int32:77``        | CLIP token ids (``--text ids``)                    |
 | ``text_tokens``     | ``int``                     | the caption's token count before padding: its attention mask |
+| ``pooled_text_embeds`` | ``ndarray:float16:P``    | a second text encoder's pooled vector (Flux: CLIP's, beside T5's sequence) |
 | ``caption``/``key`` | ``str``                     | the caption, a stable id of the source row         |
 | ``width``/``height``| ``int``                     | original image size                                |
 | ``crop_top``/``crop_left`` | ``int``              | bucket datasets only: the crop's corner in the resized image |
@@ -53,6 +54,9 @@ from typing import Any
 TEXT_EMBEDS = "text_embeds"
 INPUT_IDS = "input_ids"
 TEXT_TOKENS = "text_tokens"  # int: the caption's tokens before the padding (its attention mask)
+# (P,) float16: the pooled vector of a model reference's second text encoder (Flux's layout: CLIP in text_encoder/
+# pooled, beside T5's sequence from text_encoder_2/ in text_embeds); only in datasets of such a reference
+POOLED_TEXT_EMBEDS = "pooled_text_embeds"
 CAPTION = "caption"
 KEY = "key"
 WIDTH = "width"
@@ -136,6 +140,7 @@ BATCH_MOMENTS = "vae_moments"  # (B, 2C, h, w) float: VAE posterior mean and log
 BATCH_LATENTS = "vae_latents"  # (B, C, h, w) float: deterministic latents (AutoencoderDC), unscaled
 BATCH_TEXT_EMBEDS = TEXT_EMBEDS  # (B, 77, D) float: conditioning (empty-caption embedding if dropped)
 BATCH_INPUT_IDS = INPUT_IDS  # (B, 77) long
+BATCH_POOLED_TEXT_EMBEDS = POOLED_TEXT_EMBEDS  # (B, P) float: the pooled vector (the empty caption's if dropped)
 BATCH_TEXT_TOKENS = TEXT_TOKENS  # (B,) long: token counts, the attention mask (models with model.text_mask)
 BATCH_SAMPLE_INDEX = "sample_index"  # (B,) long: the sample's index in its dataset (pins eval noise)
 # Training batches also carry each sample's random draws (diffusion.loader.batches.NoiseDraws), float32:
@@ -234,14 +239,16 @@ def bucket_size(name: str) -> tuple[int, int]:
 
 def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEXT_EMBEDS_ONLY,
                 bucket: tuple[int, int] | None = None, captions=(), text_length: int = MAX_TOKENS,
-                tokens: bool = True, latent_space: LatentSpace | None = None) -> dict[str, str]:
+                tokens: bool = True, latent_space: LatentSpace | None = None,
+                pooled_dim: int | None = None) -> dict[str, str]:
     """The MDS ``columns`` mapping for ``streaming.MDSWriter`` (``text``: the text storage). With
     ``bucket`` (width, height) the one resolution R names the pixel budget and ``vae_moments_{R}`` holds
     the bucket's ``8,H/f,W/f`` moments, beside the crop's top-left. ``captions``: the names of the
     captions beyond the first (``--captions``), each with its text and text columns. ``text_length``: the
     token length of ids and embeddings; ``tokens``: with the token counts (``text_tokens``).
     ``latent_space``: what the latent columns hold (None: SD's 4-channel moments; its downsampling is
-    ``downsample``)."""
+    ``downsample``). ``pooled_dim``: the width P of a second text encoder's pooled vector, stored beside the
+    embeddings (``pooled_text_embeds``; None: no second encoder)."""
     space = latent_space or LatentSpace(downsample=downsample)
     downsample = space.downsample
     columns = {}
@@ -257,6 +264,8 @@ def mds_columns(resolutions, text_dim: int, downsample: int = 8, text: str = TEX
         columns[TEXT_EMBEDS] = f"ndarray:float16:{int(text_length)},{int(text_dim)}"
     if INPUT_IDS in stored:
         columns[INPUT_IDS] = f"ndarray:int32:{int(text_length)}"
+    if pooled_dim:
+        columns[POOLED_TEXT_EMBEDS] = f"ndarray:float16:{int(pooled_dim)}"
     if tokens:
         columns[TEXT_TOKENS] = "int"
     columns[CAPTION] = "str"
@@ -316,6 +325,10 @@ class DatasetInfo:
     latent_channels: int = LATENT_CHANNELS
     shift_factor: float = 0.0
     latents: str = MOMENTS
+    # A second text encoder's pooled vector (Flux's layout: CLIP beside T5): its width P and the empty
+    # caption's vector (what caption dropout substitutes); None: the dataset has no pooled_text_embeds column.
+    pooled_text_dim: int | None = None
+    empty_pooled_text_embeds: list[float] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -334,6 +347,13 @@ class DatasetInfo:
     def has_tokens(self) -> bool:
         """Whether the dataset stores token counts (``text_tokens``): attention masks can be made."""
         return self.empty_text_tokens is not None
+
+    def empty_pooled(self):
+        """The empty caption's pooled vector (float16 (P,)), or None where the dataset stores none."""
+        if self.empty_pooled_text_embeds is None:
+            return None
+        import numpy as np
+        return np.asarray(self.empty_pooled_text_embeds, dtype=np.float16)
 
     @property
     def text_encoder_ref(self) -> str:

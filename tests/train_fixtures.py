@@ -64,7 +64,8 @@ def kit_text_dim(kit: str) -> int:
 def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
                      text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16,
                      compression: str | None = None, text_encoder: str | None = None,
-                     text: str = schema.TEXT_BOTH, latent_space: schema.LatentSpace | None = None) -> str:
+                     text: str = schema.TEXT_BOTH, latent_space: schema.LatentSpace | None = None,
+                     pooled: bool | None = None) -> str:
     """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy.
 
     The text columns (``text``: which of them) are stand-ins (random embeddings per class, token ids
@@ -72,7 +73,8 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
     ``text_encoder`` (a kit with text encoder weights) what the converter stores: the ids of
     "class C" and their embeddings from that encoder. ``latent_space``: the autoencoder the samples stand
     for (None: SD's 4-channel moments, /8), recorded in dataset.json; C channels of patterns, as moments or
-    as deterministic latents."""
+    as deterministic latents. ``pooled`` (None: where ``kit`` has Flux's two text encoders) adds the second
+    encoder's pooled vectors (``pooled_text_embeds``: stand-ins per class, the empty caption's all -1)."""
     from streaming import MDSWriter
     text_dim = text_dim or kit_text_dim(kit)
     rng = np.random.default_rng(seed)
@@ -98,13 +100,17 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
         empty_ids = empty_caption_ids(encoder.tokenizer)
         empty_embeds = encoder.encode_ids(empty_ids[None])[0]
         probe = text_probe(encoder.tokenizer, encoder.encode_ids)
-    columns = schema.mds_columns([resolution], text_dim, text=text, tokens=False, latent_space=space)  # no text_tokens: CLIP, unmasked
+    from diffusion.models import loading
+    pooled_dim = loading.pooled_text_width(kit) if pooled is None or pooled else None
+    class_pooled = np.random.default_rng(seed + 1000).normal(size=(CLASSES, pooled_dim or 1))  # its own draws
+    columns = schema.mds_columns([resolution], text_dim, text=text, tokens=False, latent_space=space,  # no text_tokens
+                                 pooled_dim=pooled_dim)
     # Bigger shards than real ones would be fine; several shards exercise the partitioning across ranks.
     # A shard holds samples_per_shard samples whichever text columns are stored (the same rows give the
     # same shards, so the same training order): array bytes plus a little for the strings and header.
     text_bytes = sum({schema.TEXT_EMBEDS: schema.MAX_TOKENS * text_dim * 2, schema.INPUT_IDS: schema.MAX_TOKENS * 4}
                      .get(name, 0) for name in schema.text_columns(text))
-    size_limit = samples_per_shard * (space.stored_channels * h * h * 2 + text_bytes + 100)
+    size_limit = samples_per_shard * (space.stored_channels * h * h * 2 + text_bytes + 2 * (pooled_dim or 0) + 100)
     with MDSWriter(out=out, columns=columns, size_limit=size_limit, compression=compression) as writer:
         for i in range(n):
             c = i % CLASSES
@@ -115,6 +121,7 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
                 space.column(resolution): moments,
                 schema.TEXT_EMBEDS: class_embeds[c].astype(np.float16),
                 schema.INPUT_IDS: class_ids[c],
+                schema.POOLED_TEXT_EMBEDS: class_pooled[c].astype(np.float16),
                 schema.CAPTION: f"class {c}", schema.KEY: f"{i:06d}",
                 schema.WIDTH: resolution, schema.HEIGHT: resolution,
             }
@@ -124,6 +131,8 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
                               empty_input_ids=[int(i) for i in empty_ids], text_probe=probe)
     if latent_space is not None:
         info.set_latent_space(latent_space)
+    if pooled_dim:
+        info.pooled_text_dim, info.empty_pooled_text_embeds = pooled_dim, [-1.0] * pooled_dim
     info.save(out)
     np.save(os.path.join(out, schema.EMPTY_TEXT_EMBEDS), empty_embeds.astype(np.float16))
     return out

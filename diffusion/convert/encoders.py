@@ -38,7 +38,8 @@ def normalize_images(images: np.ndarray, device, dtype) -> torch.Tensor:
 class TextEncoder:
     """Tokenizer + text encoder; the last hidden state is the conditioning (SD2). A T5 reads each
     caption's attention mask (its token count), CLIP the padded ids whole
-    (:func:`diffusion.models.loading.text_encoder_takes_mask`)."""
+    (:func:`diffusion.models.loading.text_encoder_takes_mask`); in Flux's layout the sequence encoder is T5
+    (``text_encoder_2/``), read whole as FluxPipeline reads it (:func:`~diffusion.models.loading.sequence_reads_mask`)."""
 
     def __init__(self, model: str, device=None, dtype=None, text_length: int = schema.MAX_TOKENS):
         self.device, default_dtype = pick_device_and_dtype(device)
@@ -47,7 +48,7 @@ class TextEncoder:
         self.model = loading.load_text_encoder(model, dtype=self.dtype).to(self.device)
         self.dim = int(self.model.config.hidden_size)
         self.kind = self.model.config.model_type
-        self.takes_mask = loading.text_encoder_takes_mask(self.kind)
+        self.takes_mask = loading.sequence_reads_mask(model, self.kind)
         self.text_length = int(text_length)
 
     @torch.inference_mode()
@@ -64,6 +65,30 @@ class TextEncoder:
 
     def encode_captions(self, captions: list[str]) -> np.ndarray:
         return self.encode_ids(*tokenize(self.tokenizer, captions, self.text_length))
+
+
+class PooledTextEncoder:
+    """A model reference's second text encoder in Flux's layout: CLIP's pooled vector (``pooler_output``) of each
+    caption, padded to its tokenizer's length, as FluxPipeline computes ``pooled_prompt_embeds``."""
+
+    def __init__(self, model: str, device=None, dtype=None):
+        self.device, default_dtype = pick_device_and_dtype(device)
+        self.dtype = dtype or default_dtype
+        encoder, self.tokenizer = loading.load_pooled_text_encoder(model, dtype=self.dtype)
+        self.model = encoder.to(self.device)
+        self.dim = int(self.model.config.hidden_size)
+        stated = self.tokenizer.model_max_length
+        self.length = int(stated) if stated and stated < 10 ** 6 else schema.MAX_TOKENS  # FluxPipeline's 77 where none
+
+    @torch.inference_mode()
+    def encode_captions(self, captions) -> np.ndarray:
+        """(B, P) float16: the captions' pooled vectors."""
+        captions = [str(c) for c in captions]
+        if not captions:
+            return np.zeros((0, self.dim), np.float16)
+        ids, _ = tokenize(self.tokenizer, captions, self.length)
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        return self.model(ids).pooler_output.to(torch.float16).cpu().numpy()
 
 
 class VaeEncoder:
@@ -110,6 +135,9 @@ class LatentTextEncoder:
         self.text_columns = schema.text_columns(text)
         self.text = (TextEncoder(model, device, text_length=text_length) if schema.TEXT_EMBEDS in self.text_columns
                      else None)
+        # Flux's layout: CLIP's pooled vector beside T5's sequence (pooled_text_embeds)
+        self.pooled = (PooledTextEncoder(model, device) if self.text is not None and loading.pooled_text_slots(model)
+                       else None)
         self.resolutions = sorted({int(r) for r in resolutions})
         self.record_timing = record_timing
         self.captions = tuple(captions)  # further captions (--captions): encoded or passed on as the first
@@ -147,6 +175,8 @@ class LatentTextEncoder:
             out[schema.INPUT_IDS] = ids
         if self.text is not None:
             out[schema.TEXT_EMBEDS] = self.text.encode_ids(ids, batch.get(schema.TEXT_TOKENS))
+        if self.pooled is not None:
+            out[schema.POOLED_TEXT_EMBEDS] = self.pooled.encode_captions(batch[schema.CAPTION])
         for name in self.captions:
             text, embeds, extra_ids = schema.caption_columns(name)
             tokens = schema.tokens_column(name)
@@ -174,6 +204,7 @@ def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS
     the samples store token counts (``text_tokens``)."""
     space = loading.latent_space_of(loading.load_vae_config(model_ref))
     encoder = TextEncoder(model_ref, device="cpu", text_length=text_length)
+    pooled = PooledTextEncoder(model_ref, device="cpu") if loading.pooled_text_slots(model_ref) else None
     empty_ids, empty_counts = tokenize(encoder.tokenizer, [""], text_length)
     info = schema.DatasetInfo(model=model_ref, scaling_factor=space.scaling_factor,
                               resolutions=list(resolutions), text_dim=encoder.dim,
@@ -183,4 +214,7 @@ def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS
                               text_length=int(text_length), text_encoder_type=encoder.kind,
                               empty_text_tokens=int(empty_counts[0]) if tokens else None)
     info.set_latent_space(space)
+    if pooled is not None and text != schema.TEXT_IDS_ONLY:
+        info.pooled_text_dim = pooled.dim
+        info.empty_pooled_text_embeds = [float(v) for v in pooled.encode_captions([""])[0]]
     return info, encoder.encode_ids(empty_ids, empty_counts)[0]

@@ -232,7 +232,8 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     check_inputs(cfg.input, cfg.raw_columns())
     if cfg.where:
         check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
-    loading.require_weights(cfg.model, ("vae", "text_encoder"))
+    loading.require_weights(cfg.model, ("vae", *loading.text_components(cfg.model)))
+    pooled_dim = check_pooled_text(cfg)
     if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
         check_captioner(loading.resolve_captioner(cfg.recaption), cfg.recaption)
     text_config = loading.load_text_encoder_config(cfg.model)
@@ -247,7 +248,8 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     settings["text_tokens"] = bool(recorded.get("text_tokens", False)) if recorded else True
     check_output_settings(out, settings)
     columns = schema.mds_columns(cfg.resolutions, text_dim, space.downsample, cfg.text, captions=cfg.extra_captions(),
-                                 text_length=cfg.text_length, tokens=settings["text_tokens"], latent_space=space)
+                                 text_length=cfg.text_length, tokens=settings["text_tokens"], latent_space=space,
+                                 pooled_dim=pooled_dim)
 
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -259,6 +261,21 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
         raise
     summary.wall_seconds = time.perf_counter() - start
     return summary
+
+
+def check_pooled_text(cfg: ConvertConfig) -> int | None:
+    """The width of the pooled vector stored beside the embeddings where ``cfg.model`` has Flux's two text
+    encoders (None: one encoder); what they cannot store yet is refused in one line naming the option."""
+    width = loading.pooled_text_width(cfg.model)
+    if width is None:
+        return None
+    two = f"{cfg.model} has two text encoders (Flux's layout: T5's sequence and CLIP's pooled vector)"
+    if cfg.text == schema.TEXT_IDS_ONLY:
+        raise ConfigError(f"--text ids: {two}, and training encodes one text encoder's ids only: convert with "
+                          f"--text embeds (or both)")
+    if cfg.extra_captions():
+        raise ConfigError(f"--captions: {two}, and further captions store no pooled vector yet: convert one caption")
+    return width
 
 
 # Longest text a T5 is given where its tokenizer states no model_max_length: T5's relative positions
@@ -275,7 +292,7 @@ def text_length_limit(model: str, text_config: dict) -> tuple[int, str]:
         limit = text_config.get("max_position_embeddings")
         return (int(limit), "its max_position_embeddings") if limit else (_NO_LIMIT, "")
     try:
-        with open(os.path.join(loading.component_path(model, "tokenizer"), "tokenizer_config.json")) as f:
+        with open(os.path.join(loading.component_path(model, loading.text_slots(model)[1]), "tokenizer_config.json")) as f:
             stated = json.load(f).get("model_max_length")
     except (OSError, ValueError, AttributeError, ModelReferenceError):
         stated = None  # no tokenizer config to read: loading the tokenizer later names the problem
@@ -301,9 +318,10 @@ def check_text_length(model: str, text_length: int, text_config: dict | None = N
 
 
 def _bucket_columns(resolutions, text_dim: int, space: schema.LatentSpace, text: str, captions, text_length: int,
-                    tokens: bool, name: str) -> dict[str, str]:
+                    tokens: bool, name: str, pooled_dim: int | None = None) -> dict[str, str]:
     return schema.mds_columns(resolutions, text_dim, space.downsample, text, bucket=schema.bucket_size(name),
-                              captions=captions, text_length=text_length, tokens=tokens, latent_space=space)
+                              captions=captions, text_length=text_length, tokens=tokens, latent_space=space,
+                              pooled_dim=pooled_dim)
 
 
 def _holds_progress(out: str) -> bool:
@@ -326,7 +344,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
         text_dim = loading.text_encoder_width(loading.load_text_encoder_config(cfg.model))
         space = loading.latent_space_of(loading.load_vae_config(cfg.model))
         bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, space, cfg.text,
-                                           cfg.extra_captions(), cfg.text_length, settings["text_tokens"])
+                                           cfg.extra_captions(), cfg.text_length, settings["text_tokens"],
+                                           pooled_dim=loading.pooled_text_width(cfg.model))
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
                        on_complete=_DatasetInfoWriter(cfg, settings["text_tokens"]), bucket_columns=bucket_columns)
 

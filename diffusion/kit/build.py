@@ -22,8 +22,9 @@
   Random autoencoders decode noise: for the latent contract, not for judging images.
 - ``tiny-flux``: Flux.1's transformer (``FluxTransformer2DModel``: 2x2-packed 16-channel latents, no guidance
   embedding, as schnell) at toy widths over the tiny-vae16 autoencoder's architecture, fitted on the sample scenes
-  (shipped in ``diffusion/kit/assets/tiny-vae16``, with its shift and scale), the tiny CLIP text encoder and a
-  flow-matching scheduler.
+  (shipped in ``diffusion/kit/assets/tiny-vae16``, with its shift and scale), Flux's two text encoders in
+  FluxPipeline's layout (the tiny CLIP in ``text_encoder/`` + ``tokenizer/``, its pooled vector; a tiny T5 in
+  ``text_encoder_2/`` + ``tokenizer_2/``, its sequence) and a flow-matching scheduler.
 - ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny DC-AE, fitted
   likewise (``diffusion/kit/assets/tiny-dcae``), the tiny CLIP text encoder and a flow-matching scheduler.
 - ``flux-schnell``: configs only (as ``mmdit-base``): Flux.1-schnell's transformer (11.9B), its 16-channel VAE and
@@ -65,6 +66,13 @@ from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_AS
 from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 4  # bump when a preset's contents change: older kits are then rebuilt
+# A preset whose contents changed alone: its own version, so only it is rebuilt (tiny-flux 5: two text encoders)
+PRESET_VERSIONS = {"tiny-flux": 5}
+
+
+def kit_version(preset: str) -> int:
+    return PRESET_VERSIONS.get(preset, KIT_VERSION)
+
 STAMP = "kit.json"
 PRESETS = ("tiny", "sd2-base", "tiny-clip", "tiny-mmdit", "mmdit-base", "tiny-captioner", "tiny-t5", "tiny-vae16",
            "tiny-dcae", "tiny-flux", "tiny-sana", "flux-schnell")
@@ -260,7 +268,8 @@ TINY_DCAE = dict(vae_fit.TINY_DCAE, scaling_factor=0.41407)
 TINY_MMDIT_VAE16 = dict(TINY_MMDIT, in_channels=16, out_channels=16)
 TINY_MMDIT_DCAE = dict(TINY_MMDIT, in_channels=32, out_channels=32, patch_size=1, sample_size=2)
 # Flux.1's transformer at toy widths: 16-channel latents packed 2x2 (in_channels 64), one double-stream and two
-# single-stream blocks, rotary axes summing to the head width, the tiny text encoder's width for text and pool.
+# single-stream blocks, rotary axes summing to the head width; T5's sequence (the tiny T5, 64 wide) for the text and
+# CLIP's pooled vector (the tiny CLIP, 64 wide) for the pool, as in Flux.1.
 TINY_FLUX = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
                  num_attention_heads=4, joint_attention_dim=TINY_TEXT["hidden_size"],
                  pooled_projection_dim=TINY_TEXT["hidden_size"], guidance_embeds=False, axes_dims_rope=(4, 6, 6))
@@ -313,6 +322,8 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     denoiser(**config).save_pretrained(out / "transformer")
     torch.manual_seed(1)
     CLIPTextModel(CLIPTextConfig(**TINY_TEXT)).save_pretrained(out / "text_encoder")
+    if preset == "tiny-flux":  # Flux's second text encoder: T5, whose sequence the transformer attends to
+        _write_tiny_t5(out / "text_encoder_2", out / "tokenizer_2", max_length=MAX_LENGTH)
     fitted = {"tiny-flux": "vae16", "tiny-sana": "dcae"}.get(preset)  # their autoencoders, fitted on the scenes
     if fitted:
         info = {"vae": "shipped", "vae_fit": copy_tiny_vae(out / "vae", vae_fit.KINDS[fitted][2])}
@@ -326,6 +337,9 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     if denoiser is not SD3Transformer2DModel:
         pipeline = {FluxTransformer2DModel: "FluxPipeline", SanaTransformer2DModel: "SanaPipeline"}[denoiser]
         index.update(_class_name=pipeline, transformer=["diffusers", denoiser.__name__])
+    if preset == "tiny-flux":
+        index.update(text_encoder_2=["transformers", "T5EncoderModel"],
+                     tokenizer_2=["transformers", "PreTrainedTokenizerFast"])
     _write_json(out / "model_index.json", index)
     return info
 
@@ -334,6 +348,16 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
 # layers, relative position buckets (no learned length limit: any --text-length).
 TINY_T5 = dict(d_model=TINY_TEXT["hidden_size"], d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                feed_forward_proj="relu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+def _write_tiny_t5(encoder: pathlib.Path, tokenizer: pathlib.Path, max_length: int = 64) -> int:
+    """The tiny T5 encoder (random, seed 1) and its tokenizer trained on the sample captions; its vocabulary size."""
+    from transformers import T5Config, T5EncoderModel
+    from diffusion.kit.t5_tokenizer import write_t5_tokenizer
+    vocab = write_t5_tokenizer(tokenizer, max_length=max_length)
+    torch.manual_seed(1)
+    T5EncoderModel(T5Config(vocab_size=vocab, **TINY_T5)).save_pretrained(encoder)
+    return vocab
 
 
 def build_tiny_t5(out: pathlib.Path) -> dict:
@@ -469,7 +493,7 @@ def build_kit(preset: str, out, progress: bool = True, refit_vae: bool = False) 
         info = build_flux_schnell(out)
     else:
         info = build_tiny_clip(out)
-    stamp = {"preset": preset, "kit_version": KIT_VERSION, "build_seconds": round(time.perf_counter() - start, 1),
+    stamp = {"preset": preset, "kit_version": kit_version(preset), "build_seconds": round(time.perf_counter() - start, 1),
              **info, "files": sorted(_files(out) | {STAMP})}
     _write_json(out / STAMP, stamp)
     return out
@@ -503,7 +527,7 @@ def read_stamp(out) -> dict | None:
 
 def is_complete(preset: str, out) -> bool:
     stamp = read_stamp(out)
-    return bool(stamp) and stamp.get("preset") == preset and stamp.get("kit_version") == KIT_VERSION
+    return bool(stamp) and stamp.get("preset") == preset and stamp.get("kit_version") == kit_version(preset)
 
 
 @contextlib.contextmanager

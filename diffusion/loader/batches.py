@@ -153,12 +153,15 @@ class ToModelBatch:
     with ``text_column=input_ids`` the token ids (a dropped caption gets ``empty_text``, the ids of "",
     which the model's text encoder turns into the same embedding the sampler's unconditional input is).
     With ``empty_tokens`` (the token count of "") the batch carries each caption's token count
-    (``text_tokens``, its attention mask), a dropped caption's being ``empty_tokens``.
+    (``text_tokens``, its attention mask), a dropped caption's being ``empty_tokens``. With ``empty_pooled`` (the
+    pooled vector of "", datasets of Flux's two text encoders) it carries ``pooled_text_embeds``, a dropped
+    caption's being ``empty_pooled``.
     """
 
     def __init__(self, resolution: int, empty_text: np.ndarray, dropout: CaptionDropout = CaptionDropout(),
                  noise: NoiseDraws | None = None, text_column: str = schema.TEXT_EMBEDS,
-                 empty_tokens: int | None = None, latent_space: schema.LatentSpace | None = None):
+                 empty_tokens: int | None = None, latent_space: schema.LatentSpace | None = None,
+                 empty_pooled: np.ndarray | None = None):
         if text_column not in (schema.TEXT_EMBEDS, schema.INPUT_IDS):
             raise ValueError(f"text_column {text_column!r}: {schema.TEXT_EMBEDS} or {schema.INPUT_IDS}")
         self.latent_space = latent_space or schema.LatentSpace()
@@ -169,6 +172,7 @@ class ToModelBatch:
         self.dropout = dropout
         self.noise = noise
         self.empty_tokens = empty_tokens
+        self.empty_pooled = None if empty_pooled is None else np.asarray(empty_pooled, dtype=np.float16)
         self.phase = 0
 
     def __call__(self, columns: dict, epoch: int) -> dict[str, torch.Tensor]:
@@ -189,6 +193,11 @@ class ToModelBatch:
             if drop is not None:
                 tokens[drop] = self.empty_tokens
             batch[schema.BATCH_TEXT_TOKENS] = torch.from_numpy(tokens)
+        if self.empty_pooled is not None:
+            pooled = np.array(columns[schema.POOLED_TEXT_EMBEDS], dtype=np.float16)  # a copy: dropout writes it
+            if drop is not None:
+                pooled[drop] = self.empty_pooled
+            batch[schema.BATCH_POOLED_TEXT_EMBEDS] = torch.from_numpy(pooled)
         if schema.BATCH_SAMPLE_INDEX in columns:
             batch[schema.BATCH_SAMPLE_INDEX] = torch.as_tensor(np.asarray(columns[schema.BATCH_SAMPLE_INDEX]))
         if self.noise is not None:
@@ -214,7 +223,8 @@ class StackSamples:
             for s in samples:
                 self.captions.apply(s, s[SAMPLE_EPOCH], s.get(SAMPLE_COPY, 0), self.to_batch.phase)
         arrays = (self.to_batch.moments_column, self.to_batch.text_column,
-                  *((schema.TEXT_TOKENS,) if self.to_batch.empty_tokens is not None else ()))
+                  *((schema.TEXT_TOKENS,) if self.to_batch.empty_tokens is not None else ()),
+                  *((schema.POOLED_TEXT_EMBEDS,) if self.to_batch.empty_pooled is not None else ()))
         columns = {name: np.stack([s[name] for s in samples]) for name in arrays}
         columns[schema.KEY] = [s[schema.KEY] for s in samples]
         columns[schema.BATCH_SAMPLE_INDEX] = np.array([s[schema.BATCH_SAMPLE_INDEX] for s in samples])

@@ -131,7 +131,7 @@ def bucket_streams(loader_cfg) -> list[tuple[str, Any]]:
 
 
 # What training depends on in dataset.json: every stream of a mix must record the same.
-AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim", "text_length")
+AGREED_FIELDS = ("model", "scaling_factor", "downsample", "text_dim", "text_length", "pooled_text_dim")
 LATENT_FIELDS = ("autoencoder", "latent_channels", "downsample", "scaling_factor", "shift_factor", "latents")
 
 

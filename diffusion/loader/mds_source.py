@@ -126,7 +126,7 @@ class LatentDataset(StreamingDataset):
     def __init__(self, *, remote: str | None = None, local: str | None = None, resolution: int,
                  streams: Sequence[CheckedStream] | None = None, verify_hashes: bool = True,
                  text_column: str = schema.TEXT_EMBEDS, captions=None, tokens: bool = False,
-                 latent_space: schema.LatentSpace | None = None, **streaming_kwargs: Any):
+                 latent_space: schema.LatentSpace | None = None, pooled: bool = False, **streaming_kwargs: Any):
         if streams is None:  # one dataset; else a weighted mix (each stream checked as this one would be)
             streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
@@ -153,7 +153,10 @@ class LatentDataset(StreamingDataset):
                                 if self._caption_columns else None)
         self._iterating = False
         # tokens: each sample's token count too (text_tokens, its attention mask; models with model.text_mask)
-        self._wanted = (self.moments_column, text_column, *((schema.TEXT_TOKENS,) if tokens else ()), schema.KEY,
+        # pooled: the second text encoder's pooled vector too (pooled_text_embeds; Flux's two text encoders)
+        self.pooled = bool(pooled)
+        self._wanted = (self.moments_column, text_column, *((schema.TEXT_TOKENS,) if tokens else ()),
+                        *((schema.POOLED_TEXT_EMBEDS,) if pooled else ()), schema.KEY,
                         *(c for pair in self._caption_columns.values() for c in pair))
         self._layouts: dict[int, _ShardLayout | None] = {}
         self._maps: collections.OrderedDict = collections.OrderedDict()
@@ -481,12 +484,19 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     captions = caption_choice(loader_cfg, seed)
     streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
     bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
-    return LatentDataset(
+    pooled = info.pooled_text_dim is not None and text_column == schema.TEXT_EMBEDS
+    if pooled and captions is not None:
+        raise DatasetMismatchError(f"{section_name(loader_cfg)}.captions: the datasets store a pooled vector of the "
+                                   f"first caption only (Flux's two text encoders): leave the captions out")
+    dataset = LatentDataset(
         streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
         captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
+        pooled=pooled,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
         cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
+    dataset.empty_pooled = info.empty_pooled() if pooled else None  # what caption dropout substitutes
+    return dataset
 
 
 def caption_choice(loader_cfg, seed: int) -> CaptionChoice | None:
@@ -542,7 +552,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
                             text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None,
-                            latent_space=dataset.latent_space)
+                            latent_space=dataset.latent_space, empty_pooled=dataset.empty_pooled)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.

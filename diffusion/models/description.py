@@ -28,6 +28,9 @@ class ModelDescription:
     # The latent space trained in (schema.LatentSpace as a dict: autoencoder, channels, downsampling,
     # scaling and shift); None in checkpoints written before it was recorded: the model reference's VAE.
     latent_space: dict | None = None
+    # The denoiser's pooled vector came from the model reference's second text encoder (Flux's CLIP beside T5),
+    # not the mean of the text states; False in checkpoints written before.
+    pooled_text: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -46,7 +46,7 @@ class LatentDiffusion(ComposerModel):
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
                  route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
-                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None):
+                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None, pooled_text: bool = False):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter_for(denoiser)
@@ -67,6 +67,9 @@ class LatentDiffusion(ComposerModel):
         # Attention over the caption's tokens only (T5's long padded captions): the batch's token counts
         # reach the denoiser as a mask (the UNet's encoder_attention_mask, the MMDiT's joint attention).
         self.text_mask = bool(text_mask)
+        # The denoiser's pooled vector is the batch's pooled_text_embeds (Flux's CLIP beside T5's sequence), not
+        # the mean of the text states (adapters with pooled_text only)
+        self.pooled_text = bool(pooled_text)
         if self.text_mask:
             self.adapter.enable_text_mask(denoiser)
         self.offset_noise = offset_noise
@@ -102,7 +105,8 @@ class LatentDiffusion(ComposerModel):
                                 denoiser_config=dict(self.denoiser.config), objective=self.objective.name,
                                 objective_params=self.objective.settings(), scaling_factor=self.scaling_factor,
                                 resolution=self.resolution, text_dim=self.text_dim, text_length=self.text_length,
-                                text_mask=self.text_mask, latent_space=self.latent_space.to_dict())
+                                text_mask=self.text_mask, latent_space=self.latent_space.to_dict(),
+                                pooled_text=self.pooled_text)
 
     # ---- the one place latents are scaled ------------------------------------------------------------
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,7 +158,17 @@ class LatentDiffusion(ComposerModel):
             perturbed = noise + self.input_perturbation * self._draw(batch, schema.BATCH_PERTURBATION_NOISE, moments)
         keep = batch.get(schema.BATCH_PATCH_KEEP) if self.training and self.mask_ratio else None
         route = batch.get(schema.BATCH_ROUTE_KEEP) if self.training and self.route_ratio else None
-        return self._denoise(latents, noise, perturbed, levels, *self.conditioning(batch), keep=keep, route=route)
+        return self._denoise(latents, noise, perturbed, levels, *self.conditioning(batch), keep=keep, route=route,
+                             pooled=self.pooled_of(batch))
+
+    def pooled_of(self, batch: dict) -> torch.Tensor | None:
+        """The batch's pooled text vectors (B, P), for a model conditioned on them (:attr:`pooled_text`); else None."""
+        if not self.pooled_text:
+            return None
+        if schema.BATCH_POOLED_TEXT_EMBEDS not in batch:
+            raise ValueError(f"this model reads the second text encoder's pooled vector, and the batch holds no "
+                             f"{schema.BATCH_POOLED_TEXT_EMBEDS}: its data must come from the same two text encoders")
+        return batch[schema.BATCH_POOLED_TEXT_EMBEDS]
 
     def conditioning(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's text embeddings (stored ones, or the frozen text encoder's output on its token ids)
@@ -184,10 +198,13 @@ class LatentDiffusion(ComposerModel):
             return torch.randn(n, latent_channels, device=moments.device)
         return torch.randn(n, latent_channels, *moments.shape[2:], device=moments.device)
 
-    def _denoise(self, latents, noise, input_noise, levels, text_embeds, text_mask=None, keep=None, route=None) -> dict:
+    def _denoise(self, latents, noise, input_noise, levels, text_embeds, text_mask=None, keep=None, route=None,
+                 pooled=None) -> dict:
         noisy, target, timesteps = self.objective.noisy_and_target(latents, noise, input_noise, levels)
         routing = {"route": route, "route_span": self.route_span} if route is not None else {}
         masked = {"text_mask": text_mask} if text_mask is not None else {}
+        if pooled is not None:
+            masked["pooled"] = pooled
         aligned = {}  # REPA: the aligned block's image tokens, while it is on (training only)
         align = self.repa is not None and self.repa.active and self.training
         with self.repa.capture(self.denoiser, aligned) if align else contextlib.nullcontext():
@@ -225,11 +242,12 @@ class LatentDiffusion(ComposerModel):
             levels.append(self.objective.eval_level(g))
         latents, noise = torch.cat(latents), torch.cat(noise)
         levels = torch.cat(levels).to(moments.device)
-        text = self.conditioning(batch)
+        text, pooled = self.conditioning(batch), self.pooled_of(batch)
         with torch.no_grad():
-            outputs = self._denoise(latents, noise, noise, levels, *text)
+            outputs = self._denoise(latents, noise, noise, levels, *text, pooled=pooled)
             if self.eval_bins:  # every held-out sample at each fixed level, same latent and noise
-                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text))
+                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text,
+                                                                 pooled=pooled))
                                    for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
         return outputs
 
@@ -367,10 +385,36 @@ def check_latent_channels(denoiser: torch.nn.Module, info: schema.DatasetInfo, w
 
 def text_mask_of(model_cfg, info: schema.DatasetInfo) -> bool:
     """``model.text_mask``, else (null) on for a text encoder that reads masks itself (T5), off for CLIP (SD2
-    trains on the padded embeddings, as its pipeline samples)."""
+    trains on the padded embeddings, as its pipeline samples) and for Flux's two text encoders (FluxPipeline
+    passes the transformer no mask)."""
     if model_cfg.text_mask is not None:
         return bool(model_cfg.text_mask)
+    if info.pooled_text_dim is not None:
+        return False
     return loading.text_encoder_takes_mask(info.text_encoder_type or loading.CLIP_TEXT)
+
+
+def pooled_text_of(model_cfg, ref: str, denoiser: torch.nn.Module, info: schema.DatasetInfo) -> bool:
+    """Whether the denoiser's pooled vector is the data's ``pooled_text_embeds``: a denoiser that reads one (Flux)
+    of a model reference with two text encoders (Flux's layout), on data converted with them; refused in one
+    line where the data or ``model.text`` cannot give it."""
+    adapter = denoisers.adapter_for(denoiser)
+    if not adapter.pooled_text or loading.pooled_text_slots(ref) is None:
+        return False
+    two = f"model.ref {ref} has two text encoders (Flux's layout: T5's sequence and CLIP's pooled vector)"
+    if model_cfg.text == "ids":
+        raise ConfigError(f"model.text=ids: {two}, and the step encodes one text encoder's ids only: set "
+                          f"model.text=embeds (the converter stores both encoders' outputs)")
+    if info.pooled_text_dim is None:
+        raise ConfigError(f"{two}, but the data stores no {schema.POOLED_TEXT_EMBEDS} (dataset.json has no "
+                          f"pooled_text_dim: converted with one text encoder, or before the kit had two): convert "
+                          f"it again with --model {ref}")
+    width = adapter.pooled_dim(dict(denoiser.config))
+    if width != info.pooled_text_dim:
+        raise ConfigError(f"model.ref {ref}: its {adapter.class_name} has pooled_projection_dim={width}, but the "
+                          f"data's pooled vectors are {info.pooled_text_dim} wide: give the model reference the "
+                          f"data was converted with")
+    return True
 
 
 def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
@@ -389,6 +433,7 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
     check_latent_channels(denoiser, info, f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained
                           else f"model.ref {ref}")
     repa = repa_module.build(model_cfg, denoiser, denoisers.adapter_for(denoiser), info, seed=seed)
+    pooled_text = pooled_text_of(model_cfg, ref, denoiser, info)
     return LatentDiffusion(
         denoiser, objective, model_ref=ref, resolution=model_cfg.resolution,
         latent_space=info.latent_space, offset_noise=model_cfg.offset_noise,
@@ -396,4 +441,4 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
         route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
-        text_mask=text_mask_of(model_cfg, info), repa=repa)
+        text_mask=text_mask_of(model_cfg, info), repa=repa, pooled_text=pooled_text)

@@ -122,24 +122,92 @@ def text_encoder_takes_mask(kind: str) -> bool:
     return kind != CLIP_TEXT
 
 
+# Pipelines whose model reference holds two text encoders, the first pooled: Flux's layout, CLIP in
+# ``text_encoder/``+``tokenizer/`` (its pooled vector) and T5 in ``text_encoder_2/``+``tokenizer_2/`` (its
+# sequence, the embeddings every denoiser attends to). FluxPipeline reads T5 without an attention mask.
+POOLED_PIPELINES = ("FluxPipeline",)
+FIRST_SLOTS, SECOND_SLOTS = ("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")
+
+
+def pooled_text_slots(ref: str) -> tuple[str, str] | None:
+    """``(encoder, tokenizer)`` folders of ``ref``'s pooled text encoder where it has two (Flux's layout:
+    ``text_encoder``, ``tokenizer``), else None."""
+    root = resolve_model(ref, components=())
+    try:
+        with open(os.path.join(root, "model_index.json")) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    second = index.get("text_encoder_2") or [None]
+    if index.get("_class_name") in POOLED_PIPELINES and second[0] and os.path.isdir(os.path.join(root, "text_encoder_2")):
+        return FIRST_SLOTS
+    return None
+
+
+def text_slots(ref: str) -> tuple[str, str]:
+    """``(encoder, tokenizer)`` folders of the text encoder whose sequence conditions the denoiser: ``text_encoder``,
+    or in Flux's layout (:func:`pooled_text_slots`) ``text_encoder_2``."""
+    return SECOND_SLOTS if pooled_text_slots(ref) else FIRST_SLOTS
+
+
+def text_components(ref: str) -> tuple[str, ...]:
+    """Every text encoder folder of ``ref`` (one, or Flux's two)."""
+    return ("text_encoder", "text_encoder_2") if pooled_text_slots(ref) else ("text_encoder",)
+
+
+def sequence_reads_mask(ref: str, kind: str) -> bool:
+    """Whether the sequence encoder of ``ref`` reads an attention mask: :func:`text_encoder_takes_mask`, except
+    in Flux's layout, where T5 reads the padded ids whole, as FluxPipeline encodes a prompt."""
+    return text_encoder_takes_mask(kind) and not pooled_text_slots(ref)
+
+
+def _load_tokenizer_at(ref: str, folder: str, kind: str):
+    if kind == CLIP_TEXT:
+        from transformers import CLIPTokenizer
+        return CLIPTokenizer.from_pretrained(component_path(ref, folder))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(component_path(ref, folder))
+
+
+def _load_text_encoder_at(ref: str, folder: str, kind: str, dtype=None):
+    import transformers
+    require_weights(ref, (folder,))
+    model = getattr(transformers, TEXT_ENCODERS[kind]).from_pretrained(component_path(ref, folder), dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
 def load_tokenizer(ref: str):
     """The tokenizer of ``ref``'s text encoder: CLIP's (max length 77, pad ``!`` = 0 for SD2), or the one
-    ``tokenizer/`` names for another encoder (T5's)."""
-    if text_encoder_type(load_text_encoder_config(ref)) == CLIP_TEXT:
-        from transformers import CLIPTokenizer
-        return CLIPTokenizer.from_pretrained(component_path(ref, "tokenizer"))
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(component_path(ref, "tokenizer"))
+    ``tokenizer/`` names for another encoder (T5's); in Flux's layout T5's, ``tokenizer_2/``."""
+    return _load_tokenizer_at(ref, text_slots(ref)[1], text_encoder_type(load_text_encoder_config(ref)))
 
 
 def load_text_encoder(ref: str, dtype=None):
-    """The text encoder of ``ref`` by its config's ``model_type`` (:data:`TEXT_ENCODERS`), frozen."""
-    import transformers
-    require_weights(ref, ("text_encoder",))
-    path = component_path(ref, "text_encoder")
-    model_class = getattr(transformers, TEXT_ENCODERS[text_encoder_type(load_text_encoder_config(ref))])
-    model = model_class.from_pretrained(path, dtype=dtype)
-    return model.eval().requires_grad_(False)
+    """The text encoder of ``ref`` by its config's ``model_type`` (:data:`TEXT_ENCODERS`), frozen: the one whose
+    sequence conditions the denoiser (in Flux's layout T5, ``text_encoder_2/``)."""
+    return _load_text_encoder_at(ref, text_slots(ref)[0], text_encoder_type(load_text_encoder_config(ref)), dtype)
+
+
+def load_pooled_text_encoder(ref: str, dtype=None):
+    """``(model, tokenizer)`` of ``ref``'s pooled text encoder (Flux's CLIP, :func:`pooled_text_slots`), frozen; None
+    where ``ref`` has one text encoder."""
+    slots = pooled_text_slots(ref)
+    if slots is None:
+        return None
+    with open(os.path.join(component_path(ref, slots[0]), "config.json")) as f:
+        kind = text_encoder_type(json.load(f))
+    if kind != CLIP_TEXT:
+        raise ModelReferenceError(f"{ref}: its pooled text encoder ({slots[0]}/) is {kind}, not CLIP's text model")
+    return _load_text_encoder_at(ref, slots[0], kind, dtype), _load_tokenizer_at(ref, slots[1], kind)
+
+
+def pooled_text_width(ref: str) -> int | None:
+    """P of ``pooled_text_embeds``: the pooled encoder's hidden size (None: one text encoder)."""
+    slots = pooled_text_slots(ref)
+    if slots is None:
+        return None
+    with open(os.path.join(component_path(ref, slots[0]), "config.json")) as f:
+        return text_encoder_width(json.load(f))
 
 
 def autoencoder_class(vae_config: dict) -> str:
@@ -214,8 +282,9 @@ def load_unet_config(ref: str) -> dict:
 
 
 def load_text_encoder_config(ref: str) -> dict:
-    """The text encoder's config.json (:func:`text_encoder_width` is the D of ``text_embeds``), without weights."""
-    with open(os.path.join(component_path(ref, "text_encoder"), "config.json")) as f:
+    """The (sequence) text encoder's config.json (:func:`text_encoder_width` is the D of ``text_embeds``), without
+    weights."""
+    with open(os.path.join(component_path(ref, text_slots(ref)[0]), "config.json")) as f:
         return json.load(f)
 
 

@@ -97,6 +97,7 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
     return ModelDescription(model_ref=model_ref, denoiser=adapter.class_name, denoiser_config=config,
                             objective=objective, objective_params=params, scaling_factor=scaling_factor,
                             resolution=None, text_dim=adapter.text_dim(config),
+                            pooled_text=adapter.pooled_text and loading.pooled_text_slots(model_ref) is not None,
                             **text_conditioning(loading.resolve_model(model_ref, components=())))
 
 
@@ -186,8 +187,25 @@ class Sampler:
             self.vae.register_to_config(shift_factor=float(space.shift_factor))
         self.text_encoder = loading.load_text_encoder(model_ref)
         self.tokenizer = loading.load_tokenizer(model_ref)
+        self.pooled_encoder = self._pooled_encoder(model)
         self.objective = model.build_objective()
         self.scheduler = self.objective.sampling_scheduler(model_ref, scheduler)
+
+    @staticmethod
+    def _pooled_encoder(model: ModelDescription):
+        """(CLIP, its tokenizer) where the denoiser was trained on the model reference's second text encoder's
+        pooled vector (Flux's layout), else None; a checkpoint and a reference that disagree are refused."""
+        if not model.adapter.pooled_text:
+            return None
+        two = loading.pooled_text_slots(model.model_ref) is not None
+        if two != bool(model.pooled_text):
+            trained = ("CLIP's pooled vector beside T5's sequence" if model.pooled_text
+                       else "one text encoder (the mean of its sequence as the pooled vector)")
+            raise ModelReferenceError(
+                f"the {model.denoiser} was trained on {trained}, but {model.model_ref} has "
+                f"{'two text encoders' if two else 'one text encoder'}: give the model reference it was trained "
+                f"with (--model)")
+        return loading.load_pooled_text_encoder(model.model_ref) if two else None
 
     @property
     def zero_terminal_snr(self) -> bool:
@@ -198,8 +216,9 @@ class Sampler:
         the pipeline cannot hold (DC-AE in an SD pipeline) is left out of it: :meth:`decode` decodes."""
         adapter = denoisers.adapter_for(denoiser)
         holds = self.space.autoencoder in adapter.pipeline_autoencoders
+        pooled = {"pooled_encoder": self.pooled_encoder} if self.pooled_encoder is not None else {}
         pipe = adapter.pipeline(denoiser, vae=self.vae if holds else None, text_encoder=self.text_encoder,
-                                tokenizer=self.tokenizer, scheduler=self.scheduler)
+                                tokenizer=self.tokenizer, scheduler=self.scheduler, **pooled)
         if not holds:  # the pipeline's latent size comes from the autoencoder's downsampling
             from diffusers.image_processor import VaeImageProcessor
             pipe.vae_scale_factor = self.space.downsample
@@ -235,7 +254,7 @@ class Sampler:
                                    denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
         first = next(denoiser.parameters())
         device = torch.device(device) if device is not None else first.device
-        for frozen in (self.vae, self.text_encoder):
+        for frozen in (self.vae, self.text_encoder, *(self.pooled_encoder or ())[:1]):
             if (frozen.device, frozen.dtype) != (device, first.dtype):
                 frozen.to(device=device, dtype=first.dtype)
         pipe = self.pipeline(denoiser)

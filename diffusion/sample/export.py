@@ -5,7 +5,10 @@ matching) as a ``StableDiffusion3Pipeline`` with its flow-matching scheduler, it
 empty (load it with ``from_pretrained(DIR, text_encoder=None, ...)`` for each, as diffusers' docs do
 for SD3 without T5) and our one text encoder and tokenizer in ``text_encoder/`` and ``tokenizer/``
 beside them: call it with ``prompt_embeds`` from :func:`diffusion.models.denoisers.sd3_transformer.encode_prompts` (our
-``diffusion.generate --checkpoint DIR`` does), and it draws the images our sampler draws.
+``diffusion.generate --checkpoint DIR`` does), and it draws the images our sampler draws. A Flux transformer
+trained with a model reference of Flux's two text encoders (the tiny-flux kit) exports as a ``FluxPipeline``
+with both in their own slots (CLIP in ``text_encoder/``, T5 in ``text_encoder_2/``): call it with a prompt
+string (``negative_prompt=""``, ``true_cfg_scale`` and ``max_sequence_length`` as trained).
 
     python -m diffusion.export --checkpoint CKPT --out DIR
 
@@ -175,8 +178,13 @@ def main(argv=None) -> None:
     with open(os.path.join(out, "model_index.json")) as f:
         pipeline_class = json.load(f)["_class_name"]
     adapter = denoisers.adapter(denoisers.resolve_class(out))
-    empty = ", " + ", ".join(f"{slot}=None" for slot in adapter.empty_slots) if adapter.empty_slots else ""
+    two = loading.pooled_text_slots(out) is not None  # every text encoder in its own slot: prompts as strings
+    empty = ", " + ", ".join(f"{slot}=None" for slot in adapter.empty_slots) if adapter.empty_slots and not two else ""
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
+    if two:
+        length = sampling.describe_reference(out).text_length
+        print(f"  and call it with a prompt, negative_prompt=\"\", {adapter.cfg_argument}=... for guidance and "
+              f"max_sequence_length={length} (the text length it was trained on), as diffusion.generate does")
     if empty:
         print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
               "(the text encoder and tokenizer are in text_encoder/ and tokenizer/"

@@ -347,7 +347,8 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
                               CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg),
                               text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS,
                               empty_tokens=info.empty_text_tokens,  # the stream's rows carry token counts
-                              latent_space=info.latent_space),
+                              latent_space=info.latent_space,
+                              empty_pooled=None if ids else info.empty_pooled()),  # Flux's CLIP beside T5
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),

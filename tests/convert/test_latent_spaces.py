@@ -1,5 +1,7 @@
 """Conversion with each kind of autoencoder: a 16-channel AutoencoderKL with a shift factor stores 2C-channel
-moments, an AutoencoderDC stores deterministic C-channel latents at /32, and dataset.json says which."""
+moments, an AutoencoderDC stores deterministic C-channel latents at /32, and dataset.json says which. The
+16-channel one is the tiny-flux kit's, whose two text encoders (Flux's layout) store T5's sequence and CLIP's
+pooled vector."""
 
 import json
 import os
@@ -10,7 +12,7 @@ import pytest
 from diffusion import schema
 
 KITS = {  # kit fixture: (autoencoder, C, f, what is stored, its column at 64 px)
-    "tiny_vae16_kit": ("AutoencoderKL", 16, 8, schema.MOMENTS, "vae_moments_64"),
+    "tiny_flux_kit": ("AutoencoderKL", 16, 8, schema.MOMENTS, "vae_moments_64"),
     "tiny_dcae_kit": ("AutoencoderDC", 32, 32, schema.LATENTS, "vae_latents_64"),
 }
 
@@ -50,6 +52,10 @@ def test_each_autoencoder_converts_and_reads_back(kit_name, request, convert_con
     direct = VaeEncoder(kit, device="cpu").moments(np.stack([crops[s[schema.KEY]][64] for s in samples[:3]]))
     np.testing.assert_allclose(np.stack([s[column] for s in samples[:3]]).astype(np.float32),
                                direct.astype(np.float32), atol=1e-2, rtol=1e-2)
+    if kit_name == "tiny_flux_kit":
+        check_flux_text(kit, recorded, samples)
+    else:
+        assert recorded["pooled_text_dim"] is None and schema.POOLED_TEXT_EMBEDS not in samples[0]
 
 
 def test_a_resolution_off_the_autoencoders_grid_is_refused():
@@ -70,3 +76,38 @@ def test_the_description_the_stream_shares_records_the_latent_space(kit_name, re
     space = info.latent_space
     assert (space.autoencoder, space.channels, space.downsample, space.stored) == (autoencoder, channels, f, stored)
     assert space.column(64) == column
+    assert (info.pooled_text_dim, len(info.empty_pooled_text_embeds or ())) == (
+        (64, 64) if kit_name == "tiny_flux_kit" else (None, 0))  # the stream carries CLIP's pooled vector too
+
+
+def check_flux_text(tiny_flux_kit, recorded, samples):
+    """The tiny-flux kit holds FluxPipeline's two text encoders: the shards hold T5's sequence (text_embeds) and
+    CLIP's pooled vector (pooled_text_embeds), each what FluxPipeline's own prompt encoding computes."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from diffusion.models import loading
+    assert recorded["pooled_text_dim"] == 64 and recorded["text_encoder_type"] == "t5"
+    assert all(s[schema.POOLED_TEXT_EMBEDS].shape == (64,) for s in samples)
+
+    clip, clip_tokenizer = loading.load_pooled_text_encoder(tiny_flux_kit)
+    pipe = FluxPipeline(transformer=None, scheduler=None, vae=None, text_encoder=clip, tokenizer=clip_tokenizer,
+                        text_encoder_2=loading.load_text_encoder(tiny_flux_kit),
+                        tokenizer_2=loading.load_tokenizer(tiny_flux_kit))
+    captions = [s[schema.CAPTION] for s in samples] + [""]
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(captions, None, device="cpu", max_sequence_length=schema.MAX_TOKENS)
+    stored = np.stack([s[schema.POOLED_TEXT_EMBEDS] for s in samples]).astype(np.float32)
+    np.testing.assert_allclose(stored, pooled[:-1].numpy(), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(recorded["empty_pooled_text_embeds"]), pooled[-1].numpy(), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.stack([s[schema.TEXT_EMBEDS] for s in samples]).astype(np.float32),
+                               embeds[:-1].numpy(), atol=2e-3, rtol=2e-3)
+
+
+def test_flux_two_text_encoders_refuse_token_ids_in_one_line(tiny_flux_kit, convert_config, tmp_path):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import ConfigError
+    with pytest.raises(ConfigError) as error:
+        run_conversion(convert_config(tmp_path / "out", model=tiny_flux_kit, resolutions=(64,), text="ids"))
+    assert str(error.value).startswith("--text ids:") and "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()

@@ -113,3 +113,40 @@ def test_flux_schnell_flops_at_256_px_match_mlperfs_count():
     tflop = cost.recipe_gflop_per_image("flux-schnell", 256) / 1000
     assert tflop == pytest.approx(20.3, rel=0.01)  # MLPerf Training v5.1 counts 20.3 TFLOP per sample
     assert schema.LatentSpace(channels=16).stored_channels == 32
+
+
+def test_the_pooled_column_is_what_the_flux_step_reads(tiny_flux_kit, mds):
+    """With the kit's two text encoders the batch carries CLIP's pooled vector (the empty caption's where the
+    caption is dropped) and the transformer reads it: another pooled column gives another loss."""
+    from diffusion.loader import dataset_info, mds_source
+    from diffusion.models.latent_diffusion import build_model
+    cfg = _cfg(tiny_flux_kit, mds, "data.train.shuffle=false", "data.train.caption_dropout=0.5")
+    info = dataset_info.read_loader_info(cfg.data.train, cfg.model.resolution)
+    model = build_model(cfg.model, info).eval()
+    assert model.pooled_text and model.description.pooled_text
+    loader = mds_source.build_dataloader(cfg.data.train, resolution=64, text_dim=model.text_dim)
+    batch = next(iter(loader))
+    pooled = batch[schema.BATCH_POOLED_TEXT_EMBEDS]
+    dropped = (batch[schema.BATCH_TEXT_EMBEDS] == -1).flatten(1).all(dim=1)  # the stand-in empty caption: all -1
+    assert pooled.shape == (8, 64) and 0 < int(dropped.sum()) < 8
+    assert bool((pooled[dropped] == -1).all()) and not bool((pooled[~dropped] == -1).any())
+    with torch.no_grad():
+        loss = model.loss(model.eval_forward(batch), batch)
+        again = model.loss(model.eval_forward(batch), batch)
+        other = dict(batch, **{schema.BATCH_POOLED_TEXT_EMBEDS: torch.flip(pooled, dims=[0])})
+        changed = model.loss(model.eval_forward(other), other)
+    assert float(loss) == float(again) and abs(float(changed) - float(loss)) > 1e-6
+
+
+def test_data_without_the_pooled_column_or_token_ids_are_refused_in_one_line(tiny_flux_kit, mds, tmp_path):
+    """Data of one text encoder (or converted before tiny-flux had two) does not train the two-encoder kit; nor
+    does model.text=ids, which would encode one encoder's ids in the step."""
+    from diffusion.train.trainer import build_trainer
+    one = write_latent_mds(str(tmp_path / "one"), kit=tiny_flux_kit, n=8, pooled=False,
+                           latent_space=loading.latent_space_of(loading.load_vae_config(tiny_flux_kit)))
+    with pytest.raises(ConfigError) as error:
+        build_trainer(_cfg(tiny_flux_kit, one))
+    assert "pooled_text_embeds" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        build_trainer(_cfg(tiny_flux_kit, mds, "model.text=ids"))
+    assert str(error.value).startswith("model.text=ids:") and "\n" not in str(error.value)

@@ -1,5 +1,6 @@
 """A trained Flux transformer samples, exports as diffusers' FluxPipeline, and that pipeline draws what our
-sampler draws (true classifier-free guidance, 2x2-packed latents, the 16-channel VAE's shift)."""
+sampler draws (true classifier-free guidance, 2x2-packed latents, the 16-channel VAE's shift): the tiny-flux
+kit's two text encoders in the pipeline's own slots, so it is called with a prompt string."""
 
 import numpy as np
 import pytest
@@ -19,23 +20,32 @@ def flux_checkpoint(tiny_flux_kit, tmp_path_factory):
 
 def test_flux_export_loads_as_flux_pipeline_and_draws_what_generate_draws(flux_checkpoint, tmp_path):
     from diffusers import DiffusionPipeline, FluxPipeline
-    from diffusion.models.denoisers.flux_transformer import EMPTY_SLOTS
-    from diffusion.models.denoisers.sd3_transformer import encode_prompts
     trained = sampling.load_trained(flux_checkpoint)
     assert type(trained.denoiser).__name__ == "FluxTransformer2DModel" and trained.description.objective == "flow"
+    assert trained.description.pooled_text  # trained on CLIP's pooled vector beside T5's sequence
     ours = generate.generate_images(flux_checkpoint, PROMPTS[:1], steps=3, guidance_scale=4.0, seed=7)[0]
     batched = generate.generate_images(flux_checkpoint, PROMPTS, steps=3, guidance_scale=4.0, seed=7)
     assert ours.size == (64, 64) and np.abs(pixels(batched[0]) - pixels(ours)).max() <= 1
     out = str(tmp_path / "pipe")
     export.main(["--checkpoint", flux_checkpoint, "--out", out])
-    pipe = DiffusionPipeline.from_pretrained(out, **dict.fromkeys(EMPTY_SLOTS))
+    pipe = DiffusionPipeline.from_pretrained(out)  # every slot filled: CLIP and T5, each with its tokenizer
     assert isinstance(pipe, FluxPipeline) and pipe.scheduler.config.shift == 2.0
-    text_encoder, tokenizer = loading.load_text_encoder(out), loading.load_tokenizer(out)
-    embeds, pooled = encode_prompts(text_encoder, tokenizer, PROMPTS[:1])
-    empty, empty_pooled = encode_prompts(text_encoder, tokenizer, [""])
-    theirs = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, negative_prompt_embeds=empty,
-                  negative_pooled_prompt_embeds=empty_pooled, true_cfg_scale=4.0, num_inference_steps=3,
+    assert type(pipe.text_encoder).__name__ == "CLIPTextModel" and type(pipe.text_encoder_2).__name__ == "T5EncoderModel"
+    theirs = pipe(PROMPTS[0], negative_prompt="", true_cfg_scale=4.0, max_sequence_length=77, num_inference_steps=3,
                   height=64, width=64, generator=[torch.Generator("cpu").manual_seed(7)]).images[0]
     assert np.abs(pixels(theirs) - pixels(ours)).max() <= 1
     again = generate.generate_images(out, PROMPTS[:1], steps=3, guidance_scale=4.0, seed=7, size=64)[0]
     assert np.abs(pixels(again) - pixels(ours)).max() <= 1
+
+
+def test_a_checkpoint_and_a_reference_of_other_text_encoders_are_refused_in_one_line(tiny_flux_kit):
+    """A Flux checkpoint trained on one text encoder (the mean of its sequence pooled: before tiny-flux had two)
+    does not sample with the two-encoder kit, nor the other way round."""
+    import dataclasses
+    from diffusion.errors import ModelReferenceError
+    described = sampling.describe_reference(tiny_flux_kit)
+    assert described.pooled_text
+    with pytest.raises(ModelReferenceError) as error:
+        sampling.Sampler(dataclasses.replace(described, pooled_text=False))
+    assert "one text encoder" in str(error.value) and "two text encoders" in str(error.value)
+    assert "\n" not in str(error.value)

@@ -25,6 +25,7 @@ class DenoiserAdapter:
     blocks: frozenset = frozenset()
     channels_last: bool = False  # a convolutional network that gains from channels_last
     masking: bool = False  # deferred patch masking (model.masking): transformers over patches
+    pooled_text: bool = False  # reads a pooled text vector (``pooled=``): a second text encoder's, where there is one
 
     @property
     def model_class(self):
@@ -63,6 +64,10 @@ class DenoiserAdapter:
     def text_dim(self, config: dict) -> int:
         """The width of the text states the denoiser attends to."""
         raise NotImplementedError
+
+    def pooled_dim(self, config: dict) -> int | None:
+        """The width of the pooled text vector the denoiser reads (None: it reads none)."""
+        return None
 
     def enable_text_mask(self, module) -> None:
         """Make ``module`` read the ``text_mask`` its calls pass (nothing to do where diffusers' own forward

@@ -9,10 +9,14 @@ The time is the noise level σ = t / 1000 (the model multiplies it by 1000 itsel
 Guidance embedding off, as in Flux.1-schnell: sampling guides with true classifier-free guidance
 (``true_cfg_scale``, the negative prompt's prediction in a second call).
 
-Conditioning, as for the SD3 MMDiT (:mod:`diffusion.models.denoisers.sd3_transformer`): the text encoder's
-last hidden state as ``encoder_hidden_states`` (``joint_attention_dim``) and its mean over the tokens as the
-pooled vector (``pooled_projection_dim`` = the same width), so the MMDiT recipe's data trains it unchanged.
-Flux itself pools CLIP and reads T5's sequence: two text encoders, not wired yet. With a text mask
+Conditioning, as Flux.1 is: with a model reference in FluxPipeline's layout of two text encoders (CLIP in
+``text_encoder/``, T5 in ``text_encoder_2/``, as the tiny-flux kit has), T5's last hidden state as
+``encoder_hidden_states`` (``joint_attention_dim``) and CLIP's pooled vector as ``pooled_projections``
+(``pooled_projection_dim``): the converter stores it (``pooled_text_embeds``), training passes it (``pooled=``),
+and sampling calls FluxPipeline with both encoders, so an export is called with a prompt string. With one text
+encoder (the MMDiT recipe's data, the flux-schnell configs), as for the SD3 MMDiT
+(:mod:`diffusion.models.denoisers.sd3_transformer`): its sequence, and its mean over the tokens as the pooled
+vector (``pooled_projection_dim`` = the same width). With a text mask
 (``model.text_mask``) every attention reads the caption's tokens only (:func:`masked_attention_class`).
 Patch masking and token routing are not adapted (``masking`` off: refused naming the key).
 """
@@ -25,7 +29,8 @@ import functools
 import torch
 
 from diffusion.models.denoisers.base import DenoiserAdapter
-from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS as _SD3_SLOTS, pooled, prompt_conditioning
+from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS as _SD3_SLOTS, prompt_conditioning
+from diffusion.models.denoisers.sd3_transformer import pooled as mean_pooled
 
 # FluxPipeline's two text-encoder slots, left empty (ours goes beside them, as for SD3): load an export with
 # ``FluxPipeline.from_pretrained(DIR, **dict.fromkeys(EMPTY_SLOTS))``.
@@ -77,6 +82,7 @@ class FluxTransformerAdapter(DenoiserAdapter):
     blocks = frozenset({"FluxTransformerBlock", "FluxSingleTransformerBlock"})
     empty_slots = EMPTY_SLOTS
     cfg_argument = "true_cfg_scale"  # no guidance embedding: true classifier-free guidance
+    pooled_text = True  # CLIP's pooled vector where the model reference has Flux's two text encoders
 
     def latent_channels(self, config):
         return int(config["in_channels"]) // 4  # 2x2 patches packed into the channels
@@ -84,11 +90,14 @@ class FluxTransformerAdapter(DenoiserAdapter):
     def text_dim(self, config):
         return int(config["joint_attention_dim"])
 
+    def pooled_dim(self, config):
+        return int(config["pooled_projection_dim"])
+
     def enable_text_mask(self, module):
         module.set_attn_processor(masked_attention_class()())
 
     def __call__(self, module, noisy, timesteps, text, keep=None, mixer_blocks=0, route=None, route_span=None,
-                 text_mask=None):
+                 text_mask=None, pooled=None):
         if keep is not None or route is not None:
             raise ValueError("model.masking and model.routing are not adapted to the Flux transformer")
         height, width = noisy.shape[-2:]
@@ -96,7 +105,8 @@ class FluxTransformerAdapter(DenoiserAdapter):
         text = text.to(noisy.dtype)
         text_ids = torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype)
         masked = {"joint_attention_kwargs": {"attention_mask": text_mask}} if text_mask is not None else {}
-        out = module(hidden_states=tokens, encoder_hidden_states=text, pooled_projections=pooled(text, text_mask),
+        pooled = mean_pooled(text, text_mask) if pooled is None else pooled.to(noisy.dtype)
+        out = module(hidden_states=tokens, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=timesteps.to(noisy.dtype) / 1000, img_ids=image_ids, txt_ids=text_ids,
                      guidance=None, **masked).sample
         return unpack(out, height, width)
@@ -111,7 +121,11 @@ class FluxTransformerAdapter(DenoiserAdapter):
         return super().forward_flops(config, latent_size, text_dim, text_length)
 
     # ---- sampling ------------------------------------------------------------------------------------
-    def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler):
+    def pipeline(self, module, *, vae, text_encoder, tokenizer, scheduler, pooled_encoder=None):
+        if pooled_encoder is not None:  # Flux's two text encoders, in the pipeline's own slots: CLIP, then T5
+            clip, clip_tokenizer = pooled_encoder
+            return _pipeline_class()(transformer=module, scheduler=scheduler, vae=vae, text_encoder=clip,
+                                     tokenizer=clip_tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer)
         pipe = _pipeline_class()(transformer=module, scheduler=scheduler, vae=vae, **dict.fromkeys(EMPTY_SLOTS))
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are CLIP's and T5's
         return pipe
@@ -122,6 +136,8 @@ class FluxTransformerAdapter(DenoiserAdapter):
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
 
     def prompt_kwargs(self, pipe, prompts, negative_prompt, guidance_rescale, length=None, masked=False):
+        if getattr(pipe, "text_encoder_2", None) is not None:
+            return self._two_encoder_kwargs(pipe, prompts, negative_prompt, length, masked)
         text_encoder, tokenizer = pipe.conditioning
         embeds, pooled_embeds, mask = prompt_conditioning(text_encoder, tokenizer, prompts, length, masked)
         negative, negative_pooled, negative_mask = prompt_conditioning(
@@ -129,6 +145,22 @@ class FluxTransformerAdapter(DenoiserAdapter):
         kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds, "negative_prompt_embeds": negative,
                   "negative_pooled_prompt_embeds": negative_pooled}
         if masked:
+            kwargs["text_masks"] = (negative_mask, mask, negative)
+        return kwargs
+
+    def _two_encoder_kwargs(self, pipe, prompts, negative_prompt, length, masked):
+        """FluxPipeline's own prompt encoding (T5's sequence padded to ``length``, CLIP's pooled vector): what the
+        converter stored, and what a call of the exported pipeline with a prompt string computes."""
+        length = length or pipe.tokenizer_max_length
+        negatives = [negative_prompt or ""] * len(prompts)
+        embeds, pooled_embeds, _ = pipe.encode_prompt(prompts, None, max_sequence_length=length)
+        negative, negative_pooled, _ = pipe.encode_prompt(negatives, None, max_sequence_length=length)
+        kwargs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled_embeds, "negative_prompt_embeds": negative,
+                  "negative_pooled_prompt_embeds": negative_pooled, "max_sequence_length": length}
+        if masked:
+            from diffusion.models.text_encoder import attention_mask, tokenize
+            counts = [torch.from_numpy(tokenize(pipe.tokenizer_2, texts, length)[1]) for texts in (negatives, prompts)]
+            negative_mask, mask = (attention_mask(c, length).to(embeds.device) for c in counts)
             kwargs["text_masks"] = (negative_mask, mask, negative)
         return kwargs
 
