@@ -1,7 +1,7 @@
 """The knob table: the tiny MMDiT recipe against each single change, measured in one run.
 
     python bench/bench_knobs.py [--batches 1500] [--out out/bench-knobs]
-    python bench/bench_knobs.py --data digits          # the real-data digits bench (diffusion.kit.digits)
+    python bench/bench_knobs.py --data digits --batches 2000 --every 500   # the real-data digits bench
 
 Like PRX's single-knob ablations, at this repository's CPU scale. The baseline is
 yamls/tiny-mmdit-flow-cpu.yaml (SD3's transformer, rectified flow, AdamW 1e-3, EMA 0.99, batch 32,
@@ -24,7 +24,9 @@ categories); with ``--data digits`` it is bench_real's judged digit accuracy (te
 The held-out loss is MLPerf's metric as ``callbacks.loss_target`` logs it (``model.eval_bins: 8``, the
 mean of the eight fixed noise levels' losses, pinned noise) on a held-out set no run trains on: 256
 sample rows of another seed (the digits' test split with ``--data digits``). CPU-seconds are the
-training process's user + system time; sampling and scoring are not counted.
+training process's user + system time; sampling and scoring are not counted. With ``--every N`` each row
+also scores a checkpoint every N batches and reports the first batch, and its CPU-seconds (allotted by
+batch), at which adherence reached ``--target`` (the row's post-hoc EMA is scored at the end only).
 """
 
 from __future__ import annotations
@@ -122,14 +124,14 @@ def score(args, checkpoint: str, folder: str, judge) -> dict:
             "colour": scores["judge"].get("colors")}
 
 
-def train(name: str, kit: str, mds: str, folder: str, batches: int, extra: list[str]) -> float:
+def train(name: str, kit: str, mds: str, folder: str, batches: int, every: int, extra: list[str]) -> float:
     """Train one row into ``folder`` (its output in ``folder``.log); the run's CPU-seconds."""
     import resource
     import subprocess
     shutil.rmtree(folder, ignore_errors=True)  # snapshots of an earlier bench run would join the synthesis
     cmd = [sys.executable, "run.py", YAML, f"model.ref={kit}", f"data.train.path={mds}", f"trainer.save_folder={folder}",
-           f"trainer.max_duration={batches}ba", f"trainer.save_interval={batches}ba", "trainer.autoresume=false",
-           "callbacks.progress=null", *KNOBS[name], *extra]
+           f"trainer.max_duration={batches}ba", f"trainer.save_interval={every}ba", "trainer.autoresume=false",
+           "trainer.save_num_checkpoints_to_keep=-1", "callbacks.progress=null", *KNOBS[name], *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(folder + ".log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -143,7 +145,10 @@ def main(argv=None) -> dict:
     p.add_argument("--data", choices=("demo", "digits"), default="demo")
     p.add_argument("--out", default=None, help="default: out/bench-knobs (out/bench-knobs-digits)")
     p.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
+    p.add_argument("--every", type=int, default=None, help="also score a checkpoint every N batches (default: the end)")
+    p.add_argument("--target", type=float, default=0.8, help="with --every: the adherence to report batches to")
     args = p.parse_args(argv)
+    args.every = min(args.every or args.batches, args.batches)
     args.out = args.out or str(ROOT / "out" / ("bench-knobs-digits" if args.data == "digits" else "bench-knobs"))
     from diffusion.kit.build import ensure_kit
     from diffusion.posthoc_ema import write_checkpoint
@@ -163,9 +168,18 @@ def main(argv=None) -> dict:
         folder = os.path.join(args.out, name)
         extra = ([f"algorithms.posthoc_ema={{sigma_rels: [{', '.join(map(str, TRACKED))}], snapshot_every: {every}ba}}"]
                  if name == "baseline" else [])
-        cpu = train(name, kits[name], mds, folder, args.batches, extra)
+        cpu = train(name, kits[name], mds, folder, args.batches, args.every, extra)
         checkpoint = os.path.join(folder, "latest-rank0.pt")
-        rows[name] = {"cpu_seconds": cpu, "loss": loss(checkpoint, kits[name]), **score(args, checkpoint, folder, judge)}
+        rows[name] = {"cpu_seconds": cpu, "loss": loss(checkpoint, kits[name])}
+        points = []
+        for batch in range(args.every, args.batches + 1, args.every):  # the last one is latest-rank0.pt
+            at = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
+            points.append({"batch": batch, "cpu_seconds": cpu * batch / args.batches, **score(args, at, folder, judge)})
+            print(f"{name:>13} batch {batch:>5}: adherence {points[-1]['adherence']:.0%}", flush=True)
+        rows[name].update({k: v for k, v in points[-1].items() if k not in ("batch", "cpu_seconds")})
+        if len(points) > 1:
+            rows[name]["points"] = points
+            rows[name]["to_target"] = next((pt for pt in points if pt["adherence"] >= args.target), None)
         print(f"{name:>13}: {cpu:,.0f} CPU-s, held-out loss {rows[name]['loss']:.4f}, adherence "
               f"{rows[name]['adherence']:.0%}", flush=True)
         if name == "baseline":
@@ -184,12 +198,17 @@ def main(argv=None) -> dict:
           + ("judged digit accuracy (80 images, chance 10%)" if args.data == "digits"
              else "colour score of 96 images (chance 17%); single/colour: the scene judge's categories"))
     extra_cols = "" if args.data == "digits" else f" {'single':>7} {'colour':>7}"
+    curves = any("points" in row for row in rows.values())
+    extra_cols += f" {'to ' + format(args.target, '.0%') + ': batch':>16} {'CPU-s':>6}" if curves else ""
     print(f"{'knob':>28} {'CPU-s':>7} {'held-out loss':>14} {'adherence':>10}{extra_cols}")
     base = rows.get("baseline")
     for name, row in rows.items():
         label = name + (f" (sigma_rel {row['sigma_rel']})" if "sigma_rel" in row else "")
         delta = f" ({row['loss'] - base['loss']:+.4f})" if base and name != "baseline" else ""
         cols = "" if args.data == "digits" else f" {row['single']:>7.0%} {row['colour']:>7.0%}"
+        hit = row.get("to_target")
+        cols += ("" if not curves else f" {hit['batch']:>16} {hit['cpu_seconds']:>6,.0f}" if hit
+                 else f" {'never' if 'points' in row else '-':>16} {'':>6}")
         print(f"{label:>28} {row['cpu_seconds']:>7,.0f} {row['loss']:>7.4f}{delta:>10} {row['adherence']:>7.0%}{cols}")
     if sweep:
         print("posthoc-ema sweep (held-out loss by sigma_rel): "
