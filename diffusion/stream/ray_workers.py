@@ -320,6 +320,19 @@ def _init_ray_with_progress():
     return ray
 
 
+def stream_to_batch(cfg: Config, info, empty_text_embeds) -> ToModelBatch:
+    """How a worker turns the stream's columns into the model's batch: offline's :class:`ToModelBatch` with the
+    stream's description (``info``, ``empty_text_embeds``: :func:`~diffusion.stream.stream_source.stream_info`)."""
+    from diffusion.train.trainer import noise_draws
+    ids = info.text == schema.TEXT_IDS_ONLY  # the workers encode the stream's token ids (model.text=ids)
+    return ToModelBatch(cfg.model.resolution, info.empty_input_ids if ids else empty_text_embeds,
+                        CaptionDropout(cfg.data.train.caption_dropout, cfg.trainer.seed), noise_draws(cfg),
+                        text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS,
+                        empty_tokens=info.empty_text_tokens,  # the stream's rows carry token counts
+                        latent_space=info.latent_space,
+                        empty_pooled=None if ids else info.empty_pooled())  # Flux's CLIP beside T5
+
+
 def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
     """Train from raw data on the current Ray cluster (a local one if none); ``extra_callbacks`` go
     to every worker's trainer (tests pass a fault injector)."""
@@ -338,17 +351,10 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
              "%d train worker(s) x %.2f CPU, %.2f GPU", pools.num_transformers, pools.cpus_per_transformer,
              pools.num_encoders, pools.cpus_per_encoder, pools.gpus_per_encoder, pools.encoder_batch,
              o.num_train_workers, o.train_cpus, o.train_gpus)
-    from diffusion.train.trainer import noise_draws
     info, empty_text_embeds = stream_info(cfg)
-    ids = info.text == schema.TEXT_IDS_ONLY  # the workers encode the stream's token ids (model.text=ids)
     plan = WorkerPlan(
         make_trainer=OnlineTrainer(cfg, info, empty_text_embeds),
-        to_batch=ToModelBatch(cfg.model.resolution, info.empty_input_ids if ids else empty_text_embeds,
-                              CaptionDropout(cfg.data.train.caption_dropout, t.seed), noise_draws(cfg),
-                              text_column=schema.INPUT_IDS if ids else schema.TEXT_EMBEDS,
-                              empty_tokens=info.empty_text_tokens,  # the stream's rows carry token counts
-                              latent_space=info.latent_space,
-                              empty_pooled=None if ids else info.empty_pooled()),  # Flux's CLIP beside T5
+        to_batch=stream_to_batch(cfg, info, empty_text_embeds),
         batch_size=cfg.data.train.batch_size // o.num_train_workers,
         callbacks=list(extra_callbacks))
     result = fit_on_ray(build_stream(cfg, pools, work_dir), plan, placement(cfg),
