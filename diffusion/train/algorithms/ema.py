@@ -140,17 +140,53 @@ def drop_gathered_parameters(model: torch.nn.Module) -> None:
 
 
 def _phase_ema(path: str) -> dict:
-    """The EMA state of the checkpoint ``path`` (an earlier phase), read weights-only."""
+    """The EMA state of the checkpoint ``path`` (an earlier phase: a local file or a URI such as
+    ``s3://bucket/run/latest-rank0.pt``), read weights-only."""
     from diffusion.errors import ConfigError
     from diffusion.models import safe_checkpoint
-    if not os.path.isfile(os.path.expanduser(path)):
-        raise ConfigError(f"algorithms.ema.init_from={path}: no such checkpoint (the earlier phase's, e.g. "
-                          f"CKPT_FOLDER/latest-rank0.pt)")
-    state = safe_checkpoint.load(path)["state"]
+    with _local_copy(path) as local:
+        state = safe_checkpoint.load(local)["state"]
     for name, algorithm_state in state.get("algorithms") or []:
         if name == "EMA" and isinstance(algorithm_state, dict) and algorithm_state.get("ema_params"):
             return algorithm_state
     raise ConfigError(f"algorithms.ema.init_from={path}: the checkpoint holds no EMA to continue from")
+
+
+@contextlib.contextmanager
+def _local_copy(path: str):
+    """``path`` as a local file: itself, or a remote checkpoint downloaded through :mod:`diffusion.storage`
+    (the endpoint every stage uses) into a temporary folder. Composer's ``latest-rank0.pt`` on an object
+    store is the object ``latest-rank0.pt.symlink`` holding the real key: it is followed, as load_path does."""
+    import shutil
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    from diffusion.errors import ConfigError
+    from diffusion.storage import filesystem_for
+    missing = ConfigError(f"algorithms.ema.init_from={path}: no such checkpoint (the earlier phase's, e.g. "
+                          f"CKPT_FOLDER/latest-rank0.pt)")
+    if "://" not in path:
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise missing
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="ema-init-") as folder:
+        try:
+            fs, inside = filesystem_for(path)
+            if fs.get_file_info(inside).type != pafs.FileType.File:
+                pointer = inside + ".symlink"
+                if fs.get_file_info(pointer).type != pafs.FileType.File:
+                    raise missing
+                with fs.open_input_stream(pointer) as f:  # the key within the bucket
+                    inside = inside.split("/", 1)[0] + "/" + f.read().decode().strip().lstrip("/")
+            local = os.path.join(folder, os.path.basename(inside))
+            with fs.open_input_stream(inside) as source, open(local, "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 24)
+        except OSError as e:  # unreachable endpoint, no credentials, a pointer to a deleted object ...
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"algorithms.ema.init_from={path}: could not be read ({first})") from None
+        yield local
 
 
 class EMA(Algorithm):

@@ -306,3 +306,44 @@ def test_init_from_continues_the_earlier_phases_count_unless_restarted(tmp_path)
     assert_close(warm.state_dict()["ema_params"], reference_ema(rec.after_batch, 0.9, initial=earlier["ema_params"]))
     with pytest.raises(ValueError, match="give algorithms.ema.init_from"):
         EMA(restart=True)
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """A bucket on moto's S3 server (127.0.0.1), the endpoint where diffusion.storage looks."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                            "AWS_ENDPOINT_URL": endpoint}.items():
+            env.setenv(name, value)
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="phases")
+        yield client, "phases"
+    server.stop()
+
+
+def test_init_from_reads_an_earlier_phase_on_s3_through_latest(tmp_path, s3_bucket):
+    """The micro-budget YAMLs continue the EMA of s3://.../latest-rank0.pt: Composer's remote latest is the
+    object latest-rank0.pt.symlink holding the checkpoint's key (as tests/train/callbacks/
+    test_checkpoint_pruning.py sees it write)."""
+    client, bucket = s3_bucket
+    path, earlier = _earlier_phase(tmp_path)
+    client.upload_file(path, bucket, "masked/ep0-ba3-rank0.pt")
+    client.put_object(Bucket=bucket, Key="masked/latest-rank0.pt.symlink", Body=b"masked/ep0-ba3-rank0.pt")
+    for uri in (f"s3://{bucket}/masked/ep0-ba3-rank0.pt", f"s3://{bucket}/masked/latest-rank0.pt"):
+        went_on = EMA(smoothing=0.9, init_from=uri)
+        _, rec = fit(went_on, duration="1ba")
+        assert went_on.num_updates == 4  # the earlier phase's 3 updates went on
+        decay = 5 / 14
+        expected = {k: decay * earlier["ema_params"][k] + (1 - decay) * w for k, w in rec.after_batch[0].items()}
+        assert_close(went_on.state_dict()["ema_params"], expected)
+    missing = f"s3://{bucket}/unmasked/latest-rank0.pt"
+    with pytest.raises(ConfigError) as refused:
+        fit(EMA(init_from=missing), duration="1ba")
+    assert str(refused.value).startswith(f"algorithms.ema.init_from={missing}: no such checkpoint")
+    assert "\n" not in str(refused.value)
