@@ -135,6 +135,9 @@ def configure_process() -> None:
         from diffusion.errors import ConfigError
         raise ConfigError(f"{ENV}={given!r} is not a number of CPUs; set a whole number of at least 1, "
                           f"or off to leave thread pools at their libraries' defaults")
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):  # set but empty (``VAR= cmd``) means unset:
+        if name in os.environ and not os.environ[name].strip():  # libgomp warns on stderr otherwise
+            del os.environ[name]
     if enabled():
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -103,6 +103,11 @@ def test_the_users_own_settings_win():
     assert result.stdout.split()[:2] == ["ACTIVE", "2"], result.stderr
 
 
+def test_an_empty_setting_counts_as_unset_and_adds_nothing_to_stderr():
+    result = _command(PROBE, {cpus.ENV: "1", "OMP_NUM_THREADS": "", "OMP_WAIT_POLICY": " "})
+    assert result.stdout.split() == ["PASSIVE", "1", "1"] and result.stderr == "", result.stderr
+
+
 def test_off_keeps_the_libraries_defaults():
     result = _command(PROBE, {cpus.ENV: "off"})
     assert result.stdout.split()[:2] == ["None", str(len(os.sched_getaffinity(0)))], result.stderr
