@@ -394,17 +394,28 @@ def text_mask_of(model_cfg, info: schema.DatasetInfo) -> bool:
     return loading.text_encoder_takes_mask(info.text_encoder_type or loading.CLIP_TEXT)
 
 
+def reads_two_text_encoders(model_cfg, ref: str, adapter=None) -> bool:
+    """Whether the denoiser (``adapter``; None: the one ``model.denoiser`` resolves to) reads the pooled vector of
+    ``ref``'s second text encoder (Flux's layout); ``model.text=ids`` is then refused in one line: the step would
+    encode one encoder's ids only."""
+    adapter = adapter or denoisers.adapter(denoisers.resolve_class(ref, model_cfg.denoiser))
+    if not adapter.pooled_text or loading.pooled_text_slots(ref) is None:
+        return False
+    if model_cfg.text == "ids":
+        raise ConfigError(f"model.text=ids: model.ref {ref} has two text encoders (Flux's layout: T5's sequence and "
+                          f"CLIP's pooled vector), and the step encodes one text encoder's ids only: set "
+                          f"model.text=embeds (the converter stores both encoders' outputs)")
+    return True
+
+
 def pooled_text_of(model_cfg, ref: str, denoiser: torch.nn.Module, info: schema.DatasetInfo) -> bool:
     """Whether the denoiser's pooled vector is the data's ``pooled_text_embeds``: a denoiser that reads one (Flux)
     of a model reference with two text encoders (Flux's layout), on data converted with them; refused in one
     line where the data or ``model.text`` cannot give it."""
     adapter = denoisers.adapter_for(denoiser)
-    if not adapter.pooled_text or loading.pooled_text_slots(ref) is None:
+    if not reads_two_text_encoders(model_cfg, ref, adapter):
         return False
     two = f"model.ref {ref} has two text encoders (Flux's layout: T5's sequence and CLIP's pooled vector)"
-    if model_cfg.text == "ids":
-        raise ConfigError(f"model.text=ids: {two}, and the step encodes one text encoder's ids only: set "
-                          f"model.text=embeds (the converter stores both encoders' outputs)")
     if info.pooled_text_dim is None:
         raise ConfigError(f"{two}, but the data stores no {schema.POOLED_TEXT_EMBEDS} (dataset.json has no "
                           f"pooled_text_dim: converted with one text encoder, or before the kit had two): convert "

@@ -258,6 +258,9 @@ def check_online(cfg: Config) -> None:
                           f"{o.text_length}")
     if o.text_length > schema.MAX_TOKENS:  # longer than CLIP's context: the text encoder must read that far
         check_text_length(cfg.model.ref, o.text_length, name="data.online.text_length")
+    if cfg.model.text == "ids":  # Flux's two text encoders: refused here, not in a worker
+        from diffusion.models.latent_diffusion import reads_two_text_encoders
+        reads_two_text_encoders(cfg.model, cfg.model.ref)
 
 
 def _absolute(path: str | None, must_exist: bool = False) -> str | None:

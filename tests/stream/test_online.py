@@ -102,6 +102,13 @@ def test_a_t5_text_length_past_what_its_tokenizer_reads_is_refused_naming_the_ke
         check_online(cfg)
 
 
+def test_token_ids_with_fluxs_two_text_encoders_are_refused_naming_the_key(tiny_flux_kit):
+    cfg = load_config(TINY, [f"model.ref={tiny_flux_kit}", "data.online.input=x", "model.text=ids"])
+    with pytest.raises(ConfigError, match=r"^model.text=ids: .* two text encoders") as error:
+        check_online(cfg)
+    assert "\n" not in str(error.value)
+
+
 def test_batches_follow_the_contract_and_drop_captions_to_the_empty_embedding():
     n, d = 400, 8
     empty = np.full((schema.MAX_TOKENS, d), -1.0, np.float16)
