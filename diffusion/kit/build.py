@@ -28,7 +28,8 @@
 - ``tiny-sana``: SANA's linear-attention DiT (``SanaTransformer2DModel``) at toy widths over the tiny DC-AE, fitted
   likewise (``diffusion/kit/assets/tiny-dcae``), the tiny CLIP text encoder and a flow-matching scheduler.
 - ``flux-schnell``: configs only (as ``mmdit-base``): Flux.1-schnell's transformer (11.9B), its 16-channel VAE and
-  T5-XXL's text encoder, with a flow-matching scheduler: MLPerf Training's Flux benchmark (yamls/mlperf-flux/).
+  its two text encoders in FluxPipeline's layout (CLIP-L, T5-XXL), with a flow-matching scheduler: MLPerf
+  Training's Flux benchmark (yamls/mlperf-flux/).
 - ``tiny-clip``: a tiny random ``CLIPModel`` (text + vision, 64 px) with tokenizer and image processor,
   for CLIP-score / FID tests.
 - ``tiny-captioner``: a tiny random image-to-text model (BLIP's ``BlipForConditionalGeneration``, 64 px)
@@ -67,7 +68,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 4  # bump when a preset's contents change: older kits are then rebuilt
 # A preset whose contents changed alone: its own version, so only it is rebuilt (tiny-flux 5: two text encoders)
-PRESET_VERSIONS = {"tiny-flux": 5}
+PRESET_VERSIONS = {"tiny-flux": 5, "flux-schnell": 5}
 
 
 def kit_version(preset: str) -> int:
@@ -290,9 +291,9 @@ SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, atten
                   caption_channels=2304, mlp_ratio=2.5, sample_size=32, patch_size=1)
 SANA_TEXT_TOKENS = 300
 # The MLPerf Flux recipe's kit (yamls/mlperf-flux/), configs only: Flux.1-schnell's transformer, its 16-channel VAE
-# (black-forest-labs/FLUX.1-schnell, vae/config.json: scale 0.3611, shift 0.1159) and T5-XXL v1.1 as the text encoder
-# (google/t5-v1_1-xxl, 4096 wide). One text encoder conditions the model here, so the pooled vector is T5's mean
-# (4096 wide) where Flux pools CLIP's 768: one linear layer of 12.6M in 11.9B.
+# (black-forest-labs/FLUX.1-schnell, vae/config.json: scale 0.3611, shift 0.1159) and its two text encoders: CLIP-L's
+# text model (openai/clip-vit-large-patch14, 768 wide: the pooled vector) and T5-XXL v1.1 (google/t5-v1_1-xxl, 4096
+# wide: the sequence).
 FLUX_VAE = dict(sample_size=1024, in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
                 block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
                 up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
@@ -300,7 +301,8 @@ FLUX_VAE = dict(sample_size=1024, in_channels=3, out_channels=3, latent_channels
 T5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu",
               vocab_size=32128, relative_attention_num_buckets=32, tie_word_embeddings=False, pad_token_id=0,
               eos_token_id=1, decoder_start_token_id=0)
-FLUX_SCHNELL_KIT = dict(FLUX_SCHNELL, pooled_projection_dim=T5_XXL["d_model"])
+CLIP_L_TEXT = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                   hidden_act="quick_gelu", vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_LENGTH, projection_dim=768)
 
 
 def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
@@ -400,21 +402,24 @@ def build_mmdit_base(out: pathlib.Path) -> dict:
 
 
 def build_flux_schnell(out: pathlib.Path) -> dict:
-    """Configs only (as mmdit-base): Flux.1-schnell's transformer, its VAE and T5-XXL's text encoder config, a flow
-    scheduler. The VAE's and T5's weights and T5's tokenizer come from the hub when converting (yamls/mlperf-flux/)."""
+    """Configs only (as mmdit-base): Flux.1-schnell's transformer, its VAE, its two text encoders' configs in
+    FluxPipeline's layout (CLIP-L in ``text_encoder/`` with the CLIP tokenizer, T5-XXL in ``text_encoder_2/``), a flow
+    scheduler. The weights and T5's tokenizer come from the hub when converting (yamls/mlperf-flux/)."""
     import diffusers
     from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import T5Config
+    from transformers import CLIPTextConfig, T5Config
     with torch.device("meta"):
-        FluxTransformer2DModel(**FLUX_SCHNELL_KIT).save_config(out / "transformer")
+        FluxTransformer2DModel(**FLUX_SCHNELL).save_config(out / "transformer")
         AutoencoderKL(**FLUX_VAE).save_config(out / "vae")
-    config = T5Config(**T5_XXL)
-    config.architectures = ["T5EncoderModel"]
-    config.save_pretrained(out / "text_encoder")
+    for config, folder, architecture in ((CLIPTextConfig(**CLIP_L_TEXT), "text_encoder", "CLIPTextModel"),
+                                         (T5Config(**T5_XXL), "text_encoder_2", "T5EncoderModel")):
+        config.architectures = [architecture]
+        config.save_pretrained(out / folder)
+    write_clip_tokenizer(out / "tokenizer")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER).save_config(out / "scheduler")
     index = _mmdit_index()
     index.update(_class_name="FluxPipeline", transformer=["diffusers", "FluxTransformer2DModel"],
-                 text_encoder=["transformers", "T5EncoderModel"], tokenizer=["transformers", "T5TokenizerFast"])
+                 text_encoder_2=["transformers", "T5EncoderModel"], tokenizer_2=["transformers", "T5TokenizerFast"])
     _write_json(out / "model_index.json", index)
     return {}
 

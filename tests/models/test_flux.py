@@ -150,3 +150,14 @@ def test_data_without_the_pooled_column_or_token_ids_are_refused_in_one_line(tin
     with pytest.raises(ConfigError) as error:
         build_trainer(_cfg(tiny_flux_kit, mds, "model.text=ids"))
     assert str(error.value).startswith("model.text=ids:") and "\n" not in str(error.value)
+
+
+def test_the_flux_schnell_kit_holds_fluxs_two_text_encoders(tmp_path):
+    """MLPerf's Flux kit (configs only) in FluxPipeline's layout: CLIP-L's 768-wide pooled vector is what its
+    transformer's pooled projection reads, T5-XXL's 4096-wide sequence what its joint attention reads."""
+    from diffusion.kit.build import build_kit
+    kit = str(build_kit("flux-schnell", tmp_path / "kit"))
+    config = denoisers.adapter("FluxTransformer2DModel").load_config(kit)
+    assert loading.pooled_text_slots(kit) == ("text_encoder", "tokenizer")
+    assert loading.pooled_text_width(kit) == config["pooled_projection_dim"] == 768
+    assert loading.text_encoder_width(loading.load_text_encoder_config(kit)) == config["joint_attention_dim"] == 4096

@@ -187,6 +187,8 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
         sample = torch.empty(1, adapter.latent_channels(config), height, width)
         text = torch.empty(1, text_length, text_dim)
         timestep = torch.zeros(1)
+        pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
+        pooled = {"pooled": torch.empty(1, pooled_dim)} if pooled_dim else {}  # a second encoder's, as trained
     from diffusion.models.masking import PatchMask
     keep, routing = None, {}
     if mask_ratio:
@@ -197,5 +199,5 @@ def _forward_flops(adapter: DenoiserAdapter, config_json: str, latent_size: int,
         routing = {"route": torch.zeros(1, route.kept((config["in_channels"], height, width)), dtype=torch.long),
                    "route_span": route_span}
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks, **routing)
+        adapter(module, sample, timestep, text, keep=keep, mixer_blocks=mixer_blocks, **routing, **pooled)
     return counter.get_total_flops()
