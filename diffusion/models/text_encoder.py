@@ -123,7 +123,8 @@ class FrozenTextEncoder:
         self.model = model.eval().requires_grad_(False)
         self.ref = ref
         self.dim = int(model.config.hidden_size)
-        self.takes_mask = loading.text_encoder_takes_mask(model.config.model_type)
+        # as the converter reads it: T5 with its mask, except in Flux's layout (loading.sequence_reads_mask)
+        self.takes_mask = loading.sequence_reads_mask(ref, model.config.model_type)
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
