@@ -18,7 +18,7 @@ def flux_checkpoint(tiny_flux_kit, tmp_path_factory):
                                  "model.prediction_type=null", "model.flow.shift=2.0", batches=2, latent_space=space)
 
 
-def test_flux_export_loads_as_flux_pipeline_and_draws_what_generate_draws(flux_checkpoint, tmp_path):
+def test_flux_export_loads_as_flux_pipeline_and_draws_what_generate_draws(flux_checkpoint, tmp_path, capsys):
     from diffusers import DiffusionPipeline, FluxPipeline
     trained = sampling.load_trained(flux_checkpoint)
     assert type(trained.denoiser).__name__ == "FluxTransformer2DModel" and trained.description.objective == "flow"
@@ -28,6 +28,8 @@ def test_flux_export_loads_as_flux_pipeline_and_draws_what_generate_draws(flux_c
     assert ours.size == (64, 64) and np.abs(pixels(batched[0]) - pixels(ours)).max() <= 1
     out = str(tmp_path / "pipe")
     export.main(["--checkpoint", flux_checkpoint, "--out", out])
+    said = capsys.readouterr().out  # how to call it: a prompt string, as trained
+    assert "=None" not in said and 'negative_prompt=""' in said and "max_sequence_length=77" in said
     pipe = DiffusionPipeline.from_pretrained(out)  # every slot filled: CLIP and T5, each with its tokenizer
     assert isinstance(pipe, FluxPipeline) and pipe.scheduler.config.shift == 2.0
     assert type(pipe.text_encoder).__name__ == "CLIPTextModel" and type(pipe.text_encoder_2).__name__ == "T5EncoderModel"
