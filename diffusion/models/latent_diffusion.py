@@ -212,7 +212,7 @@ class LatentDiffusion(ComposerModel):
                                       mixer_blocks=self.mixer_blocks, **routing, **masked)
         outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
         if align:
-            outputs["repa"] = self.repa.loss(aligned["tokens"], latents, keep if keep is not None else route)
+            outputs["repa"] = self.repa(aligned["tokens"], latents, keep if keep is not None else route)
         if keep is not None:  # the loss is taken over the kept patches only
             outputs["loss_mask"] = self.adapter.loss_mask(self.denoiser, keep.to(latents.device), latents.shape)
         return outputs

@@ -166,10 +166,11 @@ class Repa(torch.nn.Module):
                                      antialias=True)
         return features.flatten(2).transpose(1, 2)
 
-    def loss(self, tokens: torch.Tensor, latents: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, latents: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
         """(B,): the alignment of the captured ``tokens`` (B, K, width) with the features of the tokens the
         block computed: all of them, or the patches ``kept`` lists (masking's keep, routing's route) when
-        the block saw only those."""
+        the block saw only those. Called as the module (``repa(tokens, latents, kept)``): under FSDP1
+        Composer wraps each child of the model as its own unit, and only its forward gathers the projector."""
         features = self.target(latents)
         if tokens.shape[1] != features.shape[1]:
             if kept is None or kept.shape[1] != tokens.shape[1]:
@@ -253,7 +254,9 @@ def state_dict_hooks(model) -> None:
 
 class RepaSwitch(Algorithm):
     """Turns the alignment off from batch ``model.repa.until`` on: set before every batch from the trainer's
-    batch count (restored on resume, so a resumed run switches at the same batch)."""
+    batch count (restored on resume, so a resumed run switches at the same batch). Once off, the projector
+    is not called, gets no gradient, and the optimizer leaves it (under FSDP1 too: it is its own unit,
+    which no forward gathers any more)."""
 
     def __init__(self, repa: Repa):
         self.repa = repa

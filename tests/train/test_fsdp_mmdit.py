@@ -73,3 +73,50 @@ def test_two_ranks_fsdp_train_the_mmdit_as_one_process_with_ema(mmdit_train_kit,
         assert set(ema) == set(final)
         moved = [k for k in ema if not torch.allclose(ema[k], one[k])]
         assert moved  # the EMA lags the weights: it is its own average, checkpointed whole
+
+
+# Composer's FSDP1 wraps each child of the model as its own unit: REPA's projector is one beside the denoiser
+HARNESS_EVERY_UNIT = HARNESS.replace("summon_full_params(model.denoiser)", "summon_full_params(model)")
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp_with_ema_and_repa_train_as_one_process_and_resume_exactly_through_the_switch_off(
+        mmdit_train_kit, tmp_path):
+    """``model.repa`` under FSDP1 with EMA on 2 ranks of 2 microbatches each: the weights, the projector and
+    the EMA of one process training the same 3 global batches whole (rank and microbatch invariance); the
+    alignment switches off from batch 2. The same run stopped after batch 1 and resumed from its checkpoint
+    (Composer's load_path, the switch-off batch crossed after the resume) ends with the same weights and EMA."""
+    import shutil
+    from diffusion.kit.encoder_fit import TINY_ENCODER_ASSET
+    from diffusion.kit.vae_fit import TINY_VAE_ASSET
+    kit = str(tmp_path / "kit")  # REPA decodes the latents with the data's VAE: the kit's fitted one
+    shutil.copytree(mmdit_train_kit, kit)
+    shutil.rmtree(os.path.join(kit, "vae"), ignore_errors=True)
+    shutil.copytree(TINY_VAE_ASSET, os.path.join(kit, "vae"))
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=kit, n=32)
+    common = tiny_overrides(kit, mds, batches=3, batch_size=8, extra=(
+        "model.prediction_type=null", "model.objective=flow", "data.train.shuffle=false", "optimizer.eps=1.0",
+        "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms.ema.smoothing=0.9",
+        "algorithms.ema.warmup=false", f"model.repa.encoder={TINY_ENCODER_ASSET}", "model.repa.block=2",
+        "model.repa.until=2", "model.repa.projector_dim=16"))
+    fsdp = ["trainer.fsdp={sharding_strategy: FULL_SHARD}", "trainer.device_train_microbatch_size=2"]
+    saved = tmp_path / "stopped"
+    variants = [{"name": "straight", "overrides": fsdp},
+                {"name": "stopped", "overrides": [*fsdp, "trainer.max_duration=1ba", f"trainer.save_folder={saved}",
+                                                  "trainer.save_interval=1ba"]},
+                {"name": "resumed", "overrides": [*fsdp, f"trainer.load_path={saved}/ep0-ba1-rank0.pt"]}]
+    result = launch_composer(tmp_path / "harness.py", HARNESS_EVERY_UNIT, [YAML, *common], port=29548,
+                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    one = fit_in_process(load_config(YAML, common))[0]  # one process, whole batches of 8
+    straight = torch.load(tmp_path / "straight-rank0.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed-rank0.pt", weights_only=False)
+    projector = [k for k in straight["final"] if k.startswith("repa.projector.")]
+    assert projector and set(straight["ema"]) == set(straight["final"])  # the EMA averages the projector too
+    for key, tensor in straight["final"].items():
+        torch.testing.assert_close(tensor, one[key], rtol=1e-5, atol=1e-6, msg=key)
+    for what in ("final", "ema"):
+        assert set(resumed[what]) == set(straight[what])
+        for key, tensor in resumed[what].items():
+            torch.testing.assert_close(tensor, straight[what][key], rtol=0, atol=0, msg=f"{what} {key}")
