@@ -32,7 +32,7 @@ test-transformers5: $(STAMP)
 	PYTHONPATH=$(TF5) $(PY) -m pytest tests/convert/test_long_captions.py tests/convert/test_encoders.py \
 		tests/convert/test_recaption.py tests/kit tests/models tests/sample tests/train/test_text_ids.py
 
-# make demo RECIPE=mmdit-flow trains the other recipe; BATCHES=1000 a shorter run (slow machines)
+# make demo RECIPE=unet trains the other recipe (the SD2 UNet); BATCHES=1000 a shorter run (slow machines)
 demo: $(STAMP)
 	$(PY) -m diffusion.demo --out $(DEMO) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(BATCHES),--batches $(BATCHES))
 

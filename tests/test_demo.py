@@ -35,11 +35,13 @@ def test_adherence_is_perfect_on_real_scenes_and_near_chance_when_prompts_are_sh
 
 
 # The demo is reproducible: the same rows make the same MDS parts (--deterministic, parts named by their
-# keys) and trainer.seed fixes the UNet's init, so this test sees the same score on every run here.
+# keys) and trainer.seed fixes the model's init, so this test sees the same score on every run here.
 @pytest.mark.slow
-def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_path):
+def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, tmp_path):
     out = tmp_path / "demo"
-    summary = run_demo(str(out), n=1024, kit=tiny_kit)
+    summary = run_demo(str(out), n=1024, kit=tiny_mmdit_kit)
+    # `make demo` trains its default recipe, the flow MMDiT, for the recipe's 2,000 batches
+    assert summary["recipe"] == "mmdit-flow" and "-ba2000-" in os.path.basename(summary["checkpoint"])
     manifest = json.loads((out / "raw" / "manifest.json").read_text())
     # every row is written or rejected once, by reason: the metadata filter's rules, duplicates, bad rows
     assert summary["samples"] + sum(summary["rejects"].values()) == manifest["rows"]
@@ -56,7 +58,7 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_kit, tmp_pa
     assert summary["judge"]["colors"] <= summary["judge"]["single_object"]
     # `make demo` a second time in the same folder: every step finds its output done (training reports
     # the finished run instead of failing) and the same checkpoint draws the same grid.
-    again = run_demo(str(out), n=1024, kit=tiny_kit)
+    again = run_demo(str(out), n=1024, kit=tiny_mmdit_kit)
     assert again["checkpoint"] == summary["checkpoint"]
     assert again["prompt_adherence"] == summary["prompt_adherence"]
 
@@ -66,7 +68,7 @@ def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_rat
     """`python -m diffusion.demo --buckets`: the sample's scenes of every shape land in the three preset
     buckets, the model trains on them and draws the prompts at 48x80 and 80x48 as well as square."""
     from diffusion.sample.grid import read_grid
-    summary = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_kit, buckets=True)
+    summary = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_kit, buckets=True, recipe="unet")
     counts = {b["name"]: b["count"] for b in summary["buckets"]}
     assert sorted(counts) == ["bucket-48x80", "bucket-64x64", "bucket-80x48"] and all(c > 30 for c in counts.values()), counts
     assert sum(counts.values()) == summary["samples"]
@@ -74,8 +76,8 @@ def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_rat
         images, prompts = read_grid(summary["grids"][name])
         assert len(images) == len(PROMPTS) * 16 and images[0].size == (width, height), name
         assert 0.0 <= summary["prompt_adherence_by_grid"][name] <= 1.0
-    # `make demo RECIPE=mmdit-flow` on the same data: the flow MMDiT trains into its own checkpoint folder
-    # and draws its own grids; the UNet's checkpoint and grids are left as they were
+    # `make demo` (the flow MMDiT) on the same data after `make demo RECIPE=unet`: it trains into its own
+    # checkpoint folder and draws its own grids; the UNet's checkpoint and grids are left as they were
     unet_checkpoint = summary["checkpoint"]
     before = {path: os.path.getmtime(path) for path in (unet_checkpoint, *summary["grids"].values())}
     flow = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_mmdit_kit, buckets=True,
