@@ -194,3 +194,21 @@ def fit_in_process(cfg, callbacks=()):
     weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items() if k != "_extra_state"}
     close_trainer(trainer)
     return weights, record.batches
+
+
+def explain_training_step(model, batch):
+    """torch._dynamo's account of compiling ``model``'s training step (forward and loss) on ``batch``: its
+    ``graph_count``, ``graph_break_count`` and ``break_reasons``. A step that compiles whole has one graph."""
+    import torch._dynamo
+    model.train()
+    torch._dynamo.reset()
+    return torch._dynamo.explain(lambda b: model.loss(model(b), b))(batch)
+
+
+def explain_config_step(cfg):
+    """:func:`explain_training_step` for the model ``cfg`` builds, on the first batch its loader gives."""
+    from diffusion.loader import dataset_info, mds_source
+    from diffusion.models.latent_diffusion import build_model
+    model = build_model(cfg.model, dataset_info.read_loader_info(cfg.data.train, cfg.model.resolution))
+    loader = mds_source.build_dataloader(cfg.data.train, resolution=cfg.model.resolution, text_dim=model.text_dim)
+    return explain_training_step(model, next(iter(loader)))

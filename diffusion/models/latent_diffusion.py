@@ -18,7 +18,6 @@ encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), comp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
@@ -207,9 +206,12 @@ class LatentDiffusion(ComposerModel):
             masked["pooled"] = pooled
         aligned = {}  # REPA: the aligned block's image tokens, while it is on (training only)
         align = self.repa is not None and self.repa.active and self.training
-        with self.repa.capture(self.denoiser, aligned) if align else contextlib.nullcontext():
-            prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
-                                      mixer_blocks=self.mixer_blocks, **routing, **masked)
+        if align:
+            self.repa.capture(aligned)
+        prediction = self.adapter(self.denoiser, noisy, timesteps, text_embeds, keep=keep,
+                                  mixer_blocks=self.mixer_blocks, **routing, **masked)
+        if align:
+            self.repa.capture(None)
         outputs = {"prediction": prediction, "target": target, "levels": levels, "noise": noise, "latents": latents}
         if align:
             outputs["repa"] = self.repa(aligned["tokens"], latents, keep if keep is not None else route)

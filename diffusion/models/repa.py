@@ -22,7 +22,6 @@ checkpoints and FSDP's wrapping; each rank holds a whole copy.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -136,22 +135,23 @@ class Repa(torch.nn.Module):
         # plain attributes, not children: kept out of state_dict, parameters(), EMA and FSDP
         self.__dict__["encoder"], self.__dict__["decoder"] = encoder, decoder
         self.active = until is None or until > 0
+        self.__dict__["_slot"] = {}  # where the block's hook writes while :meth:`capture` says so
+        blocks(denoiser)[self.block - 1].register_forward_hook(self._keep)
 
     def switch(self, batch: int) -> None:
         """On before batch ``until``, off from it (``batch``: the batches trained so far)."""
         self.active = self.until is None or int(batch) < self.until
 
-    @contextlib.contextmanager
-    def capture(self, denoiser, into: dict):
-        """While the denoiser runs, ``into["tokens"]`` gets the image tokens after the aligned block."""
-        def hook(module, args, output):
-            into["tokens"] = self._image_tokens(output)
+    def capture(self, into: dict | None) -> None:
+        """From now on ``into["tokens"]`` gets the image tokens after the aligned block each time the denoiser
+        runs; None stops it. The hook that writes them stays on the block from the start (registered once,
+        not per step), so a compiled step traces it as part of its graph."""
+        self._slot["into"] = into
 
-        handle = self._blocks(denoiser)[self.block - 1].register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
+    def _keep(self, module, args, output) -> None:
+        into = self._slot.get("into")
+        if into is not None:
+            into["tokens"] = self._image_tokens(output)
 
     def target(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, N, D): the encoder's features of the decoded clean latents, on the denoiser's token grid."""

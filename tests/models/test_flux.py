@@ -161,3 +161,11 @@ def test_the_flux_schnell_kit_holds_fluxs_two_text_encoders(tmp_path):
     assert loading.pooled_text_slots(kit) == ("text_encoder", "tokenizer")
     assert loading.pooled_text_width(kit) == config["pooled_projection_dim"] == 768
     assert loading.text_encoder_width(loading.load_text_encoder_config(kit)) == config["joint_attention_dim"] == 4096
+
+
+def test_the_training_step_compiles_without_graph_breaks(tiny_flux_kit, mds):
+    """``trainer.compile``: Flux's transformer (packed latents, position ids, T5 sequence and CLIP's pooled vector) in one graph, as the UNet's and the MMDiT's steps are."""
+    from train_fixtures import explain_config_step
+    explanation = explain_config_step(_cfg(tiny_flux_kit, mds))
+    assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
+    assert explanation.graph_count == 1

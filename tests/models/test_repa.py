@@ -173,3 +173,13 @@ def test_aligned_steps_are_the_same_whatever_the_microbatch(repa_kit, tmp_path):
     assert any(k.startswith("repa.projector.") for k in whole)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_aligned_training_step_compiles_without_graph_breaks(repa_kit):
+    """``trainer.compile`` with ``model.repa``: the decode, the frozen encoder, the block's captured tokens and
+    the projector compile with the step, in one graph."""
+    from train_fixtures import explain_training_step
+    model = _model(repa_kit)
+    explanation = explain_training_step(model, _batch(model))
+    assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
+    assert explanation.graph_count == 1

@@ -87,3 +87,11 @@ def test_masking_and_routing_are_refused_naming_the_key(tiny_sana_kit, mds, key,
     with pytest.raises(ConfigError) as error:
         build_trainer(_cfg(tiny_sana_kit, mds, f"{key}={value}"))
     assert key in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_training_step_compiles_without_graph_breaks(tiny_sana_kit, mds):
+    """``trainer.compile``: SANA's linear-attention transformer on DC-AE latents in one graph, as the UNet's and the MMDiT's steps are."""
+    from train_fixtures import explain_config_step
+    explanation = explain_config_step(_cfg(tiny_sana_kit, mds))
+    assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
+    assert explanation.graph_count == 1

@@ -38,7 +38,9 @@ EMPTY_SLOTS = tuple(slot for slot in _SD3_SLOTS if not slot.endswith("_3"))
 
 
 def _pipeline_class():
-    from diffusers import FluxPipeline
+    # from its own module: ``diffusers`` and ``diffusers.pipelines`` are lazy modules, which torch.compile
+    # cannot import inside a traced step (a graph break at every call)
+    from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
     return FluxPipeline
 
 
