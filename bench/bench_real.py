@@ -3,12 +3,15 @@ classifier fitted on the real images only.
 
     python bench/bench_real.py [--batches 2000] [--every 250] [--target 0.8] [--out out/bench-real]
     python bench/bench_real.py --recipes unet-v mmdit-flow
+    python bench/bench_real.py --recipes unet-v flux-flow sana-flow   # Flux and SANA, on their own latents
 
 The 1,437 training digits (``python -m diffusion.kit.digits``: 8x8 scans from UCI's set that
 scikit-learn ships, upscaled to 64 px, captioned "a handwritten digit N") are converted with the
 ordinary converter and the tiny kit's VAE, once. Each recipe of bench_recipes.py on that latent space
 (``unet-v``: yamls/tiny-cpu.yaml; ``mmdit-flow``: yamls/tiny-mmdit-flow-cpu.yaml; ``mmdit-masked``: the
-micro-budget recipe, 3/4 of the batches 75% masked, then 1/4 unmasked from its weights and EMA) trains on
+micro-budget recipe, 3/4 of the batches 75% masked, then 1/4 unmasked from its weights and EMA; with
+``--recipes``, ``flux-flow`` and ``sana-flow``, the flow recipe on the tiny-flux and tiny-sana kits, on the same
+digits converted with their own autoencoders into ``mds-tiny-flux`` / ``mds-tiny-sana``) trains on
 them with its own YAML's settings, one after the other, keeping a checkpoint every ``--every`` batches.
 Each checkpoint samples the ten class prompts ``--images-per-prompt`` times (EMA weights, the recipe's
 default sampler, 25 steps, guidance 3, seed 0, the demo's protocol) and
@@ -27,24 +30,29 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_recipes import RECIPES as ALL_RECIPES, _run  # noqa: E402  (one table of recipes, one way to run them)
+from bench_recipes import OWN_LATENTS, RECIPES as ALL_RECIPES, _run, train_recipe  # noqa: E402  (one table of recipes, one way to train them)
 
-# the recipes of the kit's latent space (flux-flow and sana-flow train on their own autoencoder's latents)
-RECIPES = {name: ALL_RECIPES[name] for name in ("unet-v", "mmdit-flow", "mmdit-masked")}
+# the default: the recipes of the tiny kit's latent space; flux-flow and sana-flow (--recipes) train on the digits
+# converted with their own autoencoder (the 16-channel VAE, DC-AE), beside the others' in --out
+RECIPES = {name: ALL_RECIPES[name] for name in ("unet-v", "mmdit-flow", "mmdit-masked", "flux-flow", "sana-flow")}
+DEFAULT_RECIPES = ["unet-v", "mmdit-flow", "mmdit-masked"]
 GUIDANCE, STEPS, SEED = 3.0, 25, 0
 
 
-def ensure_data(out: str, kit: str) -> str:
-    mds = os.path.join(out, "mds")
+def ensure_data(out: str, kit: str, mds: str = "mds") -> str:
+    mds = os.path.join(out, mds)
     if os.path.exists(os.path.join(mds, "dataset.json")):
         return mds
     raw = os.path.join(out, "raw")
+    if os.path.exists(os.path.join(raw, "manifest.json")):  # another autoencoder's conversion of the same digits
+        _run([sys.executable, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit,
+              "--resolutions", "64", "--deterministic"])
+        return mds
     _run([sys.executable, "-m", "diffusion.kit.digits", "--out", raw])
     _run([sys.executable, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit,
           "--resolutions", "64", "--deterministic"])
@@ -60,36 +68,6 @@ def judged_accuracy(checkpoint: str, judge, images_per_prompt: int) -> float:
     return judge.accuracy(images, [k for k in range(10) for _ in range(images_per_prompt)])
 
 
-def train_recipe(name: str, kit: str, data: str, out: str, batches: int, every: int, score, describe) -> dict:
-    """Train recipe ``name`` (its phases one after the other, each from the last one's weights and EMA) on
-    ``data`` into ``out``/``name`` (``name``-1, -2 for phases), keeping a checkpoint every ``every`` batches;
-    each is scored by ``score(checkpoint) -> dict`` and printed with ``describe(scores)``. Returns the
-    curve: its CPU-seconds, wall seconds and points (batch, CPU-seconds allotted by batch, phase, scores)."""
-    _, phases = RECIPES.get(name) or ALL_RECIPES[name]
-    start, cpu_before, points, previous = time.time(), 0.0, [], None
-    for phase, (yaml, share) in enumerate(phases):
-        phase_batches = int(round(batches * share))
-        folder = os.path.join(out, name if len(phases) == 1 else f"{name}-{phase + 1}")
-        extra = []
-        if previous:  # the next phase starts from the last one's weights and EMA
-            extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
-                     f"algorithms.ema.init_from={previous}"]
-        cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kit}", f"data.train.path={data}",
-                    f"trainer.save_folder={folder}", f"trainer.max_duration={phase_batches}ba",
-                    f"trainer.save_interval={every}ba", "trainer.save_num_checkpoints_to_keep=-1",
-                    "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
-        done = sum(int(round(batches * s)) for _, s in phases[:phase])
-        for batch in range(every, phase_batches + 1, every):
-            checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
-            scores = score(checkpoint)
-            cpu_at = cpu_before + cpu * batch / phase_batches
-            points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
-            print(f"{name:>12} batch {done + batch:>5}: {describe(scores)} at {cpu_at:,.0f} CPU-s", flush=True)
-            previous = checkpoint
-        cpu_before += cpu
-    return {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, default=2000)
@@ -97,7 +75,7 @@ def main(argv=None) -> dict:
     p.add_argument("--target", type=float, default=0.8, help="judged accuracy the headline asks for")
     p.add_argument("--images-per-prompt", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "out" / "bench-real"))
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES, choices=list(RECIPES))
     args = p.parse_args(argv)
     from diffusion.kit.build import ensure_kit
     from diffusion.kit.digits import DigitJudge
@@ -112,7 +90,9 @@ def main(argv=None) -> dict:
     def score(checkpoint: str) -> dict:
         return {"accuracy": judged_accuracy(checkpoint, judge, args.images_per_prompt)}
 
-    curves = {name: train_recipe(name, kits[name], mds, args.out, args.batches, args.every, score,
+    data = {name: ensure_data(args.out, kits[name], f"mds-{RECIPES[name][0]}") if RECIPES[name][0] in OWN_LATENTS
+            else mds for name in args.recipes}
+    curves = {name: train_recipe(name, kits[name], data[name], args.out, args.batches, args.every, score,
                                  lambda scores: f"{scores['accuracy']:.0%} judged right")
               for name in args.recipes}
 

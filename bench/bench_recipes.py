@@ -118,6 +118,36 @@ def adherence(checkpoint: str, grid: str, scenes: str = "default") -> dict:
     return {"adherence": prompt_adherence(images, labels), "judge": judged["accuracy"], "overall": judged["overall"]}
 
 
+def train_recipe(name: str, kit: str, data: str, out: str, batches: int, every: int, score, describe) -> dict:
+    """Train recipe ``name`` (its phases one after the other, each from the last one's weights and EMA) on
+    ``data`` into ``out``/``name`` (``name``-1, -2 for phases), keeping a checkpoint every ``every`` batches;
+    each is scored by ``score(checkpoint) -> dict`` and printed with ``describe(scores)``. Returns the
+    curve: its CPU-seconds, wall seconds and points (batch, CPU-seconds allotted by batch, phase, scores)."""
+    _, phases = RECIPES[name]
+    start, cpu_before, points, previous = time.time(), 0.0, [], None
+    for phase, (yaml, share) in enumerate(phases):
+        phase_batches = int(round(batches * share))
+        folder = os.path.join(out, name if len(phases) == 1 else f"{name}-{phase + 1}")
+        extra = []
+        if previous:  # the next phase starts from the last one's weights and EMA
+            extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
+                     f"algorithms.ema.init_from={previous}"]
+        cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kit}", f"data.train.path={data}",
+                    f"trainer.save_folder={folder}", f"trainer.max_duration={phase_batches}ba",
+                    f"trainer.save_interval={every}ba", "trainer.save_num_checkpoints_to_keep=-1",
+                    "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
+        done = sum(int(round(batches * s)) for _, s in phases[:phase])
+        for batch in range(every, phase_batches + 1, every):
+            checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
+            scores = score(checkpoint)
+            cpu_at = cpu_before + cpu * batch / phase_batches
+            points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
+            print(f"{name:>12} batch {done + batch:>5}: {describe(scores)} at {cpu_at:,.0f} CPU-s", flush=True)
+            previous = checkpoint
+        cpu_before += cpu
+    return {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, default=4000)
@@ -149,33 +179,18 @@ def main(argv=None) -> dict:
     for name in args.recipes:
         preset, phases = RECIPES[name]
         data = ensure_data(f"{args.data}-{preset}", kits[name], args.scenes) if preset in OWN_LATENTS else mds
-        start, cpu_before, points, previous = time.time(), 0.0, [], None
-        for phase, (yaml, share) in enumerate(phases):
-            batches = int(round(args.batches * share))
-            folder = os.path.join(args.out, name if len(phases) == 1 else f"{name}-{phase + 1}")
-            extra = []
-            if previous:  # the next phase starts from the last one's weights and EMA
-                extra = [f"trainer.load_path={previous}", "trainer.load_weights_only=true",
-                         f"algorithms.ema.init_from={previous}"]
-            cpu = _run([sys.executable, "run.py", yaml, f"model.ref={kits[name]}", f"data.train.path={data}",
-                        f"trainer.save_folder={folder}", f"trainer.max_duration={batches}ba",
-                        f"trainer.save_interval={args.every}ba", "trainer.save_num_checkpoints_to_keep=-1",
-                        "trainer.autoresume=false", "trainer.save_overwrite=true", "callbacks.progress=null", *extra])
-            done = sum(int(round(args.batches * s)) for _, s in phases[:phase])
-            for batch in range(args.every, batches + 1, args.every):
-                checkpoint = next(str(c) for c in pathlib.Path(folder).glob(f"ep*-ba{batch}-rank0.pt"))
-                scores = adherence(checkpoint, os.path.join(folder, f"grid-{batch}.png"), args.scenes)
-                if held_out is not None and preset == "tiny-mmdit":
-                    scores["held_out_loss"] = held_out(checkpoint, kits[name])
-                cpu_at = cpu_before + cpu * batch / batches
-                points.append({"batch": done + batch, "cpu_seconds": cpu_at, **scores, "phase": phase + 1})
-                print(f"{name:>12} batch {done + batch:>5}: {scores['adherence']:.0%} at {cpu_at:,.0f} CPU-s; judge "
-                      + ", ".join(f"{t} {a:.0%}" for t, a in scores["judge"].items())
-                      + (f"; held-out loss {scores['held_out_loss']:.4f}" if "held_out_loss" in scores else ""),
-                      flush=True)
-                previous = checkpoint
-            cpu_before += cpu
-        curves[name] = {"cpu_seconds": cpu_before, "wall_seconds": time.time() - start, "points": points}
+
+        def score(checkpoint, preset=preset, kit=kits[name]):
+            batch = pathlib.Path(checkpoint).name.split("-ba")[1].split("-")[0]
+            scores = adherence(checkpoint, os.path.join(os.path.dirname(checkpoint), f"grid-{batch}.png"), args.scenes)
+            if held_out is not None and preset == "tiny-mmdit":
+                scores["held_out_loss"] = held_out(checkpoint, kit)
+            return scores
+
+        def describe(scores):
+            return (f"{scores['adherence']:.0%}; judge " + ", ".join(f"{t} {a:.0%}" for t, a in scores["judge"].items())
+                    + (f"; held-out loss {scores['held_out_loss']:.4f}" if "held_out_loss" in scores else ""))
+        curves[name] = train_recipe(name, kits[name], data, args.out, args.batches, args.every, score, describe)
 
     tags = list(curves[args.recipes[0]]["points"][0]["judge"]) if curves else []
     short = {"single_object": "single", "two_object": "two", "counting": "count", "colors": "colour",

@@ -73,7 +73,7 @@ DEFAULT_RECIPE = "mmdit-flow"
 
 
 def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None,
-             buckets: bool = False, recipe: str = DEFAULT_RECIPE) -> dict:
+             buckets: bool = False, recipe: str = DEFAULT_RECIPE, images_per_prompt: int = IMAGES_PER_PROMPT) -> dict:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
@@ -100,7 +100,7 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     _run(train, log)
     checkpoint = latest_checkpoint(ckpts)
     gen = [py, "-m", "diffusion.generate", "--checkpoint", checkpoint, "--out", grid, "--seed", "0",
-           "--images-per-prompt", str(IMAGES_PER_PROMPT), "--guidance-scale", "3"]
+           "--images-per-prompt", str(images_per_prompt), "--guidance-scale", "3"]
     for prompt in PROMPTS:
         gen += ["--prompt", prompt]
     _run(gen, log)
