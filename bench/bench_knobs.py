@@ -43,11 +43,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
+from bench_recipes import YAML, HeldOutLoss  # noqa: E402  (the knobs train the flow recipe; its held-out loss)
 KNOBS = {"baseline": [], "muon": ["optimizer.name=muon"], "qk-norm": [], "decay-groups": ["optimizer.decay=weights"]}
 TRACKED = (0.05, 0.10)
 SWEEP = (0.02, 0.03, 0.05, 0.075, 0.10, 0.15, 0.20, 0.25)
-EVAL_BINS = 8
 
 
 def qk_norm_kit(base: str, out: str) -> str:
@@ -79,39 +78,7 @@ def held_out_data(args, kit: str) -> tuple[str, str]:
                              "--deterministic"])
         return train, os.path.join(held, "mds")
     import bench_recipes
-    from diffusion.demo import WHERE
-    train = bench_recipes.ensure_data(str(ROOT / "out" / "demo" / "mds"), kit)
-    held = os.path.join(args.out, "held-out")
-    if not os.path.exists(os.path.join(held, "mds", "dataset.json")):
-        bench_recipes._run([sys.executable, "-m", "diffusion.kit.sample", "--out", os.path.join(held, "raw"),
-                            "--n", "256", "--seed", "1"])
-        bench_recipes._run([sys.executable, "convert/laion_to_mds.py", "--input", os.path.join(held, "raw"),
-                            "--output", os.path.join(held, "mds"), "--model", kit, "--resolutions", "64",
-                            "--deterministic", "--where", WHERE, "--dedupe", "bytes"])
-    return train, os.path.join(held, "mds")
-
-
-class HeldOutLoss:
-    """The binned held-out loss of a checkpoint's EMA weights: an eval-only trainer per kit, weights swapped in."""
-
-    def __init__(self, train: str, held_out: str):
-        self.train, self.held_out, self.trainers = train, held_out, {}
-
-    def __call__(self, checkpoint: str, kit: str) -> float:
-        from diffusion.models.checkpoint import load_denoiser
-        from diffusion.train.config import load_config
-        from diffusion.train.trainer import build_trainer
-        if kit not in self.trainers:
-            self.trainers[kit] = build_trainer(load_config(YAML, [
-                f"model.ref={kit}", f"data.train.path={self.train}", f"data.eval.path={self.held_out}",
-                "data.eval.num_workers=0", f"model.eval_bins={EVAL_BINS}", "trainer.save_folder=null",
-                "trainer.autoresume=false", "algorithms={}", "callbacks={}", "loggers={}"]))
-        trainer = self.trainers[kit]
-        denoiser, _, _ = load_denoiser(checkpoint)
-        trainer.state.model.denoiser.load_state_dict(denoiser.state_dict())
-        trainer.eval()
-        metrics = trainer.state.eval_metrics["eval"]
-        return sum(float(metrics[f"loss_bin{k}"].compute()) for k in range(EVAL_BINS)) / EVAL_BINS
+    return bench_recipes.demo_held_out(args.out, kit)
 
 
 def score(args, checkpoint: str, folder: str, judge) -> dict:

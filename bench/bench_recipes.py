@@ -118,6 +118,48 @@ def adherence(checkpoint: str, grid: str, scenes: str = "default") -> dict:
     return {"adherence": prompt_adherence(images, labels), "judge": judged["accuracy"], "overall": judged["overall"]}
 
 
+# The binned held-out loss (bench_recipes --held-out, every knob of bench_knobs): the flow YAML's denoiser, eval only
+YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
+EVAL_BINS = 8
+
+
+def demo_held_out(out: str, kit: str) -> tuple[str, str]:
+    """(the demo's training MDS, a held-out MDS of 256 other sample rows converted alike), converted once."""
+    from diffusion.demo import WHERE
+    train = ensure_data(str(ROOT / "out" / "demo" / "mds"), kit)
+    held = os.path.join(out, "held-out")
+    if not os.path.exists(os.path.join(held, "mds", "dataset.json")):
+        _run([sys.executable, "-m", "diffusion.kit.sample", "--out", os.path.join(held, "raw"), "--n", "256", "--seed", "1"])
+        _run([sys.executable, "convert/laion_to_mds.py", "--input", os.path.join(held, "raw"),
+              "--output", os.path.join(held, "mds"), "--model", kit, "--resolutions", "64",
+              "--deterministic", "--where", WHERE, "--dedupe", "bytes"])
+    return train, os.path.join(held, "mds")
+
+
+class HeldOutLoss:
+    """The binned held-out loss of a checkpoint's EMA weights: an eval-only trainer per kit, weights swapped in."""
+
+    def __init__(self, train: str, held_out: str):
+        self.train, self.held_out, self.trainers = train, held_out, {}
+
+    def __call__(self, checkpoint: str, kit: str) -> float:
+        from diffusion.models.checkpoint import load_denoiser
+        from diffusion.train.config import load_config
+        from diffusion.train.trainer import build_trainer
+        if kit not in self.trainers:
+            self.trainers[kit] = build_trainer(load_config(YAML, [
+                f"model.ref={kit}", f"data.train.path={self.train}", f"data.eval.path={self.held_out}",
+                "data.eval.num_workers=0", f"model.eval_bins={EVAL_BINS}", "trainer.save_folder=null",
+                "trainer.autoresume=false", "algorithms={}", "callbacks={}", "loggers={}"]))
+        trainer = self.trainers[kit]
+        denoiser, _, _ = load_denoiser(checkpoint)
+        trainer.state.model.denoiser.load_state_dict(denoiser.state_dict())
+        trainer.eval()
+        metrics = trainer.state.eval_metrics["eval"]
+        return sum(float(metrics[f"loss_bin{k}"].compute()) for k in range(EVAL_BINS)) / EVAL_BINS
+
+
+
 def train_recipe(name: str, kit: str, data: str, out: str, batches: int, every: int, score, describe) -> dict:
     """Train recipe ``name`` (its phases one after the other, each from the last one's weights and EMA) on
     ``data`` into ``out``/``name`` (``name``-1, -2 for phases), keeping a checkpoint every ``every`` batches;
@@ -170,11 +212,7 @@ def main(argv=None) -> dict:
     mds = ensure_data(args.data, kits["unet-v"], args.scenes)
     held_out = None
     if args.held_out:  # bench_knobs' binned held-out loss (its flow YAML: the same denoiser, evaluated unaligned)
-        import types
-        sys.path.insert(0, str(ROOT / "bench"))
-        import bench_knobs
-        train, held = bench_knobs.held_out_data(types.SimpleNamespace(data="demo", out=args.out), kits["unet-v"])
-        held_out = bench_knobs.HeldOutLoss(train, held)
+        held_out = HeldOutLoss(*demo_held_out(args.out, kits["unet-v"]))
     curves = {}
     for name in args.recipes:
         preset, phases = RECIPES[name]
