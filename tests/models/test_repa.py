@@ -183,3 +183,63 @@ def test_the_aligned_training_step_compiles_without_graph_breaks(repa_kit):
     explanation = explain_training_step(model, _batch(model))
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("kit_name, block, grid", [("tiny_flux_kit", 2, 4), ("tiny_sana_kit", 1, 2)])
+def test_flux_and_sana_train_with_the_alignment(kit_name, block, grid, request, tmp_path):
+    """``model.repa`` on Flux (block 2: its first single-stream block, after the double-stream one) and on
+    SANA: the loss is REPA-off's plus weight × minus the cosine of the projected image tokens of that block
+    with the encoder's features of the decoded latents on the token grid (Flux packs 2×2 latent pixels a
+    token: 4×4; SANA's DC-AE latents: 2×2), the projector and the earlier blocks learn from it, the encoder
+    and the autoencoder do not, and a run trains the projector. Neither transformer takes masking or
+    routing (refused in test_flux.py and test_sana.py), so every image token is aligned."""
+    from diffusion.loader import dataset_info, mds_source
+    from diffusion.models import loading
+    kit = request.getfixturevalue(kit_name)
+    space = loading.latent_space_of(loading.load_vae_config(kit))
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=kit, n=8, latent_space=space)
+    cfg = load_config(YAML, tiny_overrides(kit, mds, batches=2, batch_size=4, extra=(
+        "model.prediction_type=null", "model.objective=flow", f"model.repa.encoder={TINY_ENCODER_ASSET}",
+        f"model.repa.block={block}", "model.repa.projector_dim=16", "algorithms={}", "data.train.shuffle=false",
+        "data.train.num_workers=0")))
+    info = dataset_info.read_loader_info(cfg.data.train, cfg.model.resolution)
+    model = build_model(cfg.model, info).train()
+    batch = next(iter(mds_source.build_dataloader(cfg.data.train, resolution=64, text_dim=model.text_dim)))
+    blocks = model.repa._blocks(model.denoiser)
+    hidden = {}
+    handle = blocks[block - 1].register_forward_hook(
+        lambda m, a, out: hidden.update(x=out[1] if isinstance(out, tuple) else out))
+    torch.manual_seed(0)
+    outputs = model(batch)
+    handle.remove()
+    model.repa.active = False
+    torch.manual_seed(0)
+    plain = model(batch)
+    model.repa.active = True
+    assert "repa" not in plain and hidden["x"].shape[1] == grid * grid
+    with torch.no_grad():
+        features = model.repa.encoder.features(model.repa.decoder(outputs["latents"]))  # 8×8 patches
+        features = features.transpose(1, 2).reshape(4, -1, 8, 8)
+        features = F.interpolate(features, size=(grid, grid), mode="bilinear", align_corners=False, antialias=True)
+        expected = -F.cosine_similarity(model.repa.projector(hidden["x"]), features.flatten(2).transpose(1, 2),
+                                        dim=-1).mean(1)
+    torch.testing.assert_close(outputs["repa"].detach(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close((model.loss(outputs, batch) - model.loss(plain, batch)).detach(),
+                               0.5 * expected.mean(), rtol=1e-4, atol=1e-5)
+    outputs["repa"].mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.repa.projector.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in blocks[0].parameters())
+    assert all(p.grad is None for p in blocks[-1].parameters())  # after the aligned block
+    assert all(p.grad is None for p in model.repa.encoder.model.parameters())
+    assert all(p.grad is None for p in model.repa.decoder.vae.parameters())
+
+    from composer.core import Callback
+
+    class First(Callback):
+        def fit_start(self, state, logger):
+            self.weight = state.model.repa.projector[0].weight.detach().clone()
+
+    first = First()
+    weights, _ = fit_in_process(cfg, callbacks=[first])
+    assert not torch.equal(weights["repa.projector.0.weight"], first.weight)
+    assert all(torch.isfinite(v).all() for v in weights.values())
