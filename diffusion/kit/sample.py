@@ -27,14 +27,10 @@ from PIL import Image, ImageDraw
 
 from diffusion import schema
 from diffusion import cli
+# the drawing vocabulary, re-exported here where the rest of the project imports it
+from diffusion.kit.shapes import BACKGROUNDS, COLORS, RELATIONS, SHAPES, canvas  # noqa: F401
+from diffusion.kit.shapes import draw_shape as _draw_shape, with_article as _a
 
-COLORS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
-    "purple": (140, 60, 180), "orange": (245, 140, 30), "white": (245, 245, 245), "black": (20, 20, 20),
-}
-SHAPES = ("circle", "square", "triangle")
-RELATIONS = {"above": (0, -1), "below": (0, 1), "to the left of": (-1, 0), "to the right of": (1, 0)}
-BACKGROUNDS = {"gray": (128, 128, 128), "white": (235, 235, 235), "black": (25, 25, 25), "beige": (225, 210, 170)}
 BAD_KINDS = ("truncated", "not_image", "empty_caption", "tiny")
 BAD_FRACTION = 0.02  # of each kind, at least one each
 MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 1024, 2.5
@@ -51,30 +47,6 @@ def recap(caption: str, width: int, height: int, seed: int, index: int) -> str:
     layout = "a square" if width == height else ("a wide" if width > height else "a tall")
     opening = ("The image shows", "This picture contains", "In this flat illustration there is")[int(rng.integers(3))]
     return f"{opening} {caption}, drawn with flat colours in {layout} {width} by {height} pixel frame."
-
-
-def _a(word: str) -> str:
-    return ("an " if word[0] in "aeiou" else "a ") + word
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill) -> None:
-    if shape == "circle":
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-    elif shape == "square":
-        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
-    else:
-        draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.85), (cx - r, cy + r * 0.85)], fill=fill)
-
-
-def canvas(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:
-    """A background to draw on: one of :data:`BACKGROUNDS` with a soft gradient and noise, and its name."""
-    bg_name = rng.choice(list(BACKGROUNDS))
-    bg = np.array(BACKGROUNDS[bg_name], dtype=np.float32)
-    # A soft gradient plus noise, so the background is not one flat value.
-    ramp = np.linspace(-12, 12, width, dtype=np.float32)[None, :, None] * rng.uniform(-1, 1)
-    noise = rng.normal(0, 4, size=(height, width, 1)).astype(np.float32)
-    pixels = np.clip(bg + ramp + noise, 0, 255).astype(np.uint8)
-    return Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).copy()), str(bg_name)
 
 
 def render_scene(rng: np.random.Generator, width: int, height: int) -> tuple[Image.Image, str]:

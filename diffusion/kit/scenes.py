@@ -28,7 +28,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from diffusion import cli
-from diffusion.kit.sample import BACKGROUNDS, COLORS, RELATIONS, SHAPES, _a, _draw_shape, canvas
+from diffusion.kit.shapes import BACKGROUNDS, COLORS, RELATIONS, SHAPES, canvas
+from diffusion.kit.shapes import draw_shape as _draw_shape, with_article as _a
 
 CATEGORIES = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 NUMBERS = {2: "two", 3: "three", 4: "four"}

@@ -66,3 +66,15 @@ def test_default_scenes_with_hold_out_draw_no_held_out_pair(tmp_path):
     for _ in range(60):
         _, caption = draw_row(rng, 64, 64, hold_out=True)
         assert not any(scenes.held_out(c, s) for c, s in scenes._objects({"prompt": caption})), caption
+
+
+def test_scenes_imports_without_the_sample_generator_and_sample_keeps_its_names():
+    # scenes and sample used to import each other; both now draw with diffusion.kit.shapes.
+    import subprocess
+    import sys
+
+    code = ("import sys, diffusion.kit.scenes; assert 'diffusion.kit.sample' not in sys.modules, 'scenes loads sample'; "
+            "from diffusion.kit.sample import BACKGROUNDS, COLORS, RELATIONS, SHAPES, canvas, render_scene")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
