@@ -17,11 +17,15 @@ $(STAMP): requirements.lock setup.py
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
+# One pytest worker per usable CPU (tests/conftest.py), a test file's tests on one worker (they share
+# module fixtures); `$(PY) -m pytest tests/...` runs in one process as before.
+XDIST := -n auto --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest tests -m "not slow" $(XDIST)
 
 # The GPU image's stack has transformers 5: the text-encoder, tokenizer, captioning and sampling tests
 # again with transformers 5 (and the huggingface-hub and tokenizers it needs) laid over the pinned set.

@@ -16,6 +16,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``make test`` runs ``-n auto``: one worker per CPU this process may use (affinity and cgroup quota,
+    as training sizes its threads), not per CPU the machine has."""
+    from diffusion.cpus import usable_cpus
+    return usable_cpus()
+
+
 @pytest.fixture(scope="session")
 def tiny_kit() -> str:
     """A tiny diffusers-layout model directory (random UNet/text encoder, the shipped fitted VAE):
