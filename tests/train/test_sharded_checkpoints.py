@@ -59,25 +59,25 @@ def _weights(folder):
 
 @pytest.fixture(scope="module")
 def runs(train_kit, tmp_path_factory):
-    """A straight 5-batch sharded run, and a 3-batch one whose newest checkpoint is then cut and beside
-    which a save that never finished is left, resumed to 5."""
+    """One 5-batch sharded run keeping 3 checkpoints (its batch 5 is the straight run's weights; a copy
+    keeping the newest two is the "straight" folder), then cut: batch 4's shard cut short, batch 5's save
+    never finished. Resumed to 5 under the same command, keeping 2 (two launches, not three)."""
     tmp = tmp_path_factory.mktemp("sharded")
     mds = write_latent_mds(str(tmp / "mds"), kit=train_kit, n=48)
-    straight = _launch(_args(train_kit, mds, tmp / "straight", 5), port=29561)
-    assert straight.returncode == 0, straight.stderr[-4000:]
-    first = _launch(_args(train_kit, mds, tmp / "resumed", 3), port=29562)
-    assert first.returncode == 0, first.stderr[-4000:]
     folder = tmp / "resumed"
+    first = _launch(_args(train_kit, mds, folder, 5, "trainer.save_num_checkpoints_to_keep=3"), port=29561)
+    assert first.returncode == 0, first.stderr[-4000:]
     kept_after_first = sorted(os.listdir(folder))
-    # batch 3's folder: a shard cut short; batch 4's: a save killed before its index was written
-    shard = folder / "ep0-ba3" / "__1_0.distcp"
+    shutil.copytree(folder, tmp / "straight", symlinks=True, ignore=shutil.ignore_patterns("ep0-ba3"))
+    # batch 4's folder: a shard cut short; batch 5's: a save killed before its index was written
+    shard = folder / "ep0-ba4" / "__1_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    (folder / "ep0-ba4").mkdir()
-    shutil.copy(folder / "ep0-ba2" / "__0_0.distcp", folder / "ep0-ba4" / "__0_0.distcp")
+    shutil.rmtree(folder / "ep0-ba5")
+    (folder / "ep0-ba5").mkdir()
+    shutil.copy(folder / "ep0-ba3" / "__0_0.distcp", folder / "ep0-ba5" / "__0_0.distcp")
     resumed = _launch(_args(train_kit, mds, folder, 5), port=29563)
-    return {"tmp": tmp, "mds": mds, "straight": straight, "first": first, "resumed": resumed,
-            "kept_after_first": kept_after_first}
+    return {"tmp": tmp, "mds": mds, "first": first, "resumed": resumed, "kept_after_first": kept_after_first}
 
 
 @pytest.mark.slow
@@ -85,13 +85,13 @@ def test_autoresume_continues_a_sharded_run_from_its_last_complete_checkpoint(ru
     resumed, folder = runs["resumed"], runs["tmp"] / "resumed"
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Traceback" not in resumed.stderr
-    assert runs["kept_after_first"] == ["ep0-ba2", "ep0-ba3", "latest-rank0.pt"]  # batch 1 pruned
-    assert f"set aside {folder / 'ep0-ba3'} as ep0-ba3.incomplete: its shard __1_0.distcp is cut short" in resumed.stderr
-    assert f"set aside {folder / 'ep0-ba4'} as ep0-ba4.incomplete: no .metadata" in resumed.stderr
-    assert f"resuming from {folder / 'ep0-ba2'} at batch 2" in resumed.stdout
+    assert runs["kept_after_first"] == ["ep0-ba3", "ep0-ba4", "ep0-ba5", "latest-rank0.pt"]  # 1 and 2 pruned
+    assert f"set aside {folder / 'ep0-ba4'} as ep0-ba4.incomplete: its shard __1_0.distcp is cut short" in resumed.stderr
+    assert f"set aside {folder / 'ep0-ba5'} as ep0-ba5.incomplete: no .metadata" in resumed.stderr
+    assert f"resuming from {folder / 'ep0-ba3'} at batch 3" in resumed.stdout
     assert f"done: trained to batch 5 of 5ba; checkpoint: {folder / 'ep0-ba5'}" in resumed.stdout
-    # the newest two, the first run's batch 2 counted and pruned; the set-aside ones kept
-    assert sorted(os.listdir(folder)) == ["ep0-ba3.incomplete", "ep0-ba4", "ep0-ba4.incomplete", "ep0-ba5",
+    # the newest two, the first run's batch 3 counted and pruned; the set-aside ones kept
+    assert sorted(os.listdir(folder)) == ["ep0-ba4", "ep0-ba4.incomplete", "ep0-ba5", "ep0-ba5.incomplete",
                                           "latest-rank0.pt"]
     assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba5"
     straight, ours = _weights(runs["tmp"] / "straight" / "ep0-ba5"), _weights(folder / "ep0-ba5")
