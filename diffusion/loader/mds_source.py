@@ -32,7 +32,6 @@ ever returned.
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import mmap
 import os
@@ -56,6 +55,7 @@ from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_em
                                            loader_streams,
                                            one_line, read_dataset_info, read_loader_info, section_name)
 from diffusion.loader.captions import CaptionChoice, CaptionColumns
+from diffusion.loader.shared_memory import one_registration_at_a_time
 from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
                                            pick_hash, shared_flags, size_problem)
 
@@ -113,37 +113,6 @@ class _ShardLayout:
         return out
 
 
-REGISTRATION_LOCK = "diffusion-streaming-prefix.lock"
-
-
-@contextlib.contextmanager
-def _one_registration_at_a_time():
-    """Hold a machine-wide lock while a job's ranks build their dataset. Streaming registers each
-    dataset's shared memory under the lowest free numeric prefix: it finds one, waits at a barrier, and
-    then the node's first rank creates it. Two jobs starting at the same moment on one machine (two runs
-    on a shared box, two test workers) could pick the same prefix, and one crashed with ``FileExistsError:
-    '/000011_locals'``. The node's first rank takes the lock and the job's ranks wait for it at a barrier,
-    so one job registers at a time and the next finds the prefix taken."""
-    import fcntl
-    import tempfile
-    from streaming.base.world import World
-    leader = World.detect().is_local_leader
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    fd = None
-    if leader:
-        fd = os.open(os.path.join(tempfile.gettempdir(), REGISTRATION_LOCK), os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        if distributed:
-            torch.distributed.barrier()  # the other ranks start only once their leader holds the lock
-        yield
-        if distributed:
-            torch.distributed.barrier()  # every rank has attached before the next job may register
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
-
-
 class LatentDataset(StreamingDataset):
     """MDS rows → samples: unscaled moments at one resolution, the text column (``text_embeds``, or
     ``input_ids`` when the model encodes them), the sample's key and index, and the epoch it is read in.
@@ -163,7 +132,7 @@ class LatentDataset(StreamingDataset):
             streams = [CheckedStream(remote=remote, local=local)]
         elif remote is not None or local is not None:
             raise ValueError("give remote/local (one dataset) or streams (a mix), not both")
-        with _one_registration_at_a_time():
+        with one_registration_at_a_time():
             super().__init__(streams=list(streams), **streaming_kwargs)
         self.latent_space = latent_space or schema.LatentSpace()  # which column: moments or latents
         self.moments_column = self.latent_space.column(resolution)

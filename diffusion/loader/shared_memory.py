@@ -5,11 +5,19 @@ filelocks (in the temp directory) behind, and streaming refuses to start a datas
 still registered. Streaming's own ``clean_stale_shared_memory`` removes every prefix's segments,
 another running job's included (which then fails or hangs); :func:`clean_shared_memory` removes a
 prefix only when no live process on the node maps or holds any of its segments.
+
+Streaming registers a new dataset under the lowest free prefix: it finds one, waits at its ranks' barrier,
+then the node's first rank creates it. Two jobs starting at once on one node could find the same prefix,
+and the second to create it crashed (``FileExistsError: '/000011_locals'``).
+:func:`one_registration_at_a_time` makes jobs take turns, and the clean-up takes the same turn, so it
+never looks at a prefix another job is registering.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import os
 import tempfile
 from multiprocessing.shared_memory import SharedMemory as _BuiltinSharedMemory
@@ -17,6 +25,33 @@ from multiprocessing.shared_memory import SharedMemory as _BuiltinSharedMemory
 from streaming.base.shared.prefix import _get_path
 
 _SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux, one file per segment
+REGISTRATION_LOCK = "diffusion-streaming-prefix.lock"  # in the temp directory, beside streaming's filelocks
+
+
+@contextlib.contextmanager
+def _node_turn(held: bool):
+    """The node's registration lock, held for the block where ``held`` (a node's first rank)."""
+    fd = None
+    if held:
+        fd = os.open(os.path.join(tempfile.gettempdir(), REGISTRATION_LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def one_registration_at_a_time():
+    """Around a job's dataset construction on every rank: the node's first rank holds the lock, and the
+    job's ranks wait for it at a barrier before and after, so one job registers a prefix at a time and
+    the next finds it taken."""
+    from streaming.base.distributed import barrier, get_local_rank
+    with _node_turn(get_local_rank() == 0):
+        barrier()  # the other ranks start only once their first rank holds the lock
+        yield
+        barrier()  # every rank has attached before the next job may register
 
 
 def _prefix_of(name: str) -> int | None:
@@ -110,10 +145,11 @@ def clean_shared_memory() -> None:
     be listed (not Linux) nothing is removed: a new dataset then takes the next free prefix."""
     from streaming.base.distributed import barrier, get_local_rank
     if get_local_rank() == 0:
-        segments, locks = stale_shared_memory()
-        for path in segments + locks:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass  # another user's, or removed meanwhile
+        with _node_turn(True):  # not while another job registers a prefix it has not mapped yet
+            segments, locks = stale_shared_memory()
+            for path in segments + locks:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass  # another user's, or removed meanwhile
     barrier()  # the other local ranks start their datasets once the stale prefixes are gone

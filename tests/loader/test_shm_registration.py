@@ -6,7 +6,7 @@ register one job at a time, under a machine-wide lock."""
 import subprocess
 import sys
 
-from diffusion.loader import mds_source
+from diffusion.loader import mds_source, shared_memory
 from train_fixtures import write_latent_mds
 
 # "Another job": it holds the registration lock, finds the next free prefix as streaming does, and creates
@@ -37,7 +37,7 @@ if shm is not None:
 
 def test_a_dataset_built_while_another_job_registers_waits_and_takes_the_next_prefix(train_kit, tmp_path):
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=8)
-    other = subprocess.Popen([sys.executable, "-c", OTHER_JOB, mds_source.REGISTRATION_LOCK, str(tmp_path / "other")],
+    other = subprocess.Popen([sys.executable, "-c", OTHER_JOB, shared_memory.REGISTRATION_LOCK, str(tmp_path / "other")],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         their_prefix = int(other.stdout.readline())
