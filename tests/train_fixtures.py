@@ -212,3 +212,28 @@ def explain_config_step(cfg):
     model = build_model(cfg.model, dataset_info.read_loader_info(cfg.data.train, cfg.model.resolution))
     loader = mds_source.build_dataloader(cfg.data.train, resolution=cfg.model.resolution, text_dim=model.text_dim)
     return explain_training_step(model, next(iter(loader)))
+
+
+def encoded_sample_rows(kit: str, sample_data: str, cfg, n: int = 24):
+    """The first ``n`` sample rows through the stream's own transform and encode operators, as an online run's
+    Ray pipeline hands them to a worker: (the transformed columns, the encoded columns)."""
+    import itertools
+    from diffusion.convert import transforms
+    from diffusion.convert.encoders import LatentTextEncoder
+    from diffusion.convert.readers import iter_rows
+    from diffusion.stream.stream_source import stream_text
+    rows = list(itertools.islice(iter_rows(sample_data), n))
+    raw = {name: [r[name] for r in rows] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE)}
+    transformed = transforms.ImageCaptionTransform(kit, [64])(raw)
+    return transformed, LatentTextEncoder(kit, [64], text=stream_text(cfg))(transformed)
+
+
+class RowsShard:
+    """Encoded columns as a worker's Ray Data shard: whole batches of them, in order."""
+
+    def __init__(self, columns: dict):
+        self.columns = columns
+
+    def iter_batches(self, batch_size, batch_format, drop_last, prefetch_batches):
+        for start in range(0, len(self.columns[schema.KEY]) - batch_size + 1, batch_size):
+            yield {name: value[start:start + batch_size] for name, value in self.columns.items()}

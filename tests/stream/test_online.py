@@ -226,28 +226,17 @@ def test_flux_and_sana_train_on_online_modes_batches(kit_name, denoiser_class, s
     description, its transform and encode operators on sample rows (Flux's 16-channel moments and both its text
     encoders, CLIP's pooled vector beside T5's sequence; SANA's DC-AE latents at /32), a worker's batches and
     its trainer, two batches of flow."""
-    import itertools
-    from diffusion.convert.encoders import LatentTextEncoder
-    from diffusion.convert.readers import iter_rows
     from diffusion.stream.ray_workers import OnlineTrainer, stream_to_batch, with_absolute_paths
-    from diffusion.stream.stream_source import stream_info, stream_text
+    from diffusion.stream.stream_source import stream_info
+    from train_fixtures import RowsShard, encoded_sample_rows
     kit = request.getfixturevalue(kit_name)
     cfg = with_absolute_paths(online_config(kit, sample_data, tmp_path, "model.prediction_type=null",
                                             "model.objective=flow", "trainer.save_folder=null", "trainer.autoresume=false",
                                             "data.train.caption_dropout=0.2", batches=2))
     info, empty = stream_info(cfg)
-    rows = list(itertools.islice(iter_rows(sample_data), 24))
-    raw = {name: [r[name] for r in rows] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE)}
-    transformed = transforms.ImageCaptionTransform(kit, [64])(raw)
-    columns = LatentTextEncoder(kit, [64], text=stream_text(cfg))(transformed)
+    _, columns = encoded_sample_rows(kit, sample_data, cfg)
     assert columns[info.latent_space.column(64)].shape[1:] == stored
-
-    class Shard:  # the encoded rows as Ray Data hands them to a worker
-        def iter_batches(self, batch_size, batch_format, drop_last, prefetch_batches):
-            for start in range(0, len(columns[schema.KEY]) - batch_size + 1, batch_size):
-                yield {name: value[start:start + batch_size] for name, value in columns.items()}
-
-    batches = ShardBatches(Shard(), 8, stream_to_batch(cfg, info, empty))
+    batches = ShardBatches(RowsShard(columns), 8, stream_to_batch(cfg, info, empty))
     first = next(iter(batches))
     assert (schema.BATCH_POOLED_TEXT_EMBEDS in first) == (kit_name == "tiny_flux_kit")
     trainer = OnlineTrainer(cfg, info, empty)(batches, [])

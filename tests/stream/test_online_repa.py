@@ -3,14 +3,12 @@ stream's own autoencoder for the frozen vision encoder, so an online run aligns 
 it streamed. In this process (a worker's trainer on the stream's operators), as
 test_online.py::test_flux_and_sana_train_on_online_modes_batches does."""
 
-import itertools
 import os
 
 import numpy as np
 import torch
 
 from diffusion import schema
-from diffusion.convert import transforms
 from diffusion.kit.encoder_fit import TINY_ENCODER_ASSET
 from diffusion.train.config import load_config
 
@@ -23,10 +21,9 @@ def test_online_training_aligns_to_the_streamed_images_decoded_in_the_step(tiny_
     latents for the encoder are the crops the stream encoded (each nearer its own crop than another row's), the
     step's loss carries the alignment, and two batches train the projector."""
     from composer.core import Callback
-    from diffusion.convert.encoders import LatentTextEncoder
-    from diffusion.convert.readers import iter_rows
     from diffusion.stream.ray_workers import OnlineTrainer, ShardBatches, stream_to_batch, with_absolute_paths
-    from diffusion.stream.stream_source import stream_info, stream_text
+    from diffusion.stream.stream_source import stream_info
+    from train_fixtures import RowsShard, encoded_sample_rows
     cfg = with_absolute_paths(load_config(TINY, [
         f"model.ref={tiny_mmdit_kit}", f"data.online.input={sample_data}", f"data.online.work_dir={tmp_path / 'work'}",
         "data.online.num_encoders=1", "data.online.num_train_workers=1", "data.train.batch_size=8",
@@ -35,17 +32,9 @@ def test_online_training_aligns_to_the_streamed_images_decoded_in_the_step(tiny_
         "model.offset_noise=0.0", f"model.repa.encoder={TINY_ENCODER_ASSET}", "model.repa.block=2",
         "model.repa.projector_dim=16"]))
     info, empty = stream_info(cfg)
-    rows = list(itertools.islice(iter_rows(sample_data), 24))
-    raw = {name: [r[name] for r in rows] for name in (schema.RAW_KEY, schema.RAW_CAPTION, schema.RAW_IMAGE)}
-    transformed = transforms.ImageCaptionTransform(tiny_mmdit_kit, [64])(raw)
-    columns = LatentTextEncoder(tiny_mmdit_kit, [64], text=stream_text(cfg))(transformed)
+    transformed, columns = encoded_sample_rows(tiny_mmdit_kit, sample_data, cfg)
     crops = torch.from_numpy(np.asarray(transformed[schema.image_column(64)][:8])).permute(0, 3, 1, 2).float()
     crops = crops / 127.5 - 1  # the first batch's images, in [-1, 1]
-
-    class Shard:  # the encoded rows as Ray Data hands them to a worker
-        def iter_batches(self, batch_size, batch_format, drop_last, prefetch_batches):
-            for start in range(0, len(columns[schema.KEY]) - batch_size + 1, batch_size):
-                yield {name: value[start:start + batch_size] for name, value in columns.items()}
 
     class Record(Callback):
         def __init__(self):
@@ -60,7 +49,7 @@ def test_online_training_aligns_to_the_streamed_images_decoded_in_the_step(tiny_
                 self.decoded = state.model.repa.decoder(state.outputs["latents"].detach())
 
     record = Record()
-    trainer = OnlineTrainer(cfg, info, empty)(ShardBatches(Shard(), 8, stream_to_batch(cfg, info, empty)), [record])
+    trainer = OnlineTrainer(cfg, info, empty)(ShardBatches(RowsShard(columns), 8, stream_to_batch(cfg, info, empty)), [record])
     assert type(trainer.state.model.denoiser).__name__ == "SD3Transformer2DModel"
     trainer.fit()
     assert int(trainer.state.timestamp.batch) == 2 and np.isfinite(float(trainer.state.loss))
