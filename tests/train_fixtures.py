@@ -237,3 +237,42 @@ class RowsShard:
     def iter_batches(self, batch_size, batch_format, drop_last, prefetch_batches):
         for start in range(0, len(self.columns[schema.KEY]) - batch_size + 1, batch_size):
             yield {name: value[start:start + batch_size] for name, value in self.columns.items()}
+
+
+# Run under ``launch_composer`` with VARIANTS (a JSON list of {"name", "blocks", "overrides"}) and RECORD_DIR:
+# each variant trains in turn in the one launch, and each rank saves ``NAME-rankR.pt``: how many of the
+# denoiser's ``blocks`` are FSDP units of their own (FSDP1's wrappers or FSDP2's ``FSDP<Block>`` classes), every
+# parameter gathered whole ("final"), and the EMA's weights ("ema").
+FSDP_VARIANTS_HARNESS = r'''
+import gc, json, os, sys
+import torch
+from composer.utils import dist
+from diffusion.train.algorithms.ema import EMA, parameter_name
+from diffusion.train.config import load_config
+from diffusion.launch import parse_args
+from diffusion.train.trainer import build_trainer
+
+path, overrides = parse_args(sys.argv[1:])
+for variant in json.loads(os.environ["VARIANTS"]):
+    trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
+    model = trainer.state.model
+    blocks = variant["blocks"]
+    wrapped_blocks = sum(1 for m in model.denoiser.modules()
+                         if type(m).__name__ == "FullyShardedDataParallel"
+                         and type(m._fsdp_wrapped_module).__name__ in blocks)
+    fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
+    trainer.fit()
+    record = {"blocks": wrapped_blocks + fsdp2_blocks}
+    if wrapped_blocks:  # Composer's FSDP1 wraps each child of the model (REPA's projector is a unit of its own)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        with FSDP.summon_full_params(model):
+            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
+    record["ema"] = ema.state_dict()["ema_params"]
+    torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
+    trainer.close()
+    del trainer, model
+    gc.collect()
+'''

@@ -10,41 +10,8 @@ import torch
 
 from diffusion.models import loading
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
-
-HARNESS = r'''
-import gc, json, os, sys
-import torch
-from composer.utils import dist
-from diffusion.train.algorithms.ema import EMA, parameter_name
-from diffusion.train.config import load_config
-from diffusion.launch import parse_args
-from diffusion.train.trainer import build_trainer
-
-path, overrides = parse_args(sys.argv[1:])
-for variant in json.loads(os.environ["VARIANTS"]):
-    trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
-    model = trainer.state.model
-    blocks = variant["blocks"]
-    wrapped_blocks = sum(1 for m in model.denoiser.modules()
-                         if type(m).__name__ == "FullyShardedDataParallel"
-                         and type(m._fsdp_wrapped_module).__name__ in blocks)
-    fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
-    trainer.fit()
-    record = {"blocks": wrapped_blocks + fsdp2_blocks}
-    if wrapped_blocks:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        with FSDP.summon_full_params(model.denoiser):
-            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
-    record["ema"] = ema.state_dict()["ema_params"]
-    torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
-    trainer.close()
-    del trainer, model
-    gc.collect()
-'''
+from train_fixtures import (FSDP_VARIANTS_HARNESS, fit_in_process, launch_composer, tiny_overrides,
+                            write_latent_mds)
 
 YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
 
@@ -71,7 +38,7 @@ def test_two_ranks_fsdp_train_the_transformers_as_one_process_with_ema(request, 
                     else "trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD}")
             variants.append({"name": f"{kit_name}-fsdp{version}", "blocks": blocks,
                              "overrides": [*commons[kit_name], fsdp]})
-    result = launch_composer(tmp_path / "harness.py", HARNESS, [YAML], port=29582,
+    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML], port=29582,
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 

@@ -11,40 +11,8 @@ import pytest
 import torch
 
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
-
-HARNESS = r'''
-import gc, json, os, sys
-import torch
-from composer.utils import dist
-from diffusion.train.algorithms.ema import EMA, parameter_name
-from diffusion.train.config import load_config
-from diffusion.launch import parse_args
-from diffusion.train.trainer import build_trainer
-
-path, overrides = parse_args(sys.argv[1:])
-for variant in json.loads(os.environ["VARIANTS"]):
-    trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
-    model = trainer.state.model
-    wrapped_blocks = sum(1 for m in model.denoiser.modules()
-                         if type(m).__name__ == "FullyShardedDataParallel"
-                         and type(m._fsdp_wrapped_module).__name__ == "JointTransformerBlock")
-    fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ == "FSDPJointTransformerBlock")
-    trainer.fit()
-    record = {"blocks": wrapped_blocks + fsdp2_blocks}
-    if wrapped_blocks:  # Composer's FSDP1 wraps each child of the model: REPA's projector is a unit of its own
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        with FSDP.summon_full_params(model):
-            record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
-    record["ema"] = ema.state_dict()["ema_params"]
-    torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
-    trainer.close()
-    del trainer, model
-    gc.collect()
-'''
+from train_fixtures import (FSDP_VARIANTS_HARNESS, fit_in_process, launch_composer, tiny_overrides,
+                            write_latent_mds)
 
 YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
 
@@ -80,7 +48,9 @@ def test_two_ranks_fsdp1_and_fsdp2_with_ema_and_repa_train_as_one_process_and_re
                 {"name": "stopped", "overrides": [*fsdp1, *repa, "trainer.max_duration=1ba",
                                                   f"trainer.save_folder={saved}", "trainer.save_interval=1ba"]},
                 {"name": "resumed", "overrides": [*fsdp1, *repa, f"trainer.load_path={saved}/ep0-ba1-rank0.pt"]}]
-    result = launch_composer(tmp_path / "harness.py", HARNESS, [YAML, *common], port=29547,
+    for variant in variants:
+        variant["blocks"] = ["JointTransformerBlock"]
+    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML, *common], port=29547,
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
