@@ -19,10 +19,11 @@ EDM2's sweet spots lie around 0.05-0.15; 0.2887 (gamma = 0) is the plain mean of
 Synthesis. Each snapshot is a profile ``p_(gamma, t)`` over training time; any other profile
 ``p_(gamma_r, t_r)`` is approximated by the combination ``sum_i x_i p_i`` closest to it in L2 over time:
 ``A x = b`` with ``A_ij = <p_i, p_j>`` and ``b_i = <p_i, p_r>`` (inner products in closed form,
-:func:`_inner`), solved by least squares; the average is the same combination of the snapshots'
-weights. A tracked profile's own ``sigma_rel`` at a snapshot's time is reproduced (its snapshot is in
-the span); others come out as close as two tracked widths and the snapshots' spacing allow, and the
-command prints the residual so a width out of reach is visible.
+:func:`_inner`), solved by least squares and divided by its sum (EDM2's normalisation: an average's
+coefficients sum to 1); the average is the same combination of the snapshots' weights. A tracked
+profile's own ``sigma_rel`` at a snapshot's time is reproduced (its snapshot is in the span); others
+come out as close as two tracked widths and the snapshots' spacing allow, and the command prints the
+residual so a width out of reach is visible.
 
 State: each profile is an :class:`~diffusion.train.algorithms.ema.EMA` whose decay is ``beta_t``: the
 same shard-local fused update, FSDP gather for snapshots (FSDP1 with full state dicts through
@@ -90,6 +91,9 @@ def synthesis_weights(snapshots: list[tuple[float, float]], gamma: float, t: flo
     a = np.array([[_inner(*p, *q) for q in points] for p in points])
     b = np.array([_inner(*p, *target) for p in points])
     x = np.linalg.lstsq(a, b, rcond=None)[0]
+    # An average's coefficients sum to 1 (EDM2's solve_posthoc_coefficients divides by the sum): the raw
+    # least-squares solution would scale every weight, norm gains and biases included, by its sum.
+    x = x / x.sum()
     norm = _inner(*target, *target)
     error = max(float(x @ a @ x - 2 * x @ b + norm), 0.0)
     return x, math.sqrt(error / norm)
@@ -104,8 +108,15 @@ class Snapshot:
     batch: int
 
 
+def width_label(sigma_rel: float) -> str:
+    """``sigma_rel`` as a snapshot's name writes it: three decimals ("0.050"), or every digit the width
+    needs when three would round it ("0.1004"), so two widths never share a file."""
+    short = f"{sigma_rel:.3f}"
+    return short if float(short) == sigma_rel else np.format_float_positional(sigma_rel, trim="-")
+
+
 def snapshot_name(sigma_rel: float, batch: int) -> str:
-    return f"ema-{sigma_rel:.3f}-ba{batch}{SNAPSHOT_SUFFIX}"
+    return f"ema-{width_label(sigma_rel)}-ba{batch}{SNAPSHOT_SUFFIX}"
 
 
 def read_snapshots(folder: str) -> list[Snapshot]:

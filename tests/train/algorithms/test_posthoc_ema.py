@@ -72,7 +72,8 @@ def test_sigma_rel_and_gamma_are_edm2s():
 
 
 def test_power_average_and_its_snapshots_match_a_direct_sum(tmp_path):
-    algorithm = PostHocEMA(sigma_rels=[0.05, 0.2], snapshot_every="4ba", folder=str(tmp_path))
+    # 0.2 and 0.2004 round alike to three decimals: each still gets its own snapshot file
+    algorithm = PostHocEMA(sigma_rels=[0.05, 0.2, 0.2004], snapshot_every="4ba", folder=str(tmp_path))
     weights = fit(algorithm, 10)
     state = algorithm.state_dict()
     for profile in state["profiles"]:
@@ -82,11 +83,13 @@ def test_power_average_and_its_snapshots_match_a_direct_sum(tmp_path):
             torch.testing.assert_close(profile["ema_params"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     # the narrow profile follows the last weights more closely than the wide one
     last = weights[-1]["body.0.weight"]
-    narrow, wide = (p["ema_params"]["body.0.weight"] for p in state["profiles"])
+    narrow, wide = (p["ema_params"]["body.0.weight"] for p in state["profiles"][:2])
     assert (narrow - last).norm() < (wide - last).norm()
     # snapshots every 4 batches and at the end (batch 10), each the average at its time
     snapshots = phe.read_snapshots(str(tmp_path))
-    assert [(s.batch, s.sigma_rel) for s in snapshots] == [(b, w) for b in (4, 8, 10) for w in (0.05, 0.2)]
+    assert [(s.batch, s.sigma_rel) for s in snapshots] == [(b, w) for b in (4, 8, 10) for w in (0.05, 0.2, 0.2004)]
+    assert {os.path.basename(s.path) for s in snapshots if s.batch == 4} == {
+        "ema-0.050-ba4.safetensors", "ema-0.200-ba4.safetensors", "ema-0.2004-ba4.safetensors"}
     from safetensors.torch import load_file
     for s in snapshots:
         assert s.t == s.batch and s.gamma == pytest.approx(phe.gamma_of(s.sigma_rel))
@@ -98,21 +101,25 @@ def test_power_average_and_its_snapshots_match_a_direct_sum(tmp_path):
 
 def test_synthesising_a_tracked_width_reproduces_it_and_a_width_between_comes_close(tmp_path):
     from diffusion.posthoc_ema import synthesise
-    algorithm = PostHocEMA(sigma_rels=[0.05, 0.08, 0.10], snapshot_every="3ba", folder=str(tmp_path))
+    algorithm = PostHocEMA(sigma_rels=[0.05, 0.08, 0.10, 0.2], snapshot_every="3ba", folder=str(tmp_path))
     weights = fit(algorithm, 24)
     tracked = {p["sigma_rel"]: p["ema_params"] for p in algorithm.state_dict()["profiles"]}
-    snapshots = phe.read_snapshots(str(tmp_path))
+    snapshots = [s for s in phe.read_snapshots(str(tmp_path)) if s.sigma_rel in (0.05, 0.10)]
     for sigma_rel in (0.05, 0.10):
-        params, info = synthesise([s for s in snapshots if s.sigma_rel != 0.08], sigma_rel)
+        params, info = synthesise(snapshots, sigma_rel)
         assert info["batch"] == 24 and info["residual"] < 1e-6
         for name, tensor in tracked[sigma_rel].items():
             torch.testing.assert_close(params[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
-    # 0.08 from the 0.05 and 0.10 snapshots alone: far closer to the tracked 0.08 than either neighbour is
-    params, info = synthesise([s for s in snapshots if s.sigma_rel != 0.08], 0.08)
-    assert 0 < info["residual"] < 0.05
+    # 0.08 (between) and 0.2 (beyond) from the 0.05 and 0.10 snapshots alone, against profiles of those
+    # widths tracked directly: far closer to them than either neighbour is. The coefficients sum to 1, as
+    # EDM2's solve_posthoc_coefficients makes them: the raw least squares sums to 1.001 at 0.08 and 0.980
+    # at 0.2, which scales every weight (4x and 7x farther from the tracked average here).
     distance = lambda a, b: sum((a[k] - b[k]).norm() ** 2 for k in a) ** 0.5  # noqa: E731
-    assert distance(params, tracked[0.08]) < 0.2 * min(distance(tracked[0.05], tracked[0.08]),
-                                                       distance(tracked[0.10], tracked[0.08]))
+    for sigma_rel, bound in ((0.08, 0.05), (0.2, 0.15)):
+        params, info = synthesise(snapshots, sigma_rel)
+        assert 0 < info["residual"] < 0.1 and sum(info["coefficients"]) == pytest.approx(1, abs=1e-12)
+        assert distance(params, tracked[sigma_rel]) < bound * min(distance(tracked[0.05], tracked[sigma_rel]),
+                                                                   distance(tracked[0.10], tracked[sigma_rel]))
     assert not torch.equal(weights[-1]["body.0.weight"], params["body.0.weight"])
 
 
