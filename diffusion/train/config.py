@@ -506,6 +506,8 @@ def _check_model(m: ModelConfig) -> None:
     if m.zero_terminal_snr and trains not in (None, "v_prediction"):
         raise ConfigError(f"model.zero_terminal_snr needs v-prediction, not {trains} (epsilon is undefined at the "
                           f"terminal step): set model.prediction_type=v_prediction")
+    if trains:  # a key only another objective reads (model.min_snr_gamma under flow ...) is refused, not ignored
+        objectives.check_keys(trains, m)  # (trains null: the reference's scheduler decides, at build_model)
     _require(m.min_snr_floor >= 0, f"model.min_snr_floor={m.min_snr_floor} must be >= 0")
     if m.zero_terminal_snr and m.min_snr_gamma and not m.min_snr_floor:
         print("note: model.min_snr_gamma with model.zero_terminal_snr gives the terminal step (SNR = 0) loss "

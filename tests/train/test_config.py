@@ -14,13 +14,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
 
-SHIPPED = glob.glob(os.path.join(ROOT, "yamls", "*.yaml")) + glob.glob(os.path.join(ROOT, "yamls", "micro-budget", "*.yaml"))
+SHIPPED = (glob.glob(os.path.join(ROOT, "yamls", "*.yaml")) + glob.glob(os.path.join(ROOT, "yamls", "micro-budget", "*.yaml"))
+           + glob.glob(os.path.join(ROOT, "yamls", "mlperf-flux", "*.yaml")))  # every training YAML (not cost/, mcli/)
 
 
 @pytest.mark.parametrize("path", sorted(SHIPPED))
 def test_shipped_yamls_validate(path):
     cfg = load_config(path)
     assert cfg.trainer.max_duration.endswith("ba")
+
+
+@pytest.mark.parametrize("objective, override, key", [
+    ("flow", "model.min_snr_gamma=5.0", "model.min_snr_gamma=5.0"),
+    ("flow", "model.min_snr_floor=0.1", "model.min_snr_floor=0.1"),
+    ("epsilon", "model.flow.shift=3.0", "model.flow.shift=3.0"),
+    ("v_prediction", "model.flow.weighting=cosmap", "model.flow.weighting='cosmap'"),
+    ("epsilon", "model.flow.precondition_outputs=true", "model.flow.precondition_outputs=True")])
+def test_a_key_the_objective_does_not_read_is_refused_naming_it(objective, override, key):
+    """Issue 47, item 7: min-SNR under flow (or flow's σ settings under ε/v) was accepted and ignored."""
+    flow_yaml = os.path.join(ROOT, "yamls", "tiny-mmdit-flow-cpu.yaml")
+    base = [f"model.objective={objective}", "model.prediction_type=null"]  # the YAML's flow: section holds
+    # flow's defaults only, which is not a setting ε/v would ignore
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: only the .* objectives? reads? it, and this run "
+                                          rf"trains {objective}, which would ignore it"):
+        load_config(flow_yaml, [*base, override])
+    load_config(flow_yaml, base)  # the same run without the key is fine
+    from diffusion.models import objectives
+    from diffusion.train.config import ModelConfig
+    with pytest.raises(ConfigError, match="min_snr_gamma"):  # also where the objective is only known at build
+        objectives.check_keys("flow", ModelConfig(min_snr_gamma=5.0))
 
 
 def test_recipe_numbers():

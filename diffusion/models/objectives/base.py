@@ -18,6 +18,9 @@ class Objective(torch.nn.Module):
     """
 
     name: str
+    # The ``model.*`` keys only this objective (and others that list them) reads: a run whose objective does
+    # not list a key that another objective lists is refused when that key is set (see ``check_keys``)
+    reads: tuple[str, ...] = ()
 
     # ---- training --------------------------------------------------------------------------------------
     def level_draw(self):

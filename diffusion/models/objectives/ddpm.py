@@ -25,6 +25,7 @@ ZTSNR_GUIDANCE_RESCALE = 0.7  # the paper's φ for zero-terminal-SNR models
 
 class DDPMObjective(Objective):
     samplers = SCHEDULERS
+    reads = ("min_snr_gamma", "min_snr_floor", "zero_terminal_snr")
 
     def __init__(self, name: str, noise_schedule: dict, *, min_snr_gamma: float | None = None,
                  min_snr_floor: float = 0.0):

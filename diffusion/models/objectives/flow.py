@@ -45,6 +45,7 @@ def effective_shift(shift: float, resolution: int, base_resolution: int | None) 
 
 class FlowObjective(Objective):
     samplers = SAMPLERS
+    reads = ("flow",)
 
     def __init__(self, name: str = "flow", *, shift: float = 1.0, num_train_timesteps: int = 1000,
                  density: DensityDraw = DensityDraw(), weighting: str = "none", precondition_outputs: bool = False):
