@@ -53,6 +53,7 @@ def synthesise(snapshots: list[phe.Snapshot], sigma_rel: float, batch: int | Non
         batches = sorted({s.batch for s in snapshots})
         raise UserError(f"--batch {batch}: no snapshot at that batch; the run has snapshots at {batches[:8]}"
                         + (" ..." if len(batches) > 8 else ""))
+    _check_one_run(used)
     t = at[0].t  # the profiles' time at that batch (updates since they started)
     weights, residual = phe.synthesis_weights([(s.gamma, s.t) for s in used], gamma, t)
     params = _combine(used, weights)
@@ -61,16 +62,58 @@ def synthesise(snapshots: list[phe.Snapshot], sigma_rel: float, batch: int | Non
     return params, info
 
 
+def _differences(saved: dict, run: dict, ours: str = "the snapshots'") -> list[str]:
+    """What the identity ``saved`` (a checkpoint's model extra state, or a snapshot's run) says it is and
+    the snapshots' ``run`` is not, one phrase each (autoresume's own-run comparison), ``run`` called ``ours``."""
+    import types
+
+    from diffusion.models.description import ModelDescription
+    from diffusion.train import resume
+    try:
+        model = types.SimpleNamespace(description=ModelDescription.from_extra_state(run))
+    except (KeyError, TypeError):
+        return []
+    data = run.get("run") if isinstance(run.get("run"), dict) else {}
+    found = resume.differences(saved, model, data.get("data"), data.get("text_encoder"))
+    return [phrase.replace(", this run's ", f", {ours} ") for phrase in found]
+
+
+def _shapes(snapshot: phe.Snapshot) -> dict[str, tuple]:
+    """The snapshot's parameter names and shapes, from its header."""
+    with phe.open_snapshot(snapshot.path) as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def _check_one_run(snapshots: list[phe.Snapshot]) -> None:
+    """Refuse, in one line naming a file, snapshots that are not all one run's: another run's identity
+    in their metadata, or other parameters or shapes (snapshots written before the identity was recorded)."""
+    first = snapshots[0]
+    known = next((s for s in reversed(snapshots) if s.run is not None), None)  # the latest's run
+    for s in snapshots:
+        if known is not None and s.run is not None and s.run != known.run:
+            found = _differences(s.run, known.run, "that one's") or ["another model description or data"]
+            raise InputError(f"{s.path}: a snapshot of another run than {os.path.basename(known.path)} "
+                             f"({found[0]}): give --run the save folder of one run")
+    shapes = _shapes(first)
+    for s in snapshots[1:]:
+        theirs = _shapes(s)
+        if theirs == shapes:
+            continue
+        other = sorted(set(theirs) ^ set(shapes))
+        if other:
+            why = f"{other[0]} is in only one of them"
+        else:
+            name = next(n for n in sorted(shapes) if shapes[n] != theirs[n])
+            why = f"its {name} is {list(theirs[name])}, there {list(shapes[name])}"
+        raise InputError(f"{s.path}: holds other parameters than {os.path.basename(first.path)} ({why}): "
+                         f"snapshots of two runs in one folder? Give --run the save folder of one run")
+
+
 def _combine(snapshots: list[phe.Snapshot], weights) -> dict[str, torch.Tensor]:
     """``sum_i weights_i * snapshot_i``, tensor by tensor in float64 (the coefficients alternate in sign)."""
-    from safetensors import safe_open
     with_weight = [(s, float(w)) for s, w in zip(snapshots, weights) if w != 0.0]
-    handles = [(safe_open(s.path, framework="pt"), w, s.path) for s, w in with_weight]
+    handles = [(phe.open_snapshot(s.path), w, s.path) for s, w in with_weight]
     names = list(handles[0][0].keys())
-    for handle, _, path in handles[1:]:
-        if set(handle.keys()) != set(names):
-            raise InputError(f"{path}: holds other parameters than {handles[0][2]}: snapshots of two runs in one "
-                             f"folder?")
     out = {}
     for name in names:
         total = None
@@ -92,10 +135,21 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
     if os.path.abspath(out) in {os.path.abspath(base), os.path.realpath(base)}:
         raise UserError(f"--out {out} is the run's own checkpoint: write the average to a new file")
     model_state = read_state(base)["model"]
-    params, info = synthesise(snapshots, sigma_rel, batch)
-    missing = [name for name in params if name not in model_state]
+    extra, identity = model_state.get("_extra_state"), snapshots[-1].run
+    found = _differences(extra, identity) if isinstance(extra, dict) and identity is not None else []
+    if found:
+        raise InputError(f"{base}: a checkpoint of another run than the snapshots ({found[0]}): give --checkpoint "
+                         f"a checkpoint of the run that wrote them")
+    shapes = _shapes(snapshots[-1])
+    missing = [name for name in shapes if name not in model_state]
     if missing:
         raise InputError(f"{base}: has no parameter {missing[0]} of the snapshots: a checkpoint of another run?")
+    other = [name for name in shapes if tuple(model_state[name].shape) != shapes[name]]
+    if other:
+        raise InputError(f"{base}: its {other[0]} is {list(model_state[other[0]].shape)}, the snapshots' "
+                         f"{list(shapes[other[0]])}: a checkpoint of another model? Give --checkpoint a checkpoint "
+                         f"of the run that wrote them")
+    params, info = synthesise(snapshots, sigma_rel, batch)
     params = {name: p.to(model_state[name].dtype) for name, p in params.items()}
     state = {"model": model_state, "algorithms": [("EMA", {"ema_params": params, "posthoc_ema": info})]}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -83,3 +83,78 @@ def test_a_run_without_snapshots_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"posthoc_ema: error: {tmp_path}: no post-hoc EMA snapshots "
                                                f"(posthoc/ema-*.safetensors): train with algorithms.posthoc_ema "
                                                f"to write them")
+
+
+def _refusal(capsys, *args):
+    from diffusion.posthoc_ema import main
+    with pytest.raises(SystemExit) as exit:
+        cli.run(main, "posthoc_ema", list(args))
+    assert exit.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _copy_snapshots(run, tmp_path):
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(os.path.join(run, "posthoc"), folder / "posthoc")
+    os.symlink(os.path.realpath(os.path.join(run, "latest-rank0.pt")), folder / "latest-rank0.pt")
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["cut", "huge"])
+def test_a_snapshot_with_a_cut_or_huge_header_is_one_line(run, tmp_path, capsys, damage):
+    folder = _copy_snapshots(run, tmp_path)
+    path = folder / "posthoc" / "ema-0.100-ba6.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:40] if damage == "cut" else (2 ** 40).to_bytes(8, "little") + data[8:])
+    err = _refusal(capsys, "--run", str(folder), "--sigma-rel", "0.1", "--out", str(tmp_path / "x.pt"))
+    assert err.startswith(f"posthoc_ema: error: {path}: not a readable safetensors snapshot (")
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_snapshots_or_a_checkpoint_of_another_run_are_refused_in_one_line(run, tmp_path, capsys):
+    """The own-run check of autoresume, for post-hoc EMA: the snapshots carry the run's identity."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path / "x.pt")
+    folder = _copy_snapshots(run, tmp_path)
+    path = folder / "posthoc" / "ema-0.050-ba3.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    identity = json.loads(meta["run"])
+    assert identity["description"]["denoiser"] == "SD3Transformer2DModel" and identity["run"]["data"]
+    tensors = load_file(str(path))
+    # another run's snapshot among them: the same names and shapes, another training set
+    other = dict(identity, run=dict(identity["run"], data="/elsewhere/mds"))
+    save_file(tensors, str(path), metadata=dict(meta, run=json.dumps(other)))
+    err = _refusal(capsys, "--run", str(folder), "--sigma-rel", "0.1", "--out", out)
+    assert err == (f"posthoc_ema: error: {path}: a snapshot of another run than ema-0.100-ba6.safetensors (its "
+                   f"training data is '/elsewhere/mds', that one's {identity['run']['data']!r}): give --run the "
+                   f"save folder of one run")
+    # snapshots written before the identity was recorded: the same names, other shapes
+    name = next(n for n, t in tensors.items() if t.dim() == 2)
+    bigger = dict(tensors, **{name: torch.zeros(tensors[name].shape[0] + 1, tensors[name].shape[1])})
+    save_file(bigger, str(path), metadata={k: v for k, v in meta.items() if k != "run"})
+    err = _refusal(capsys, "--run", str(folder), "--sigma-rel", "0.1", "--out", out)
+    assert err.startswith(f"posthoc_ema: error: {folder / 'posthoc' / 'ema-0.100-ba3.safetensors'}: holds other "
+                          f"parameters than ema-0.050-ba3.safetensors (its {name} is ")
+    # a checkpoint of another model: another description (and here, other shapes)
+    save_file(tensors, str(path), metadata=meta)
+    state = torch.load(os.path.join(run, "latest-rank0.pt"), weights_only=False)
+    extra = state["state"]["model"]["_extra_state"]
+    extra["description"]["resolution"] = 2 * extra["description"]["resolution"]
+    torch.save(state, tmp_path / "other.pt")
+    err = _refusal(capsys, "--run", str(folder), "--sigma-rel", "0.1", "--out", out, "--checkpoint",
+                   str(tmp_path / "other.pt"))
+    assert err.startswith(f"posthoc_ema: error: {tmp_path / 'other.pt'}: a checkpoint of another run than the "
+                          f"snapshots (its model.resolution is ")
+    del state["state"]["model"]["_extra_state"]  # no description to compare: the shapes still are
+    state["state"]["model"][name] = torch.zeros(3, 3)
+    torch.save(state, tmp_path / "other.pt")
+    err = _refusal(capsys, "--run", str(folder), "--sigma-rel", "0.1", "--out", out, "--checkpoint",
+                   str(tmp_path / "other.pt"))
+    assert err.startswith(f"posthoc_ema: error: {tmp_path / 'other.pt'}: its {name} is [3, 3], the snapshots' ")
+    assert not os.path.exists(out)

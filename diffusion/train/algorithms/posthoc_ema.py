@@ -31,14 +31,16 @@ same shard-local fused update, FSDP gather for snapshots (FSDP1 with full state 
 update count (Composer stores it under ``state["algorithms"]`` as ``PostHocEMA``). FSDP1 with sharded
 checkpoints is refused at fit start, as for the EMA. Snapshots are written by global rank 0 into
 ``trainer.save_folder/posthoc/ema-<sigma_rel>-ba<batch>.safetensors`` (weights only, float32, with
-``sigma_rel``, ``gamma``, ``t`` and ``batch`` in the file's metadata), atomically; a resumed run
-rewrites a snapshot the killed run wrote after its checkpoint with the same weights. A remote
-save folder needs ``algorithms.posthoc_ema.folder`` (a local folder) instead.
+``sigma_rel``, ``gamma``, ``t``, ``batch`` and the run's identity as its checkpoints record it in the
+file's metadata), atomically; a resumed run rewrites a snapshot the killed run wrote after its checkpoint
+with the same weights. A remote save folder needs ``algorithms.posthoc_ema.folder`` (a local folder)
+instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -106,6 +108,21 @@ class Snapshot:
     gamma: float
     t: int  # updates of the profile when it was written: its time in the synthesis
     batch: int
+    run: dict | None = None  # the model's description and the run's data, as checkpoints record them
+
+
+def run_identity(model) -> dict | None:
+    """What the run's checkpoints say it is (the model extra state's description and run data, without
+    the phase), for a snapshot's metadata; None for a model that does not describe itself."""
+    while hasattr(model, "module") and not hasattr(model, "get_extra_state"):
+        model = model.module  # DistributedDataParallel keeps the ComposerModel in .module
+    try:
+        extra = model.get_extra_state()
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(extra, dict) or not isinstance(extra.get("description"), dict):
+        return None
+    return {k: extra[k] for k in ("description", "run") if k in extra}
 
 
 def width_label(sigma_rel: float) -> str:
@@ -121,22 +138,36 @@ def snapshot_name(sigma_rel: float, batch: int) -> str:
 
 def read_snapshots(folder: str) -> list[Snapshot]:
     """The snapshots in ``folder`` (a run's ``posthoc/``), by batch then width; metadata only."""
-    from safetensors import safe_open
+    from diffusion.errors import InputError
     found = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if not _SNAPSHOT.match(name):
             continue
         path = os.path.join(folder, name)
-        with safe_open(path, framework="pt") as f:
+        with open_snapshot(path) as f:
             meta = f.metadata() or {}
         try:
+            run = json.loads(meta["run"]) if "run" in meta else None
             found.append(Snapshot(path, float(meta["sigma_rel"]), float(meta["gamma"]), int(meta["t"]),
-                                  int(meta["batch"])))
+                                  int(meta["batch"]), run if isinstance(run, dict) else None))
         except (KeyError, ValueError):
-            from diffusion.errors import InputError
             raise InputError(f"{path}: not a post-hoc EMA snapshot (its metadata lacks sigma_rel, gamma, t, "
                              f"batch)") from None
     return sorted(found, key=lambda s: (s.batch, s.sigma_rel))
+
+
+def open_snapshot(path: str):
+    """``safetensors.safe_open`` of a snapshot; a file it cannot read (a cut or oversized header, not
+    safetensors at all) is one :class:`~diffusion.errors.InputError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    from diffusion.errors import InputError
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path}: not a readable safetensors snapshot ({reason}): cut short by a full disk or a "
+                         f"killed copy? Remove it, or copy it again") from None
 
 
 def write_snapshot(folder: str, snapshot: Snapshot, params: dict[str, torch.Tensor]) -> str:
@@ -146,8 +177,11 @@ def write_snapshot(folder: str, snapshot: Snapshot, params: dict[str, torch.Tens
     path = os.path.join(folder, snapshot_name(snapshot.sigma_rel, snapshot.batch))
     partial = os.path.join(folder, ".partial-" + os.path.basename(path))
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in params.items()}
-    save_file(tensors, partial, metadata={"sigma_rel": repr(snapshot.sigma_rel), "gamma": repr(snapshot.gamma),
-                                          "t": str(snapshot.t), "batch": str(snapshot.batch)})
+    metadata = {"sigma_rel": repr(snapshot.sigma_rel), "gamma": repr(snapshot.gamma), "t": str(snapshot.t),
+                "batch": str(snapshot.batch)}
+    if snapshot.run is not None:
+        metadata["run"] = json.dumps(snapshot.run, sort_keys=True, default=str)
+    save_file(tensors, partial, metadata=metadata)
     os.chmod(partial, 0o666 & ~_UMASK)  # safetensors writes 0600; readable as the checkpoints beside it are
     os.replace(partial, path)
     return path
@@ -206,6 +240,7 @@ class PostHocEMA(Algorithm):
         self.snapshot_every = _every(snapshot_every)
         self.folder = folder
         self._folder: str | None = None
+        self._run: dict | None = None
         self.written: list[str] = []  # snapshot paths this process wrote (rank 0)
 
     def __repr__(self) -> str:
@@ -225,6 +260,7 @@ class PostHocEMA(Algorithm):
                 raise ConfigError("algorithms.posthoc_ema with FSDP1 sharded checkpoints is not supported: use "
                                   "trainer.fsdp.state_dict_type=full, or FSDP2")
             self._folder = self._snapshot_folder(state)
+            self._run = run_identity(state.model)
             for profile in self.profiles:
                 if not profile.started:
                     profile._start_now(batch)
@@ -260,7 +296,7 @@ class PostHocEMA(Algorithm):
         for profile in self.profiles:
             params = profile._ema_params()
             if dist.get_global_rank() == 0:
-                meta = Snapshot("", profile.sigma_rel, profile.gamma, profile.num_updates, batch)
+                meta = Snapshot("", profile.sigma_rel, profile.gamma, profile.num_updates, batch, self._run)
                 self.written.append(write_snapshot(self._folder, meta, params))
 
     # ---- checkpoints -------------------------------------------------------------------------
