@@ -15,7 +15,8 @@ that policy; :func:`size_torch` (where training loads torch) sizes torch's intra
 to this rank's share of the usable CPUs; :func:`loader_workers` caps the loader's workers at that
 share; Ray's local cluster gets :func:`usable_cpus` as ``num_cpus`` (:mod:`diffusion.cluster`).
 A user's own ``OMP_WAIT_POLICY`` / ``OMP_NUM_THREADS`` win. ``DIFFUSION_CPUS=N`` says how many CPUs to
-plan for; ``DIFFUSION_CPUS=off`` leaves every pool at its library's default (the old behaviour).
+plan for (at most the machine's count: more is capped, with one line saying so); ``DIFFUSION_CPUS=off``
+leaves every pool at its library's default (the old behaviour).
 """
 
 from __future__ import annotations
@@ -103,14 +104,39 @@ def usable_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
     """Whole CPUs this process may use: ``DIFFUSION_CPUS`` if it is a number, else the smaller of its
     affinity mask and its cgroup quota (rounded down: a thread beyond the quota is throttled while
     the others wait at the next barrier), at least 1."""
-    given = os.environ.get(ENV, "").strip()
-    if given.isdigit() and int(given) > 0:
-        return int(given)
+    given = _override()
+    if given is not None:
+        return min(given, machine_cpus())  # more than the machine has would only plan idle workers
     cpus = affinity_cpus()
     quota = cgroup_cpu_limit(root, proc_cgroup)
     if quota is not None:
         cpus = min(cpus, math.floor(quota))
     return max(1, cpus)
+
+
+def _override() -> int | None:
+    """``DIFFUSION_CPUS`` as a number of CPUs (ASCII digits, at least 1), or None."""
+    given = os.environ.get(ENV, "").strip()
+    if not (given.isascii() and given.isdigit()):
+        return None
+    value = int(given) if len(given) <= 18 else 10 ** 18  # no 5000-digit parse
+    return value if value > 0 else None
+
+
+def machine_cpus() -> int:
+    """The CPUs the machine has (all of them, whatever this process's mask or quota): the ceiling of
+    ``DIFFUSION_CPUS``."""
+    return max(1, os.cpu_count() or affinity_cpus())
+
+
+def override_note() -> str | None:
+    """One line when ``DIFFUSION_CPUS`` asks for more CPUs than the machine has (it is capped), else None."""
+    given = _override()
+    if enabled() and given is not None and given > machine_cpus():
+        given = os.environ[ENV].strip()
+        return (f"note: {ENV}={given} is more CPUs than this machine has; planning for its {machine_cpus()} "
+                f"(a Ray cluster you join counts its own)")
+    return None
 
 
 def local_ranks() -> int:
@@ -131,7 +157,7 @@ def configure_process() -> None:
     libgomp and Intel's runtime read it once, at load), for this process and every process it starts
     (loader workers, Ray's workers). A user's own ``OMP_WAIT_POLICY`` wins; ``DIFFUSION_CPUS=off`` sets nothing."""
     given = os.environ.get(ENV, "").strip()
-    if given and enabled() and not (given.isdigit() and int(given) > 0):
+    if given and enabled() and _override() is None:
         from diffusion.errors import ConfigError
         raise ConfigError(f"{ENV}={given!r} is not a number of CPUs; set a whole number of at least 1, "
                           f"or off to leave thread pools at their libraries' defaults")
@@ -140,6 +166,10 @@ def configure_process() -> None:
             del os.environ[name]
     if enabled():
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        note = override_note()
+        if note and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+            import sys
+            print(note, file=sys.stderr, flush=True)
 
 
 def size_torch() -> dict[str, int] | None:

@@ -69,6 +69,7 @@ def test_affinity_is_the_mask_not_the_machine():
 
 
 def test_ranks_on_a_node_share_the_cpus(monkeypatch):
+    monkeypatch.setattr(cpus, "machine_cpus", lambda: 64)  # a machine with 8 CPUs or more
     monkeypatch.setenv(cpus.ENV, "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert cpus.rank_cpus() == 2
@@ -141,3 +142,22 @@ def test_a_new_local_ray_cluster_gets_the_usable_cpus(monkeypatch):
     monkeypatch.setattr("ray._private.services.find_bootstrap_address", lambda temp_dir=None: None)
     assert cluster._local_cpus(None) == 1
     assert cluster._local_cpus("10.0.0.1:6379") is None  # a running cluster counts its own
+
+
+def test_an_override_beyond_the_machine_is_capped_and_says_so(monkeypatch):
+    """DIFFUSION_CPUS=1000000000 planned 450,000,000 transform actors on a new local Ray cluster."""
+    from diffusion import cluster
+    from diffusion.convert.pipeline import ConvertConfig, plan_pools
+    machine = os.cpu_count()
+    monkeypatch.setenv(cpus.ENV, "1000000000")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray._private.services.find_bootstrap_address", lambda temp_dir=None: None)
+    assert cpus.usable_cpus() == cluster._local_cpus(None) == machine
+    plan = plan_pools({"CPU": cluster._local_cpus(None)}, ConvertConfig(input="in", output="out", model="kit"))
+    assert plan.num_transformers + plan.num_encoders <= machine
+    monkeypatch.setenv(cpus.ENV, "9" * 5000)  # no 5000-digit parse either
+    assert cpus.usable_cpus() == machine
+    result = _command("pass", {cpus.ENV: "1000000000"})
+    assert result.returncode == 0 and result.stderr == (
+        f"note: DIFFUSION_CPUS=1000000000 is more CPUs than this machine has; planning for its {machine} "
+        f"(a Ray cluster you join counts its own)\n"), result.stderr
