@@ -12,7 +12,7 @@ setup(
     description="Stable Diffusion pre-training from scratch at scale (Composer, streaming, Ray Data)",
     python_requires=">=3.11",
     packages=find_packages(include=["diffusion", "diffusion.*"]),
-    package_data={"diffusion.kit": ["assets/tiny-vae/*", "assets/tiny-vae16/*", "assets/tiny-dcae/*"]},  # the fitted
+    package_data={"diffusion.kit": ["assets/tiny-vae/*", "assets/tiny-vae16/*", "assets/tiny-dcae/*", "assets/tiny-clip-heads/*"]},  # the fitted
     # tiny autoencoders the tiny, tiny-flux and tiny-sana kits copy
     # `pip install .` puts the commands on PATH by name; each is also `python -m` / a script in convert/.
     entry_points={"console_scripts": [

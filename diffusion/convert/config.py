@@ -57,9 +57,34 @@ class ConvertConfig(PipelineSettings):
                                               "output (training reads it), 'ids' the 77 token ids only (308 B where "
                                               "SD2's embeddings take 158 KB; training runs the text encoder), 'both'",
                      choices=schema.TEXT_STORAGE)
-    dedupe: str = flag("none", "drop exact duplicate images (the same bytes) but their first copy in input order, "
-                               "as duplicate_image rejects: a pass over the input before converting",
+    dedupe: str = flag("none", "bytes: drop exact duplicate images (the same bytes) but their first copy in input "
+                               "order, as duplicate_image rejects: a pass over the input before converting; near: "
+                               "perceptual near-duplicates (re-encoded, resized, slightly cropped, mirrored, colour-"
+                               "jittered: near_duplicate); semantic: SemDeDup on the --embed embeddings "
+                               "(semantic_duplicate); near and semantic keep the highest clip_score of a group "
+                               "(the first in input order without --embed), in a first pass that decodes and embeds",
                        choices=DEDUPE_MODES)
+    dedupe_threshold: float | None = flag(None, "--dedupe near/semantic: cosine similarity at or above which two "
+                                                "images are duplicates (default: near 0.9, semantic 0.95)",
+                                          type=float, metavar="T")
+    visualize_duplicates: int = flag(0, "--dedupe near/semantic: write duplicates.png, N removed groups each beside "
+                                        "the image kept", type=int, metavar="N")
+    embed: str | None = flag(None, "image-text embedding model (hub id or local transformers directory: CLIP, "
+                                   "SigLIP; the kit's tiny-clip offline), a stage before encoding: stores clip_score "
+                                   "(image-caption cosine) and the heads' scores as columns --where can filter on",
+                             metavar="MODEL_REF")
+    store_embeddings: bool = flag(False, "--embed: store each image embedding too (column clip_embeds, float16)")
+    aesthetic_head: str | None = flag(None, "--embed: aesthetic head on the image embedding (safetensors, LAION "
+                                            "aesthetic predictor's layout): column aesthetic_score", metavar="FILE")
+    nsfw_head: str | None = flag(None, "--embed: NSFW head on the image embedding (safetensors): column nsfw",
+                                 metavar="FILE")
+    watermark_head: str | None = flag(None, "--embed: watermark head on the image embedding (safetensors): column "
+                                            "watermark", metavar="FILE")
+    exclude: list[str] | None = flag(None, "blocklists: text files of keys, URL sha256s (Re-LAION's form: 64 hex "
+                                           "digits, or url_sha256:HEX) or image sha256s (image_sha256:HEX), one a "
+                                           "line; keys and URLs are dropped as the input is read, image hashes before "
+                                           "decoding, counted as 'excluded: key|url|image'",
+                                     nargs="+", metavar="FILE")
     buckets: str | None = flag(None, "aspect-ratio buckets: 'preset' (sides multiples of 64 at the pixel budget of the "
                                      "one --resolutions value, within --max-aspect) or WxH,WxH,...; each image is cropped "
                                      "minimally to the bucket nearest its aspect ratio, one MDS dataset per bucket "
@@ -117,6 +142,60 @@ class ConvertConfig(PipelineSettings):
                 raise ConfigError("--visualize is for square outputs: leave it out with --buckets")
         if self.recaption is not None:
             self._check_recaption()
+        self._check_curation()
+
+    def _check_curation(self) -> None:
+        if self.embed is None:
+            given = [f for f in ("aesthetic_head", "nsfw_head", "watermark_head", "store_embeddings") if getattr(self, f)]
+            if given:
+                raise ConfigError(f"--{given[0].replace('_', '-')} reads the image embeddings: give --embed MODEL_REF")
+            if self.dedupe == "semantic":
+                raise ConfigError("--dedupe semantic clusters the image embeddings: give --embed MODEL_REF")
+        if self.dedupe_threshold is not None:
+            if self.dedupe not in ("near", "semantic"):
+                raise ConfigError("--dedupe-threshold is for --dedupe near or semantic")
+            if not 0 < self.dedupe_threshold <= 1:
+                raise ConfigError(f"--dedupe-threshold is a cosine similarity in (0, 1], got {self.dedupe_threshold}")
+        if self.visualize_duplicates < 0:
+            raise ConfigError(f"--visualize-duplicates must be >= 0, got {self.visualize_duplicates}")
+        if self.visualize_duplicates and self.dedupe not in ("near", "semantic"):
+            raise ConfigError("--visualize-duplicates draws what --dedupe near or semantic removed: give one")
+        if self.where:
+            self.split_where()  # a rule mixing scores and input columns fails here, naming it
+        for path in self.exclude or ():
+            if not os.path.isfile(os.path.expanduser(path)):
+                raise ConfigError(f"--exclude {path}: no such file")
+
+    def computed_columns(self) -> tuple[str, ...]:
+        """The score columns this run computes (--embed and its heads), which --where may filter on."""
+        if self.embed is None:
+            return ()
+        from diffusion.convert.curate import CLIP_SCORE, HEAD_COLUMNS
+        return (CLIP_SCORE, *(c for kind, c in HEAD_COLUMNS.items() if getattr(self, f"{kind}_head")))
+
+    def split_where(self) -> tuple[str | None, str | None]:
+        """(--where's rules on the input's columns, its rules on computed scores)."""
+        from diffusion.convert.curate import split_where
+        return split_where(self.where, self.computed_columns())
+
+    def heads(self) -> dict:
+        return {kind: os.path.abspath(os.path.expanduser(getattr(self, f"{kind}_head")))
+                for kind in ("aesthetic", "nsfw", "watermark") if getattr(self, f"{kind}_head")}
+
+    def threshold(self) -> float | None:
+        """The --dedupe near/semantic threshold (its default where not given)."""
+        if self.dedupe not in ("near", "semantic"):
+            return None
+        from diffusion.convert.neardup import DEFAULT_THRESHOLDS
+        return self.dedupe_threshold if self.dedupe_threshold is not None else DEFAULT_THRESHOLDS[self.dedupe]
+
+    def curation_settings(self) -> dict | None:
+        """What decides the computed scores (None without --embed); dataset.json records it too."""
+        if self.embed is None:
+            return None
+        ref = self.embed
+        model = os.path.abspath(os.path.expanduser(ref)) if os.path.isdir(os.path.expanduser(ref)) else ref
+        return {"model": model, "heads": self.heads(), "store_embeddings": self.store_embeddings}
 
     def _check_recaption(self) -> None:
         for name in ("recaption_batch_size", "recaption_max_tokens"):
@@ -152,8 +231,14 @@ class ConvertConfig(PipelineSettings):
 
     def raw_columns(self) -> RawColumns:
         return RawColumns(image=self.image_column, caption=self.caption_column, key=self.key_column,
-                          where=self.where, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars,
-                          captions=self.input_captions())
+                          where=self.split_where()[0] if self.where else None, max_bytes=self.max_bytes, max_caption_chars=self.max_caption_chars,
+                          captions=self.input_captions(), exclude_urls=self._exclude_urls())
+
+    def _exclude_urls(self) -> frozenset:
+        if not self.exclude:
+            return frozenset()
+        from diffusion.convert.exclude import load_blocklists
+        return load_blocklists(self.exclude).urls
 
     def output_settings(self) -> dict:
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
@@ -167,7 +252,19 @@ class ConvertConfig(PipelineSettings):
                 "dedupe": self.dedupe, "text": self.text, "text_length": self.text_length,
                 "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
                 "captions": list(self.input_captions()),
-                "recaption": self.recaption_settings()}
+                "recaption": self.recaption_settings(), "embed": self.curation_settings(),
+                "dedupe_threshold": self.threshold(), "exclude": self.exclude_settings()}
+
+    def exclude_settings(self) -> list | None:
+        """The blocklists (path, size, modification time): another list is another set of rows."""
+        if not self.exclude:
+            return None
+        out = []
+        for path in self.exclude:
+            path = os.path.abspath(os.path.expanduser(path))
+            stat = os.stat(path)
+            out.append([path, stat.st_size, stat.st_mtime_ns])
+        return out
 
     def recaption_settings(self) -> dict | None:
         """What decides the generated captions (None without --recaption); dataset.json records it too."""

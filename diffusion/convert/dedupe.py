@@ -42,7 +42,7 @@ import uuid
 import numpy as np
 
 DEDUPE_DIR = "dedupe"  # in the output: the later copies' keys, per input file
-MODES = ("none", "bytes")
+MODES = ("none", "bytes", "near", "semantic")  # near, semantic: diffusion.convert.neardup
 _DONE = "_done"
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from diffusion import schema
+from diffusion.convert.curate import CURATED_COLUMNS  # --embed's columns, carried through as they came
 from diffusion.models import loading
 from diffusion.models.text_encoder import attention_mask, text_probe, tokenize
 
@@ -187,8 +188,8 @@ class LatentTextEncoder:
                 out[extra_ids] = np.asarray(batch[extra_ids], dtype=np.int32)
             if self.text is not None:
                 out[embeds] = self.text.encode_ids(np.asarray(batch[extra_ids], dtype=np.int32), batch.get(tokens))
-        for name, value in batch.items():  # carry the earlier stages' timings through to the sink
-            if name.startswith("_") and name.endswith("_seconds"):
+        for name, value in batch.items():  # carry the earlier stages' timings (and --embed's scores) to the sink
+            if (name.startswith("_") and name.endswith("_seconds")) or name in CURATED_COLUMNS:
                 out[name] = value
         if self.record_timing:
             out[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(n, 1))

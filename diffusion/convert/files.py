@@ -45,6 +45,14 @@ class RawColumns:
     # --captions: further caption columns (parquet columns, webdataset .json fields, tfrecord features;
     # a folder's KEY.NAME.txt), each carried in the row under schema.caption_columns(name)[0]
     captions: tuple[str, ...] = ()
+    # --exclude: SHA-256 digests of URLs; a row whose url (parquet column, tar .json field) is one is an
+    # "excluded: url" reject, before its image is looked at (diffusion.convert.exclude)
+    exclude_urls: frozenset = frozenset()
+
+    def url_excluded(self, url) -> bool:
+        import hashlib
+        return (bool(self.exclude_urls) and isinstance(url, str)
+                and hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest() in self.exclude_urls)
 
     def extra_captions(self, row_get) -> dict:
         """The further captions of one row, read with ``row_get(input name)``."""
@@ -296,7 +304,8 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
             stand_in = NOT_READ if binary else ""
         wanted = [c for c in {columns.image if images else None, columns.caption, columns.key, schema.WIDTH,
                               schema.HEIGHT, schema.RAW_STATUS, *columns.captions,
-                              *(row_filter.columns if row_filter else ())}
+                              *(row_filter.columns if row_filter else ()),
+                              schema.RAW_URL if columns.exclude_urls else None}
                   if c in names]
         for record_batch, with_image in _parquet_batches(pf, wanted, columns.image, not images and binary):
             blame = row_filter.blame(record_batch) if row_filter else itertools.repeat(None)
@@ -307,6 +316,9 @@ def _parquet_rows(uri: str, columns: RawColumns, name: str, images: bool = True)
                     continue
                 if failed is not None:  # --where: a reject by its rule, before the image is looked at
                     yield {REJECT: row_filter.reason(failed), schema.RAW_KEY: row.get(columns.key)}
+                    continue
+                if columns.exclude_urls and columns.url_excluded(row.get(schema.RAW_URL)):  # --exclude
+                    yield {REJECT: "excluded: url", schema.RAW_KEY: row.get(columns.key)}
                     continue
                 yield {schema.RAW_KEY: row.get(columns.key), schema.RAW_CAPTION: row.get(columns.caption),
                        schema.RAW_IMAGE: row[columns.image] if images else (
@@ -340,6 +352,8 @@ def _webdataset_rows(uri: str, name: str, columns: RawColumns = RawColumns(), im
         if meta.get(schema.RAW_STATUS, "success") != "success":
             return None
         row_key = meta.get(columns.key) or row_key
+        if columns.exclude_urls and columns.url_excluded(meta.get(schema.RAW_URL)):  # --exclude
+            return {REJECT: "excluded: url", schema.RAW_KEY: row_key}
         if any(part is _UNREAD for part in parts.values()):
             return {REJECT: TOO_LARGE, schema.RAW_KEY: row_key}
         caption = parts[".txt"] if ".txt" in parts else meta.get(schema.RAW_CAPTION)

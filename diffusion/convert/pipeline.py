@@ -34,6 +34,7 @@ from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, commit
 from diffusion.convert.progress import ConversionProgress, input_rows
 from diffusion.convert.readers import check_inputs, input_files, read_raw
 from diffusion.convert.dedupe import find_duplicates, later_copies
+from diffusion.convert.neardup import REASONS, find_near_duplicates, removed_keys, visualize_duplicates
 from diffusion.convert.where_check import check_where
 from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
@@ -44,6 +45,8 @@ from diffusion.models import loading
 GPU_BATCH = {256: 120, 512: 40}
 CPU_BATCH = 8
 RECAPTION_CPUS = 0.25  # a CPU captioning actor's share: with the other pools it still leaves the read tasks a CPU
+CURATE_CPUS = 0.25  # a CPU --embed actor's share, likewise
+CURATE_GPUS = 0.25  # a GPU --embed actor's share (a CLIP tower beside the VAE)
 SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
 
 
@@ -59,6 +62,9 @@ class PoolPlan:
     cpus_per_recaptioner: float = 0.0
     gpus_per_recaptioner: float = 0.0
     recaption_batch: int = 0
+    num_curators: int = 0  # --embed's pool (none without it)
+    cpus_per_curator: float = 0.0
+    gpus_per_curator: float = 0.0
 
 
 def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
@@ -83,6 +89,16 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
             if cfg.encoder_gpus is None and gpus < 2:
                 gpu_each = 0.5  # one GPU: the encoder shares it with the captioner
             gpus = max(gpus - captioners * cap_gpus, gpu_each)
+    curators, cur_cpus, cur_gpus = 0, 0.0, 0.0
+    if cfg.embed is not None:  # --embed: a quarter CPU (or a quarter GPU, beside the encoder) per curator
+        curators = max(1, int(gpus // 4)) if gpus else 1
+        cur_gpus = CURATE_GPUS if gpus else 0.0
+        cur_cpus = min(1.0, free / (8 * curators)) if gpus else CURATE_CPUS
+        free = max(free - curators * cur_cpus, 0.5)
+        if gpus:
+            if cfg.encoder_gpus is None and gpus - curators * cur_gpus < gpu_each:
+                gpu_each = max(gpus - curators * cur_gpus, CURATE_GPUS)
+            gpus = max(gpus - curators * cur_gpus, gpu_each)
     if gpu_each:
         encoders = cfg.num_encoders or max(1, int(gpus // gpu_each))
         enc_cpus = min(1.0, free / (2 * encoders))
@@ -95,7 +111,8 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     tr_cpus = max(tr_cpus, 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
     return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch,
-                    captioners, cap_cpus, cap_gpus, cfg.recaption_batch_size if captioners else 0)
+                    captioners, cap_cpus, cap_gpus, cfg.recaption_batch_size if captioners else 0,
+                    curators, cur_cpus, cur_gpus)
 
 
 class _DatasetInfoWriter:
@@ -120,6 +137,14 @@ class _DatasetInfoWriter:
                       "dedupe": self.cfg.dedupe}
         if self.cfg.recaption is not None:
             info.extra["recaption"] = self.cfg.recaption_settings()
+        if self.cfg.embed is not None:  # the model, its width, the heads and the written rows' score histograms
+            from diffusion.convert.curate import check_embedder, histograms_of
+            info.extra["curation"] = {**self.cfg.curation_settings(), "width": check_embedder(self.cfg.embed)[1],
+                                      "histograms": histograms_of(summary.histograms)}
+        if self.cfg.dedupe in ("near", "semantic"):
+            info.extra["dedupe_threshold"] = self.cfg.threshold()
+        if self.cfg.exclude:
+            info.extra["exclude"] = [os.path.basename(p) for p in self.cfg.exclude]
         if summary.failed_inputs:  # skipped input files: the dataset lacks their unread rows
             info.extra["failed_inputs"] = dict(summary.failed_inputs)
         if self.cfg.buckets:
@@ -143,14 +168,18 @@ class _DatasetInfoWriter:
                 part.save(os.path.join(out, name))
 
 
-def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, duplicates_dir: str | None = None):
-    """The Ray Dataset from raw rows to encoded rows (not yet executed)."""
+def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, duplicates_dir: str | None = None,
+                   removed_dir: str | None = None, blocklist=None):
+    """The Ray Dataset from raw rows to encoded rows (not yet executed). ``removed_dir``: --dedupe near or
+    semantic's decision; ``blocklist``: --exclude's keys and image hashes."""
     from ray.data import ActorPoolStrategy
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
                          max_scans=cfg.max_scans)
     ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,
                   rejects_dir=os.path.join(out, REJECTS_DIR),
-                  duplicates=functools.partial(later_copies, duplicates_dir) if duplicates_dir else None)
+                  duplicates=(functools.partial(later_copies, duplicates_dir) if duplicates_dir else
+                              functools.partial(removed_keys, removed_dir, reason=REASONS[cfg.dedupe]) if removed_dir
+                              else None), blocklist=blocklist)
     ds = ds.map_batches(
         ImageCaptionTransform, batch_size=cfg.transform_batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(model=cfg.model, resolutions=cfg.resolutions, checks=checks,
@@ -167,6 +196,17 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
                                        cpu_threads=None if plan.gpus_per_recaptioner else 1),
             compute=ActorPoolStrategy(size=plan.num_recaptioners), num_cpus=plan.cpus_per_recaptioner,
             **({"num_gpus": plan.gpus_per_recaptioner} if plan.gpus_per_recaptioner else {}))
+    if cfg.embed is not None:
+        from diffusion.convert.curate import Curator
+        ds = ds.map_batches(
+            Curator, batch_size=plan.encoder_batch, batch_format="numpy",
+            fn_constructor_kwargs=dict(embed=cfg.embed, resolution=max(cfg.resolutions), heads=cfg.heads(),
+                                       where=cfg.split_where()[1] if cfg.where else None,
+                                       rejects_dir=os.path.join(out, REJECTS_DIR),
+                                       store_embeddings=cfg.store_embeddings, record_timing=True,
+                                       cpu_threads=None if plan.gpus_per_curator else 1),
+            compute=ActorPoolStrategy(size=plan.num_curators), num_cpus=plan.cpus_per_curator,
+            **({"num_gpus": plan.gpus_per_curator} if plan.gpus_per_curator else {}))
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)
     if plan.gpus_per_encoder:
         encoder_options["num_gpus"] = plan.gpus_per_encoder
@@ -217,7 +257,7 @@ def check_output_settings(out: str, settings: dict) -> None:
     if recorded:  # recorded before these settings existed: made without them
         recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
                     "recaption": None, "text_length": schema.MAX_TOKENS, "text_tokens": False,
-                    **recorded}
+                    "embed": None, "dedupe_threshold": None, "exclude": None, **recorded}
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
@@ -230,12 +270,18 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
     start = time.perf_counter()
     check_inputs(cfg.input, cfg.raw_columns())
-    if cfg.where:
+    if cfg.where and cfg.raw_columns().where:  # the rules on the input's columns (those on scores: --embed's)
         check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
     loading.require_weights(cfg.model, ("vae", *loading.text_components(cfg.model)))
     pooled_dim = check_pooled_text(cfg)
     if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
         check_captioner(loading.resolve_captioner(cfg.recaption), cfg.recaption)
+    embed_width = None
+    if cfg.embed is not None:  # found (or fetched) once here, and its heads checked against its width
+        from diffusion.convert.curate import Head, check_embedder
+        embed_width = check_embedder(cfg.embed)[1]
+        for kind, path in cfg.heads().items():
+            Head(path, kind, embed_width)
     text_config = loading.load_text_encoder_config(cfg.model)
     text_dim = loading.text_encoder_width(text_config)
     check_text_length(cfg.model, cfg.text_length, text_config)
@@ -250,11 +296,14 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
     columns = schema.mds_columns(cfg.resolutions, text_dim, space.downsample, cfg.text, captions=cfg.extra_captions(),
                                  text_length=cfg.text_length, tokens=settings["text_tokens"], latent_space=space,
                                  pooled_dim=pooled_dim)
+    from diffusion.convert.curate import curation_columns
+    curated = curation_columns(cfg.computed_columns(), embed_width, cfg.store_embeddings)
+    columns.update(curated)
 
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     try:
-        summary = _convert_into(cfg, out, settings, columns)
+        summary = _convert_into(cfg, out, settings, columns, curated)
     except BaseException:
         if created and not _holds_progress(out):  # a failed first run leaves nothing behind
             shutil.rmtree(out, ignore_errors=True)
@@ -318,10 +367,11 @@ def check_text_length(model: str, text_length: int, text_config: dict | None = N
 
 
 def _bucket_columns(resolutions, text_dim: int, space: schema.LatentSpace, text: str, captions, text_length: int,
-                    tokens: bool, name: str, pooled_dim: int | None = None) -> dict[str, str]:
-    return schema.mds_columns(resolutions, text_dim, space.downsample, text, bucket=schema.bucket_size(name),
-                              captions=captions, text_length=text_length, tokens=tokens, latent_space=space,
-                              pooled_dim=pooled_dim)
+                    tokens: bool, name: str, pooled_dim: int | None = None, extra: dict | None = None) -> dict[str, str]:
+    columns = schema.mds_columns(resolutions, text_dim, space.downsample, text, bucket=schema.bucket_size(name),
+                                 captions=captions, text_length=text_length, tokens=tokens, latent_space=space,
+                                 pooled_dim=pooled_dim)
+    return {**columns, **(extra or {})}
 
 
 def _holds_progress(out: str) -> bool:
@@ -331,7 +381,8 @@ def _holds_progress(out: str) -> bool:
             or (os.path.isdir(rejects) and bool(os.listdir(rejects))))
 
 
-def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -> ConversionSummary:
+def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict,
+                  curated: dict | None = None) -> ConversionSummary:
     if not os.path.exists(os.path.join(out, SETTINGS_JSON)):
         write_json_atomic(os.path.join(out, SETTINGS_JSON), settings)
     migrate_records(out)  # an output of the old layout: its records renamed before anything reads them
@@ -345,9 +396,11 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
         space = loading.latent_space_of(loading.load_vae_config(cfg.model))
         bucket_columns = functools.partial(_bucket_columns, cfg.resolutions, text_dim, space, cfg.text,
                                            cfg.extra_captions(), cfg.text_length, settings["text_tokens"],
-                                           pooled_dim=loading.pooled_text_width(cfg.model))
+                                           pooled_dim=loading.pooled_text_width(cfg.model), extra=curated)
+    from diffusion.convert.curate import HISTOGRAMS
     sink = MDSPartSink(out, columns, compression=cfg.compression, size_limit=cfg.shard_size,
-                       on_complete=_DatasetInfoWriter(cfg, settings["text_tokens"]), bucket_columns=bucket_columns)
+                       on_complete=_DatasetInfoWriter(cfg, settings["text_tokens"]), bucket_columns=bucket_columns,
+                       histograms={c: HISTOGRAMS[c] for c in cfg.computed_columns()})
 
     ray = init_ray(cfg.address)
     ctx = ray.data.DataContext.get_current()
@@ -359,9 +412,16 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
     if cfg.limit is not None or cfg.deterministic:
         ctx.execution_options.preserve_order = True
     plan = plan_pools(ray.cluster_resources(), cfg)
-    duplicates = None
+    duplicates = removed = None
+    blocklist = None
+    if cfg.exclude:
+        from diffusion.convert.exclude import load_blocklists
+        blocklist = load_blocklists(cfg.exclude)
     if cfg.dedupe == "bytes":
         duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out)
+        wait_for_free_cpus(ray)
+    elif cfg.dedupe in ("near", "semantic"):  # the first pass: decode, embed, decide; then convert the rest
+        removed = find_near_duplicates(cfg, out, blocklist)
         wait_for_free_cpus(ray)
     progress = contextlib.nullcontext()
     if cfg.progress:
@@ -369,12 +429,14 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict) -
         progress = ConversionProgress(out, total=lambda: input_rows(input_files(cfg.input, columns), columns),
                                       limit=cfg.limit)
     with _storage_errors_in_one_line(cfg), progress:
-        build_pipeline(cfg, out, written | set(rejected), plan, duplicates).write_datasink(sink)
+        build_pipeline(cfg, out, written | set(rejected), plan, duplicates, removed, blocklist).write_datasink(sink)
     if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
         sink.finalize()
 
     summary = summarize(out)
     summary.written_this_run = summary.written - before
+    if cfg.visualize_duplicates and removed:
+        visualize_duplicates(cfg, removed, os.path.join(out, "duplicates.png"), cfg.visualize_duplicates)
     if cfg.visualize:
         from diffusion.convert.preview import write_visualization
         write_visualization(out, cfg, cfg.visualize)

@@ -103,10 +103,11 @@ class _ReadFiles:
 
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
                  rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
-                 taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None):
+                 taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None, blocklist=None):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
         self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
         self.duplicates = duplicates
+        self.blocklist = blocklist  # --exclude: keys and image hashes (diffusion.convert.exclude.Blocklist)
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -120,13 +121,17 @@ class _ReadFiles:
             uri = str(uri)
             name, pending, rows_read = self.names[uri], {}, 0
             copies = self.duplicates(name) if self.duplicates else frozenset()  # --dedupe: later copies of an image
+            reasons = copies if isinstance(copies, dict) else {}  # --dedupe near/semantic: {key: reason}
             try:
                 for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
                                                self.taken):
-                    pending.update({k: DUPLICATE_IMAGE for k in batch[schema.RAW_KEY] if k in copies})
+                    pending.update({k: reasons.get(k, DUPLICATE_IMAGE) for k in batch[schema.RAW_KEY] if k in copies})
+                    blocked = self.blocklist.reasons(batch) if self.blocklist is not None else {}
+                    pending.update(blocked)
                     self._flush(pending)
                     rows_read += len(batch[schema.RAW_KEY])
-                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys and k not in copies]
+                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY])
+                            if k not in self.skip_keys and k not in copies and k not in blocked]
                     if keep:
                         yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
             except errors as e:
@@ -178,7 +183,7 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
              rejects_dir: str | None = None, failed_inputs_dir: str | None = None,
-             duplicates: Callable[[str], frozenset] | None = None):
+             duplicates: Callable[[str], frozenset] | None = None, blocklist=None):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
@@ -186,7 +191,9 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     resumes the same rows). Rows rejected while reading go to ``rejects_dir``; files that cannot be
     read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
     ``duplicates(file name)``: that file's keys to drop as ``duplicate_image`` (--dedupe: the later
-    copies of an image, found by :func:`diffusion.convert.dedupe.find_duplicates`).
+    copies of an image, found by :func:`diffusion.convert.dedupe.find_duplicates`; or ``{key: reason}``, the
+    rows --dedupe near/semantic removed). ``blocklist``: --exclude's keys and image hashes, dropped unread
+    (:class:`diffusion.convert.exclude.Blocklist`).
     """
     import ray
     formats = input_files(inputs, columns)
@@ -199,7 +206,7 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
         return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken,
-                                         duplicates), batch_size=1, batch_format="numpy", zero_copy_batch=True)
+                                         duplicates, blocklist), batch_size=1, batch_format="numpy", zero_copy_batch=True)
     ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
-                                   duplicates), batch_size=1, batch_format="numpy")
+                                   duplicates, blocklist), batch_size=1, batch_format="numpy")
     return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)

@@ -262,8 +262,10 @@ class MDSPartSink(Datasink):
     def __init__(self, out: str, columns: dict[str, str], compression: str | None = "zstd",
                  hashes=("sha1", "xxh3_64"), size_limit: int | str = SHARD_SIZE,
                  on_complete: Callable[[str], None] | None = None,
-                 bucket_columns: Callable[[str], dict[str, str]] | None = None):
+                 bucket_columns: Callable[[str], dict[str, str]] | None = None,
+                 histograms: dict | None = None):
         self.out = os.path.abspath(out)
+        self.histograms = dict(histograms or {})  # --embed: {score column: (low, high, bins)} counted into stats
         self.bucket_columns = bucket_columns  # bucket directory name -> its MDS columns (rows carry BUCKET)
         self.columns = dict(columns)
         self.compression = compression
@@ -320,6 +322,9 @@ class MDSPartSink(Datasink):
                     for c in part["columns"]:  # --captions: a further caption that is empty is counted
                         if c.startswith(EMPTY_COUNTED) and row[c] == "":
                             part["seconds"][EMPTY_PREFIX + c] = part["seconds"].get(EMPTY_PREFIX + c, 0) + 1
+                    for c in self.histograms:  # --embed: each written row's score, binned
+                        name = f"hist:{c}:{_bin(self.histograms[c], row[c])}"
+                        part["seconds"][name] = part["seconds"].get(name, 0) + 1
                     part["keys"].append(str(row[schema.KEY]))
             names = [self._commit(part, start) for part in parts.values()]
         except BaseException:
@@ -344,6 +349,11 @@ class MDSPartSink(Datasink):
             self.on_complete(self.out)
         self.completed = True
         return count
+
+
+def _bin(spec, value) -> int:
+    low, high, bins = spec
+    return int(min(max(int(np.floor((float(value) - low) / (high - low) * bins)), 0), bins - 1))
 
 
 def _as_mds_value(value, encoding: str = ""):

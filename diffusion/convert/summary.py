@@ -31,6 +31,7 @@ class ConversionSummary:
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # summed over workers
     failed_inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # input file -> why it was skipped
     empty_captions: dict[str, int] = dataclasses.field(default_factory=dict)  # --captions: name -> empty ones
+    histograms: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # --embed: score -> {bin: rows}
 
     @property
     def rows_in(self) -> int:
@@ -54,6 +55,10 @@ class ConversionSummary:
             if seconds > 0:
                 name = stage.removesuffix("_seconds")
                 lines.append(f"{'images/s per ' + name + ' worker':<{label}}{self.written / seconds:>10.1f}")
+        if self.histograms:
+            from diffusion.convert.curate import histogram_lines, histograms_of
+            lines += ["score histograms (written rows):",
+                      *("  " + line for line in histogram_lines(histograms_of(self.histograms)))]
         width = max(len(line) for line in lines)
         failed = [f"  {name}: {error}" for name, error in sorted(self.failed_inputs.items())[:FAILED_SHOWN]]
         if len(self.failed_inputs) > FAILED_SHOWN:
@@ -118,6 +123,11 @@ def summarize(out: str) -> ConversionSummary:
                 elif name.startswith(EMPTY_PREFIX + EMPTY_COUNTED):
                     caption = name[len(EMPTY_PREFIX + EMPTY_COUNTED):]
                     summary.empty_captions[caption] = summary.empty_captions.get(caption, 0) + int(value)
+                elif name.startswith("hist:"):  # --embed's score histograms: "hist:<column>:<bin>"
+                    _, column, index = name.rsplit(":", 2) if name.count(":") >= 2 else (None, None, None)
+                    if column and index.isdigit():
+                        bins = summary.histograms.setdefault(column, {})
+                        bins[int(index)] = bins.get(int(index), 0) + int(value)
                 elif name.endswith("_seconds") and isinstance(value, (int, float)):
                     summary.stage_seconds[name] = summary.stage_seconds.get(name, 0.0) + value
     return summary

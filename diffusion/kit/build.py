@@ -68,7 +68,7 @@ from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
 
 KIT_VERSION = 4  # bump when a preset's contents change: older kits are then rebuilt
 # A preset whose contents changed alone: its own version, so only it is rebuilt (tiny-flux 5: two text encoders)
-PRESET_VERSIONS = {"tiny-flux": 5, "flux-schnell": 5}
+PRESET_VERSIONS = {"tiny-flux": 5, "flux-schnell": 5, "tiny-clip": 5}  # tiny-clip 5: its fitted heads/
 
 
 def kit_version(preset: str) -> int:
@@ -434,7 +434,8 @@ def build_tiny_clip(out: pathlib.Path) -> dict:
     CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).save_pretrained(out)
     write_clip_tokenizer(out)
     CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(out)
-    return {}
+    from diffusion.kit.heads import install_heads  # heads/: aesthetic, nsfw, watermark for the converter's --embed
+    return {"heads": install_heads(out)}
 
 
 # The tiny captioner's vocabulary: BERT's special tokens (BLIP's tokenizer is BERT's), then words, so

@@ -1,0 +1,355 @@
+"""``--dedupe near`` and ``--dedupe semantic``: duplicates beyond identical bytes, across the whole input.
+
+- ``near``: perceptual near-duplicates (re-encoded, resized, cropped a little, mirrored, colour-jittered):
+  each image's :func:`~diffusion.convert.curate.perceptual_vectors` (a mirror-symmetric 16 px colour
+  thumbnail, brightness, contrast and saturation normalised away); two images are near-duplicates at a
+  cosine >= T (default 0.9).
+- ``semantic``: SemDeDup (Abbas et al. 2023) on the ``--embed`` image embeddings: the same comparison
+  on the normalised embeddings (default T 0.95).
+
+Whether an image is a duplicate depends on every other image, so it is decided in a pass before the
+conversion, never by holding n x n similarities:
+
+1. **embed** (a Ray job, one actor pool over the input files): each file's rows are read as the
+   conversion reads them (``--where`` on the input's columns, bad rows, repeated keys and ``--exclude``
+   dropped), decoded and cropped by the transform's own code, and their vectors (and with ``--embed``
+   the scores, and whether the rows pass ``--where``'s rules on scores) written as parquet;
+2. **decide** (:func:`duplicate_groups`, in the driver): the passing rows' vectors are clustered with
+   scikit-learn's ``MiniBatchKMeans`` (about :data:`CLUSTER_ROWS` rows a cluster, fitted and assigned
+   chunk by chunk); within a cluster, rows are ranked by the stated rule -- highest ``clip_score``
+   first (without ``--embed``: all equal), ties in input order -- and a row is removed if its
+   similarity to any higher-ranked row of its cluster is >= T (SemDeDup's rule), computed a block of
+   rows at a time. Memory: the vectors (n x D float16) plus one block x cluster, never n x n. Pairs
+   that k-means puts in different clusters are not compared (SemDeDup's trade: near-duplicates are
+   close, so they almost always share a cluster);
+3. **convert**: the removed keys are written per input file, and the conversion's read tasks drop
+   them before decoding, recorded as ``near_duplicate`` / ``semantic_duplicate``.
+
+The decision is a function of the input and the settings only (files in order, rows in file order,
+k-means seeded): a re-run, or a run resumed after a kill at any point, makes the same one, and
+``--deterministic`` keeps the same set. Steps 1-2 are kept under a fingerprint of the input files and
+the settings (``curate/<fingerprint>/``, complete once ``_done`` is written); a pass killed half-way
+is redone whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+import numpy as np
+
+CURATE_DIR = "curate"  # in the output: the first pass's vectors and the removed keys
+DEFAULT_THRESHOLDS = {"near": 0.9, "semantic": 0.95}
+REASONS = {"near": "near_duplicate", "semantic": "semantic_duplicate"}
+CLUSTER_ROWS = 1000  # rows per k-means cluster on average: the within-cluster comparison is m x m
+BLOCK = 1024  # rows of a cluster compared at once
+FIT_CHUNK = 65536  # rows per k-means partial_fit / predict call
+_DONE = "_done"
+
+
+# ---- the decision ------------------------------------------------------------------------------------
+
+def cluster_labels(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndarray:
+    """k-means labels of ``vectors`` (n x D, any float dtype) in ``clusters`` clusters, fitted and assigned
+    ``FIT_CHUNK`` rows at a time (float32 copies of a chunk only)."""
+    n = len(vectors)
+    if clusters <= 1 or n <= 1:
+        return np.zeros(n, np.int64)
+    from sklearn.cluster import MiniBatchKMeans
+    chunk = max(FIT_CHUNK, 3 * clusters)
+    km = MiniBatchKMeans(n_clusters=clusters, random_state=seed, batch_size=min(chunk, n), n_init=1,
+                         init="random" if clusters > 2000 else "k-means++", reassignment_ratio=0.0)
+    for _ in range(2):  # two sweeps over the data
+        for start in range(0, n, chunk):
+            part = np.asarray(vectors[start:start + chunk], np.float32)
+            if len(part) < clusters:  # partial_fit's first call needs a sample per cluster
+                part = np.asarray(vectors[max(0, n - chunk):], np.float32)
+            km.partial_fit(part)
+    labels = np.empty(n, np.int64)
+    for start in range(0, n, chunk):
+        labels[start:start + chunk] = km.predict(np.asarray(vectors[start:start + chunk], np.float32))
+    return labels
+
+
+def duplicate_groups(vectors: np.ndarray, priority: np.ndarray | None, threshold: float, seed: int = 0,
+                     cluster_rows: int = CLUSTER_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """(removed: bool per row, partner: for a removed row, the most similar higher-ranked row of its
+    cluster, else -1). Rows are unit vectors; higher ``priority`` ranks first, ties by row order."""
+    n = len(vectors)
+    removed, partner = np.zeros(n, bool), np.full(n, -1, np.int64)
+    if n < 2:
+        return removed, partner
+    priority = np.zeros(n, np.float32) if priority is None else np.asarray(priority, np.float32)
+    labels = cluster_labels(vectors, max(1, n // cluster_rows), seed)
+    by_cluster = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[by_cluster], np.arange(labels.max() + 2))
+    for c in range(len(bounds) - 1):
+        members = by_cluster[bounds[c]:bounds[c + 1]]
+        if len(members) < 2:
+            continue
+        members = members[np.lexsort((members, -priority[members]))]  # best first, ties in input order
+        v = np.asarray(vectors[members], np.float32)
+        for start in range(0, len(members), BLOCK):
+            stop = min(start + BLOCK, len(members))
+            sims = v[start:stop] @ v[:stop].T  # each row against every row ranked above it (and the block)
+            sims[np.arange(stop)[None, :] >= np.arange(start, stop)[:, None]] = -np.inf
+            best = sims.argmax(axis=1)
+            dup = sims[np.arange(stop - start), best] >= threshold
+            rows = members[start:stop]
+            removed[rows[dup]] = True
+            partner[rows[dup]] = members[best[dup]]
+    return removed, partner
+
+
+# ---- the first pass ------------------------------------------------------------------------------------
+
+class _EmbedFiles:
+    """Ray ``map_batches`` callable (an actor: the models load once): a batch of (path, order) in; per
+    valid, decodable row of each file its key, file, order, position, priority score, whether it passes
+    ``--where``'s score rules, and its vector (float16 bytes)."""
+
+    def __init__(self, formats: dict, names: dict, columns, taken: dict, model: str, resolution: int, checks,
+                 mode: str, embed: str | None, heads: dict, where: str | None, blocklist=None,
+                 cpu_threads: int | None = None):
+        import torch
+        if cpu_threads:
+            torch.set_num_threads(max(1, int(cpu_threads)))
+        from diffusion.convert.curate import Curator
+        from diffusion.convert.transforms import ImageCaptionTransform
+        self.formats, self.names, self.columns, self.taken = formats, names, columns, taken
+        self.transform = ImageCaptionTransform(model, [resolution], checks)
+        self.curator = Curator(embed, resolution, heads) if embed else None
+        self.mode, self.where, self.blocklist = mode, where, blocklist
+
+    def _crops(self, batch: dict):
+        from diffusion import schema
+        from diffusion.rejects import Rejected
+        keys, crops, positions, captions = [], [], [], []
+        res = self.transform.resolutions[0]
+        for i, (key, caption, data) in enumerate(zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
+                                                     batch[schema.RAW_IMAGE])):
+            try:
+                crops.append(self.transform.transform_one(data, caption)[0][res])
+            except Rejected:
+                continue
+            keys.append(str(key))
+            positions.append(i)
+            captions.append(caption)
+        return keys, crops, positions, captions
+
+    def __call__(self, batch: dict):
+        import pyarrow as pa
+        from diffusion import schema
+        from diffusion.convert.curate import CLIP_SCORE, failing_rows, perceptual_vectors
+        from diffusion.convert.dedupe import file_id
+        from diffusion.convert.failed_inputs import file_errors
+        from diffusion.convert.files import iter_file_batches
+        errors = file_errors()
+        for uri, order in zip(batch["path"], batch["order"]):
+            uri, position = str(uri), 0
+            name = self.names[uri]
+            out = {"key": [], "order": [], "pos": [], "score": [], "passes": [], "vec": []}
+            try:
+                for rows in iter_file_batches(uri, self.formats[uri], self.columns, name, None, self.taken):
+                    if self.blocklist is not None:
+                        blocked = self.blocklist.reasons(rows)
+                        if blocked:
+                            keep = [i for i, k in enumerate(rows[schema.RAW_KEY]) if k not in blocked]
+                            rows = {c: [v[i] for i in keep] for c, v in rows.items()}
+                    keys, crops, positions, captions = self._crops(rows)
+                    if not keys:
+                        position += len(rows[schema.RAW_KEY])
+                        continue
+                    passes = np.ones(len(keys), bool)
+                    score = np.zeros(len(keys), np.float32)
+                    if self.curator is not None:
+                        scores, images = self.curator.scores(crops, captions)
+                        score = scores[CLIP_SCORE]
+                        if self.where:
+                            passes = failing_rows(self.where, scores, keys, None)
+                    vectors = images if self.mode == "semantic" else perceptual_vectors(crops)
+                    out["key"] += keys
+                    out["order"] += [int(order)] * len(keys)
+                    out["pos"] += [position + p for p in positions]
+                    out["score"] += [float(s) for s in score]
+                    out["passes"] += [bool(p) for p in passes]
+                    out["vec"] += [np.asarray(v, np.float16).tobytes() for v in vectors]
+                    position += len(rows[schema.RAW_KEY])
+            except errors:
+                pass  # the conversion records the file as failed; its rows read before the damage count
+            yield pa.table({"key": pa.array(out["key"], pa.string()), "file": [file_id(name)] * len(out["key"]),
+                            "order": pa.array(out["order"], pa.int64()), "pos": pa.array(out["pos"], pa.int64()),
+                            "score": pa.array(out["score"], pa.float32()), "passes": pa.array(out["passes"], pa.bool_()),
+                            "vec": pa.array(out["vec"], pa.binary())})
+
+
+def _fingerprint(formats: dict, columns, settings: dict) -> str:
+    from diffusion.convert.dedupe import _fingerprint as input_fingerprint
+    return hashlib.sha1((input_fingerprint(formats, columns) + json.dumps(settings, sort_keys=True)).encode()
+                        ).hexdigest()[:16]
+
+
+def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
+    """Run the first pass and the decision (module docstring) unless an earlier run finished them for
+    this input and these settings; returns the folder :func:`removed_keys` reads."""
+    import ray
+    from ray.data import ActorPoolStrategy
+    from diffusion.convert.files import file_names, input_files
+    from diffusion.convert.shared_keys import keys_taken_by_earlier_files
+    from diffusion.convert.transforms import ImageChecks
+    columns = cfg.raw_columns()
+    formats = input_files(cfg.input, columns)
+    settings = {"mode": cfg.dedupe, "threshold": cfg.threshold(), "embed": cfg.curation_settings(),
+                "where": cfg.split_where()[1] if cfg.where else None, "resolution": max(cfg.resolutions),
+                "exclude": cfg.exclude_settings(), "checks": [cfg.min_size, cfg.max_aspect, cfg.max_pixels,
+                                                             cfg.max_scans]}
+    root = os.path.join(out, CURATE_DIR)
+    final = os.path.join(root, _fingerprint(formats, columns, settings))
+    if os.path.exists(os.path.join(final, _DONE)):
+        _remove_others(root, keep=final)
+        return final
+    os.makedirs(root, exist_ok=True)
+    _remove_others(root, keep=None)  # a killed pass's leftovers, or another input's lists
+    names = file_names(formats)
+    taken = keys_taken_by_earlier_files(formats, names, columns)
+    files = list(formats)
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    gpus = float(ray.cluster_resources().get("GPU", 0)) if cfg.embed else 0.0
+    actors = max(1, int(gpus)) if gpus else max(1, int(cpus - max(1.0, 0.1 * cpus)))  # a CPU left for the writes
+    checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
+                         max_scans=cfg.max_scans)
+    ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
+                             override_num_blocks=min(len(files), 1024))
+    vectors = ds.map_batches(
+        _EmbedFiles, batch_size=1, batch_format="numpy",
+        fn_constructor_kwargs=dict(formats=formats, names=names, columns=columns, taken=taken, model=cfg.model,
+                                   resolution=max(cfg.resolutions), checks=checks, mode=cfg.dedupe, embed=cfg.embed,
+                                   heads=cfg.heads(), where=settings["where"], blocklist=blocklist,
+                                   cpu_threads=None if gpus else 1),
+        compute=ActorPoolStrategy(size=actors), num_cpus=1, **({"num_gpus": 1} if gpus else {}))
+    vectors.write_parquet(os.path.join(tmp, "vectors"))
+    decide(tmp, cfg.dedupe, cfg.threshold())
+    with open(os.path.join(tmp, _DONE), "w") as f:
+        f.write("")
+    os.rename(tmp, final)
+    return final
+
+
+def _remove_others(root: str, keep: str | None) -> None:
+    for stale in os.listdir(root) if os.path.isdir(root) else []:
+        if os.path.join(root, stale) != keep:
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+
+
+def load_vectors(folder: str):
+    """(table of key/file/order/pos/score/passes in input order, n x D float16 vectors) of a first pass."""
+    import pyarrow.dataset as pads
+    dataset = pads.dataset(os.path.join(folder, "vectors"), format="parquet")
+    meta = dataset.to_table(columns=["key", "file", "order", "pos", "score", "passes"])
+    order = np.lexsort((meta.column("pos").to_numpy(), meta.column("order").to_numpy()))
+    meta = meta.take(order)
+    n = meta.num_rows
+    vectors = None
+    row = 0
+    position = np.empty(n, np.int64)
+    position[order] = np.arange(n)  # where each row read (in file order) goes in input order
+    for batch in dataset.to_batches(columns=["vec"]):
+        values = batch.column(0)
+        for i in range(len(values)):
+            v = np.frombuffer(values[i].as_py(), np.float16)
+            if vectors is None:
+                vectors = np.empty((n, len(v)), np.float16)
+            vectors[position[row]] = v
+            row += 1
+    return meta, (vectors if vectors is not None else np.zeros((0, 1), np.float16))
+
+
+def decide(folder: str, mode: str, threshold: float, seed: int = 0) -> dict:
+    """Step 2: the removed rows of the passing ones, written per input file as ``removed/file=<id>/``
+    (key, reason, the kept row's key); returns counts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    meta, vectors = load_vectors(folder)
+    passing = np.flatnonzero(meta.column("passes").to_numpy(zero_copy_only=False))
+    scores = meta.column("score").to_numpy()[passing]
+    removed, partner = duplicate_groups(vectors[passing], scores, threshold, seed)
+    keys = meta.column("key").to_pylist()
+    files = meta.column("file").to_pylist()
+    out = os.path.join(folder, "removed")
+    by_file: dict[str, list] = {}
+    for i in np.flatnonzero(removed):
+        kept = i
+        while removed[kept]:  # the removed row's partner may be removed too: follow to a kept row
+            kept = partner[kept]
+        row, kept_row = passing[i], passing[kept]
+        by_file.setdefault(files[row], []).append((keys[row], keys[kept_row]))
+    for file, rows in by_file.items():
+        os.makedirs(os.path.join(out, f"file={file}"), exist_ok=True)
+        pq.write_table(pa.table({"key": [k for k, _ in rows], "kept": [k for _, k in rows]}),
+                       os.path.join(out, f"file={file}", "removed.parquet"))
+    os.makedirs(out, exist_ok=True)
+    counts = {"rows": int(len(meta)), "passing": int(len(passing)), "removed": int(removed.sum())}
+    with open(os.path.join(folder, "decision.json"), "w") as f:
+        json.dump({"mode": mode, "threshold": threshold, **counts}, f)
+    return counts
+
+
+def removed_keys(folder: str | None, name: str, reason: str) -> dict[str, str]:
+    """{key: reason} of the input file ``name``'s removed rows."""
+    if not folder:
+        return {}
+    from diffusion.convert.dedupe import file_id
+    path = os.path.join(folder, "removed", f"file={file_id(name)}", "removed.parquet")
+    if not os.path.isfile(path):
+        return {}
+    import pyarrow.parquet as pq
+    return {k: reason for k in pq.read_table(path, columns=["key"]).column("key").to_pylist()}
+
+
+def removed_groups(folder: str) -> dict[str, list[str]]:
+    """{kept key: [removed keys]} of a decision, for --visualize-duplicates."""
+    import pyarrow.dataset as pads
+    path = os.path.join(folder, "removed")
+    groups: dict[str, list[str]] = {}
+    if not any(os.scandir(path)):
+        return groups
+    table = pads.dataset(path, format="parquet").to_table(columns=["key", "kept"])
+    for key, kept in zip(table.column("key").to_pylist(), table.column("kept").to_pylist()):
+        groups.setdefault(kept, []).append(key)
+    return {k: sorted(v) for k, v in sorted(groups.items())}
+
+
+def visualize_duplicates(cfg, folder: str, out_png: str, n: int, side: int = 96) -> int:
+    """Draw ``n`` removed groups, one a row: the kept image, then the removed ones; returns rows drawn."""
+    from PIL import Image, ImageDraw
+    from diffusion import schema
+    from diffusion.convert.readers import iter_rows
+    groups = dict(list(removed_groups(folder).items())[:n])
+    if not groups:
+        return 0
+    wanted = set(groups) | {k for v in groups.values() for k in v}
+    images = {}
+    for row in iter_rows(cfg.input, cfg.raw_columns(), on_failed_file=lambda *_: None):
+        if row[schema.RAW_KEY] in wanted:
+            images[row[schema.RAW_KEY]] = row[schema.RAW_IMAGE]
+    width = 1 + max(len(v) for v in groups.values())
+    sheet = Image.new("RGB", (width * side, len(groups) * (side + 14)), "white")
+    draw = ImageDraw.Draw(sheet)
+    import io
+    for r, (kept, removed) in enumerate(groups.items()):
+        for c, key in enumerate([kept, *removed]):
+            try:
+                with Image.open(io.BytesIO(images[key])) as im:
+                    thumb = im.convert("RGB")
+                    thumb.thumbnail((side - 4, side - 4))
+            except Exception:
+                continue
+            sheet.paste(thumb, (c * side + 2, r * (side + 14) + 14))
+            draw.text((c * side + 2, r * (side + 14)), ("kept " if c == 0 else "") + key[:12], fill="black")
+    sheet.save(out_png)
+    return len(groups)
