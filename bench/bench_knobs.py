@@ -21,8 +21,9 @@ Every row's scored weights are the ones generate samples: the EMA (the synthesis
 ``posthoc-ema``) of the last checkpoint. Adherence is bench_recipes' (the demo's six colour prompts x 16
 images, guidance 3, 25 steps, seed 0: the colour score, and the scene judge's single-object and colour
 categories); with ``--data digits`` it is bench_real's judged digit accuracy (ten prompts x 8 images).
-The held-out loss is MLPerf's metric as ``callbacks.loss_target`` logs it (``model.eval_bins: 8``, the
-mean of the eight fixed noise levels' losses, pinned noise) on a held-out set no run trains on: 256
+The held-out loss is the mean of the eight fixed noise levels' losses (``model.eval_bins: 8`` with
+``model.eval_protocol: all_levels``: every held-out sample at all eight bins' slice centres, pinned noise;
+not MLPerf's one level a sample, which is noisier on this few samples) on a held-out set no run trains on: 256
 sample rows of another seed (the digits' test split with ``--data digits``). CPU-seconds are the
 training process's user + system time; sampling and scoring are not counted. With ``--every N`` each row
 also scores a checkpoint every N batches and reports the first batch, and its CPU-seconds (allotted by

@@ -14,7 +14,8 @@ patches masked (yamls/tiny-mmdit-masked-cpu.yaml), then 1/4 unmasked from its we
 to the kit's tiny ViT fitted on the scenes, block 2 of 4, weight 0.5, off from batch 1,000).
 
 ``--held-out`` adds, for the recipes on the tiny-mmdit kit, the binned held-out loss of every point's
-weights (the EMA, as sampled): bench_knobs' measure (``model.eval_bins: 8``, MLPerf's metric, on 256 sample
+weights (the EMA, as sampled): bench_knobs' measure (``model.eval_bins: 8`` with ``model.eval_protocol:
+all_levels``: every held-out sample at all 8 bins, lower-variance than MLPerf's one level a sample on 256 sample
 rows of another seed no run trains on; in ``--out``/held-out, converted once); not counted in CPU-seconds.
 
 ``flux-flow`` and ``sana-flow`` are the flow recipe (yamls/tiny-mmdit-flow-cpu.yaml) on the tiny-flux kit
@@ -149,7 +150,8 @@ class HeldOutLoss:
         if kit not in self.trainers:
             self.trainers[kit] = build_trainer(load_config(YAML, [
                 f"model.ref={kit}", f"data.train.path={self.train}", f"data.eval.path={self.held_out}",
-                "data.eval.num_workers=0", f"model.eval_bins={EVAL_BINS}", "trainer.save_folder=null",
+                "data.eval.num_workers=0", f"model.eval_bins={EVAL_BINS}", "model.eval_protocol=all_levels",
+                "trainer.save_folder=null",
                 "trainer.autoresume=false", "algorithms={}", "callbacks={}", "loggers={}"]))
         trainer = self.trainers[kit]
         denoiser, _, _ = load_denoiser(checkpoint)

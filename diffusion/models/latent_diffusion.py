@@ -10,7 +10,9 @@ The random numbers come with the batch, drawn per sample from (seed, epoch, key)
 (:class:`diffusion.loader.batches.NoiseDraws`): the step is the same whatever the microbatch size or
 the number of ranks, and the forward has no generator or host sync for ``torch.compile`` to break on.
 Eval uses the same path with noise and levels pinned per held-out sample, so evals are comparable;
-with ``eval_bins`` it also reports the held-out loss at fixed noise levels (``loss_bin{k}``).
+with ``eval_bins`` it reports the held-out loss at fixed noise levels (``loss_bin{k}``): by default
+MLPerf's protocol, each sample at one level (sample i at level i mod bins, σ = k/bins), one denoiser
+call a sample; ``eval_protocol="all_levels"`` scores every sample at every bin instead.
 The conditioning is the batch's text embeddings, or, from a dataset of token ids, the frozen text
 encoder's output on the batch's ids (:mod:`diffusion.models.text_encoder`), computed in the step; with
 ``text_mask`` the denoiser attends only to each caption's tokens (the batch's token counts), not its padding.
@@ -33,6 +35,10 @@ from diffusion.models import denoisers, loading, objectives, repa as repa_module
 from diffusion.models.description import ModelDescription
 from diffusion.models.text_encoder import FrozenTextEncoder, attention_mask
 
+# model.eval_protocol with eval_bins: MLPerf's (each held-out sample at one level, round-robin) or every
+# sample at every bin (bins + 1 denoiser calls a sample: lower variance on a small held-out set)
+EVAL_PROTOCOLS = ("mlperf", "all_levels")
+
 LEGACY_PREFIX, PREFIX = "unet.", "denoiser."  # checkpoints before the model wing named the UNet "unet"
 
 
@@ -43,6 +49,7 @@ class LatentDiffusion(ComposerModel):
                  scaling_factor: float | None = None, model_ref: str, resolution: int, downsample: int = 8,
                  latent_space: schema.LatentSpace | None = None, offset_noise: float = 0.0,
                  input_perturbation: float = 0.0, eval_seed: int = 0, eval_bins: int = 0,
+                 eval_protocol: str = "mlperf",
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
                  route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
                  text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None, pooled_text: bool = False):
@@ -75,6 +82,9 @@ class LatentDiffusion(ComposerModel):
         self.input_perturbation = input_perturbation
         self.eval_seed = eval_seed
         self.eval_bins = int(eval_bins)
+        if eval_protocol not in EVAL_PROTOCOLS:
+            raise ConfigError(f"model.eval_protocol={eval_protocol!r}: one of {', '.join(EVAL_PROTOCOLS)}")
+        self.eval_protocol = eval_protocol
         self.mask_ratio, self.mixer_blocks = float(mask_ratio), int(mixer_blocks)
         if self.mask_ratio and not self.adapter.masking:
             raise ConfigError(f"model.masking.ratio={mask_ratio}: {self.adapter.class_name} has no patches to mask; "
@@ -245,9 +255,15 @@ class LatentDiffusion(ComposerModel):
         latents, noise = torch.cat(latents), torch.cat(noise)
         levels = torch.cat(levels).to(moments.device)
         text, pooled = self.conditioning(batch), self.pooled_of(batch)
+        round_robin = self.eval_bins and self.eval_protocol == "mlperf"
+        if round_robin:  # MLPerf: sample i at level i mod bins (σ = k/bins), its only denoiser call
+            bin_of = indices.to("cpu", torch.long) % self.eval_bins
+            levels = self.objective.equidistant_levels(self.eval_bins)[bin_of].to(moments.device)
         with torch.no_grad():
             outputs = self._denoise(latents, noise, noise, levels, *text, pooled=pooled)
-            if self.eval_bins:  # every held-out sample at each fixed level, same latent and noise
+            if round_robin:
+                outputs["bin_of"], outputs["per_sample"] = bin_of.to(moments.device), _per_sample_mse(outputs)
+            elif self.eval_bins:  # all_levels: every held-out sample at each bin's level, same latent and noise
                 outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text,
                                                                  pooled=pooled))
                                    for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
@@ -264,6 +280,11 @@ class LatentDiffusion(ComposerModel):
 
     def update_metric(self, batch, outputs, metric) -> None:
         k = getattr(metric, "level_bin", None)
+        if k is not None and "bin_of" in outputs:  # MLPerf's protocol: the samples given level k
+            per_sample = outputs["per_sample"][outputs["bin_of"] == k]
+            if per_sample.numel():
+                metric.update(per_sample.mean(), weight=per_sample.numel())
+            return
         per_sample = _per_sample_mse(outputs) if k is None else outputs["bins"][k]
         metric.update(per_sample.mean(), weight=per_sample.numel())
 
@@ -451,7 +472,7 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         denoiser, objective, model_ref=ref, resolution=model_cfg.resolution,
         latent_space=info.latent_space, offset_noise=model_cfg.offset_noise,
         input_perturbation=model_cfg.input_perturbation, eval_seed=model_cfg.eval_seed,
-        eval_bins=model_cfg.eval_bins, mask_ratio=model_cfg.masking.ratio,
+        eval_bins=model_cfg.eval_bins, eval_protocol=model_cfg.eval_protocol, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
         route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
         text_mask=text_mask_of(model_cfg, info), repa=repa, pooled_text=pooled_text)

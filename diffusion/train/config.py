@@ -95,6 +95,9 @@ class ModelConfig:
     min_snr_floor: float = 0.0
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
     eval_bins: int = 0  # > 0: also the held-out loss at this many fixed noise levels (metrics loss_bin{k})
+    # with eval_bins: "mlperf" (MLPerf's: held-out sample i at level i mod bins, sigma = k/bins, one denoiser
+    # call a sample) or "all_levels" (every sample at every bin's slice centre: bins + 1 calls a sample)
+    eval_protocol: Literal["mlperf", "all_levels"] = "mlperf"
     masking: MaskingConfig = dataclasses.field(default_factory=MaskingConfig)  # training only: eval never masks
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)  # training only: eval never routes
     zero_terminal_snr: bool = False  # rescale betas so the last timestep is pure noise (needs v_prediction)
@@ -522,6 +525,8 @@ def _check_model(m: ModelConfig) -> None:
     _require(m.routing.start >= 0, f"model.routing.start={m.routing.start} must be at least 0")
     if m.repa is not None:
         r = m.repa
+    _require(m.eval_protocol == "mlperf" or m.eval_bins > 0,
+             f"model.eval_protocol={m.eval_protocol} is read only with model.eval_bins > 0 (the binned held-out loss)")
         _require(bool(r.encoder), "model.repa.encoder is empty: give a vision encoder (hub id or local directory), "
                                   "e.g. facebook/dinov2-base")
         _require(r.block >= 1, f"model.repa.block={r.block} must be at least 1 (the first block's output)")

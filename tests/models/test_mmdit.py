@@ -70,19 +70,55 @@ def _initial(kit):
     return {"denoiser." + k: v for k, v in adapter.build(adapter.load_config(kit), seed=17).state_dict().items()}
 
 
+class _EvalCalls:
+    """The denoiser calls of each eval: (rows, levels) per call, from the model's own ``_denoise``."""
+
+    def __new__(cls):
+        from composer.core import Callback
+
+        class EvalCalls(Callback):
+            def __init__(self):
+                self.calls = []
+
+            def fit_start(self, state, logger):
+                model, denoise = state.model, state.model._denoise
+
+                def counted(latents, noise, input_noise, levels, *args, **kwargs):
+                    if not model.training:
+                        self.calls.append((len(latents), levels.tolist()))
+                    return denoise(latents, noise, input_noise, levels, *args, **kwargs)
+                model._denoise = counted
+        return EvalCalls()
+
+
 @pytest.mark.parametrize("objective", ["flow", "v_prediction"])
 def test_held_out_loss_is_reported_per_noise_level_bin(mmdit_train_kit, mds, objective):
-    """``model.eval_bins``: each held-out sample at fixed levels, the same in any run, logged per bin."""
-    losses = _Losses()
+    """``model.eval_bins``: MLPerf's protocol, each held-out sample at one of the fixed levels in turn
+    (sample i at level i mod bins, sigma = k/bins), ONE denoiser call a sample, the same in any run,
+    logged per bin; ``model.eval_protocol=all_levels``: every sample at every bin."""
+    losses, calls = _Losses(), _EvalCalls()
     cfg = _cfg(mmdit_train_kit, mds, f"model.objective={objective}", "model.eval_bins=4", f"data.eval.path={mds}",
                "data.eval.batch_size=8", "data.eval.num_workers=0", "trainer.eval_interval=2ba", "algorithms={}",
                batches=2)
-    fit_in_process(cfg, callbacks=[losses])
+    fit_in_process(cfg, callbacks=[losses, calls])
     bins = [losses.eval[f"loss_bin{k}"] for k in range(4)]
     assert "loss" in losses.eval and len(set(bins)) == 4 and all(b > 0 for b in bins)
+    # one eval of the 32 held-out samples: 4 batches, one call each, 8 levels in turn per batch
+    assert [rows for rows, _ in calls.calls] == [8] * 4
+    levels = [0.0, 0.25, 0.5, 0.75] if objective == "flow" else [0, 250, 500, 750]  # sigma = k/4, t = kT/4
+    assert sorted({level for _, lv in calls.calls for level in lv}) == levels
+    assert losses.eval["loss"] == pytest.approx(sum(bins) / 4, rel=1e-5)  # 8 samples a level
     again = _Losses()
     fit_in_process(cfg, callbacks=[again])
     assert [again.eval[f"loss_bin{k}"] for k in range(4)] == bins  # comparable across runs
+    if objective == "flow":  # the earlier protocol, by name: a pinned random level and every bin's, 5 calls a batch
+        every, calls = _Losses(), _EvalCalls()
+        fit_in_process(_cfg(mmdit_train_kit, mds, "model.objective=flow", "model.eval_bins=4",
+                            "model.eval_protocol=all_levels", f"data.eval.path={mds}", "data.eval.batch_size=8",
+                            "data.eval.num_workers=0", "trainer.eval_interval=2ba", "algorithms={}", batches=2),
+                       callbacks=[every, calls])
+        assert [rows for rows, _ in calls.calls] == [8] * 20
+        assert len({every.eval[f"loss_bin{k}"] for k in range(4)}) == 4 and every.eval["loss_bin0"] != bins[0]
 
 
 def test_flow_resume_is_exact(mmdit_train_kit, mds, tmp_path):

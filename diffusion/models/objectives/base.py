@@ -45,6 +45,11 @@ class Objective(torch.nn.Module):
         """One held-out sample's pinned level, drawn from its own generator (after its latent and noise)."""
         raise NotImplementedError
 
+    def equidistant_levels(self, bins: int) -> torch.Tensor:
+        """MLPerf's eval levels: noise ``k / bins`` of the way from clean to pure noise, k = 0 ... bins - 1
+        (``model.eval_protocol: mlperf``), low noise first."""
+        raise NotImplementedError
+
     def bin_levels(self, bins: int) -> torch.Tensor:
         """``bins`` fixed levels spread over the range trained on, low noise first (binned eval loss)."""
         raise NotImplementedError

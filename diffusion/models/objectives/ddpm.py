@@ -88,6 +88,9 @@ class DDPMObjective(Objective):
     def eval_level(self, generator):
         return torch.randint(0, self.num_timesteps, (1,), generator=generator)
 
+    def equidistant_levels(self, bins):
+        return (torch.arange(bins, dtype=torch.float64) * self.num_timesteps / bins).long()
+
     def bin_levels(self, bins):
         centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
         return (centres * self.num_timesteps).long().clamp(0, self.num_timesteps - 1)

@@ -94,12 +94,15 @@ class FlowObjective(Objective):
         return (u * self.num_timesteps).long().clamp(0, self.num_timesteps - 1)
 
     def sigmas(self, indices):
-        return self.sigma_table[indices]
+        # float levels are σ itself (MLPerf's eval levels σ = k/8, off the table: σ = 0 is on none)
+        return indices if indices.is_floating_point() else self.sigma_table[indices]
 
     def noisy_and_target(self, latents, noise, input_noise, indices):
-        sigma = self.sigma_table[indices].view(-1, 1, 1, 1)
+        sigma = self.sigmas(indices)
+        timesteps = sigma * self.num_timesteps if indices.is_floating_point() else self.timestep_table[indices]
+        sigma = sigma.view(-1, 1, 1, 1)
         noisy = (1.0 - sigma) * latents + sigma * input_noise
-        return noisy, noise - latents, self.timestep_table[indices]
+        return noisy, noise - latents, timesteps
 
     def weights(self, indices):
         sigma = self.sigma_table[indices]
@@ -114,6 +117,10 @@ class FlowObjective(Objective):
     # ---- evaluation ----------------------------------------------------------------------------------
     def eval_level(self, generator):
         return torch.randint(0, self.num_timesteps, (1,), generator=generator)
+
+    def equidistant_levels(self, bins):
+        # MLPerf's σ = k/bins as σ itself (the table's timesteps are σ·T whatever the shift)
+        return torch.arange(bins, dtype=torch.float32) / bins
 
     def bin_levels(self, bins):
         # σ at the bins' centres, low noise first: the table is descending.
