@@ -179,3 +179,36 @@ def _kit(out):
 
 def _heads(out):
     return {f"{k}_head": v for k, v in schema.DatasetInfo.load(out).extra["curation"]["heads"].items()}
+
+
+def test_embed_pool_leaves_a_cpu_for_reads_and_fits_one_gpu():
+    """--embed's actors take a quarter CPU (CPU-only) or a quarter GPU beside the encoder: on 2 CPUs a
+    whole CPU stays free for the read tasks (else Ray Data starves them and the job hangs), on one GPU
+    the encoder and the curator fit it together."""
+    from diffusion.convert.pipeline import ConvertConfig, plan_pools
+    for resources in ({"CPU": 2.0}, {"CPU": 8.0, "GPU": 1.0}, {"CPU": 64.0, "GPU": 8.0}):
+        plan = plan_pools(resources, ConvertConfig(input="x", output="y", model="m", embed="clip"))
+        cpus = (plan.num_transformers * plan.cpus_per_transformer + plan.num_encoders * plan.cpus_per_encoder
+                + plan.num_curators * plan.cpus_per_curator)
+        assert plan.num_curators >= 1 and cpus <= resources["CPU"] - 1
+        gpus = plan.num_encoders * plan.gpus_per_encoder + plan.num_curators * plan.gpus_per_curator
+        assert gpus <= resources.get("GPU", 0)
+    off = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m"))
+    assert off.num_curators == 0
+
+
+def test_heads_refuse_pickles_and_wrong_widths_in_one_line(clip_kit, tmp_path):
+    from diffusion.convert.curate import Head, split_where
+    from diffusion.errors import ConfigError
+    pickle = tmp_path / "aesthetic.pth"
+    pickle.write_bytes(b"\x80\x04")
+    with pytest.raises(ConfigError, match="safetensors file only"):
+        Head(str(pickle), "aesthetic")
+    with pytest.raises(ConfigError, match="reads 32-wide embeddings, but the --embed model's are 768"):
+        Head(os.path.join(clip_kit, "heads", "aesthetic.safetensors"), "aesthetic", 768)
+    head = Head(os.path.join(clip_kit, "heads", "aesthetic.safetensors"), "aesthetic", 32)
+    assert [tuple(w.shape) for w, _ in head.layers] == [(1024, 32), (128, 1024), (64, 128), (16, 64), (1, 16)]
+    assert split_where("aesthetic >= 5 and clip_score > 0.28 and nsfw < 0.1", ["clip_score", "nsfw"]) == (
+        "aesthetic >= 5", "clip_score > 0.28 and nsfw < 0.1")
+    with pytest.raises(ConfigError, match="mixes computed scores"):
+        split_where("clip_score > 0.3 or aesthetic > 5", ["clip_score"])
