@@ -64,6 +64,7 @@ class DownloadConfig:
     output_format: str = "parquet"  # parquet | webdataset (tar + metadata parquet), as img2dataset writes them
     where: str | None = None  # --where: rows failing it are not fetched (diffusion.where' grammar)
     dedupe_urls: bool = False  # a URL seen earlier in input order is not fetched again
+    exclude: tuple[str, ...] = ()  # --exclude: blocklists (diffusion.convert.exclude): listed URLs/keys not fetched
 
 
 @dataclasses.dataclass
@@ -110,11 +111,23 @@ def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:
     return {"rows_per_shard": config.rows_per_shard, "columns": config.columns.names(),
             "shards": len(shards), "shard_ranges_sha256": hashlib.sha256(json.dumps(ranges).encode()).hexdigest(),
             "image": dataclasses.asdict(config.image), "output_format": config.output_format,
-            "where": parse_where(config.where).text if config.where else None, "dedupe_urls": config.dedupe_urls}
+            "where": parse_where(config.where).text if config.where else None, "dedupe_urls": config.dedupe_urls,
+            "exclude": _blocklists_sha256(config.exclude)}
+
+
+def _blocklists_sha256(paths) -> str | None:
+    """Of the --exclude files' contents (None without any): other lists drop other rows."""
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for path in paths:
+        with open(os.path.expanduser(path), "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
 
 
 # What a plan written before the key existed meant.
-_FINGERPRINT_DEFAULTS = {"output_format": "parquet", "where": None, "dedupe_urls": False}
+_FINGERPRINT_DEFAULTS = {"output_format": "parquet", "where": None, "dedupe_urls": False, "exclude": None}
 _IMAGE_DEFAULTS = {"max_scans": MAX_SCANS}  # image rules added since: a plan without one ran with its default
 
 
@@ -135,7 +148,7 @@ def _claim_output(fs: pa_fs.FileSystem, root: str, fingerprint: dict, output: st
         f.write(json.dumps(fingerprint, indent=2).encode())
 
 
-_FLAGS = {"where": "--where", "dedupe_urls": "--dedupe-urls"}  # fingerprint keys shown as their flag
+_FLAGS = {"where": "--where", "dedupe_urls": "--dedupe-urls", "exclude": "--exclude"}  # fingerprint keys shown as their flag
 
 
 def _download_batch(batch: dict, job: ShardJob) -> dict:
@@ -157,7 +170,11 @@ def download(config: DownloadConfig, start_ray=None) -> DownloadSummary:
     _check_config(config)
     shards, formats = plan_shards(config.input, config.columns, config.rows_per_shard, config.input_format)
     in_fs, _ = open_filesystem(config.input)
-    drops = plan_drops(in_fs, formats, shards, config.columns, config.where, config.dedupe_urls)
+    blocklist = None
+    if config.exclude:
+        from diffusion.convert.exclude import load_blocklists
+        blocklist = load_blocklists(config.exclude)
+    drops = plan_drops(in_fs, formats, shards, config.columns, config.where, config.dedupe_urls, blocklist)
     fs, root = open_filesystem(config.output)
     fs.create_dir(root, recursive=True)
     _claim_output(fs, root, _plan_fingerprint(config, shards), config.output)
@@ -245,6 +262,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dedupe-urls", action="store_true",
                    help="fetch each URL once: a row whose URL an earlier row (in input order, over all files) "
                         "already has is not fetched and is counted as duplicate_url in the stats")
+    p.add_argument("--exclude", nargs="+", default=(), metavar="FILE",
+                   help="blocklists (one entry a line: a URL's SHA-256 as Re-LAION publishes them, url_sha256:HEX, "
+                        "url:URL, key:KEY for an input with a key column): listed rows are not fetched, counted as "
+                        "'excluded: url' / 'excluded: key' in the stats")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or a local instance)")
     return p.parse_args(argv)
 
@@ -256,7 +277,7 @@ def main(argv=None) -> DownloadSummary:
         input=args.input, output=args.output, input_format=args.input_format,
         columns=InputColumns(args.url_col, args.caption_col, keep), rows_per_shard=args.rows_per_shard,
         threads=args.threads, concurrency=args.concurrency, num_cpus=args.num_cpus, output_format=args.output_format,
-        where=args.where, dedupe_urls=args.dedupe_urls,
+        where=args.where, dedupe_urls=args.dedupe_urls, exclude=tuple(args.exclude),
         fetch=FetchConfig(timeout=args.timeout, retries=args.retries, max_bytes=args.max_bytes,
                           max_redirects=args.max_redirects),
         image=ImageRules(min_size=args.min_size, max_pixels=args.max_pixels, max_scans=args.max_scans,

@@ -73,12 +73,14 @@ def _read_columns(fs: pa_fs.FileSystem, path: str, fmt: str, names: list[str]) -
 
 
 def plan_drops(fs: pa_fs.FileSystem, files: dict[str, str], shards: list[ShardSpec], columns: InputColumns,
-               where: str | None, dedupe_urls: bool) -> dict[int, dict[int, str]]:
+               where: str | None, dedupe_urls: bool, blocklist=None) -> dict[int, dict[int, str]]:
     """``{shard_id: {row index within the shard: reason}}`` of the rows not to fetch (shards with none
     left out). ConfigError (one line) if ``where`` is malformed, names a column a file lacks (listing the
-    file's columns), cannot be compared with a column's type, or keeps no row of the input."""
+    file's columns), cannot be compared with a column's type, or keeps no row of the input. ``blocklist``
+    (--exclude, :class:`diffusion.convert.exclude.Blocklist`): rows whose URL's SHA-256 (or whose ``key``
+    column) it lists are ``excluded: url`` (``excluded: key``), never fetched."""
     row_filter: RowFilter | None = parse_where(where) if where else None
-    if row_filter is None and not dedupe_urls:
+    if row_filter is None and not dedupe_urls and not blocklist:
         return {}
     drops: dict[int, dict[int, str]] = {}
     seen: set[bytes] = set()
@@ -93,19 +95,27 @@ def plan_drops(fs: pa_fs.FileSystem, files: dict[str, str], shards: list[ShardSp
             row_filter.check_columns(file_columns(fs, path, fmt), path)
         wanted = [columns.url, columns.caption] + [c for c in (row_filter.columns if row_filter else ())
                                                     if c not in (columns.url, columns.caption)]
+        by_key = bool(blocklist and blocklist.keys) and "key" in file_columns(fs, path, fmt)
+        if by_key and "key" not in wanted:
+            wanted.append("key")
         table = _read_columns(fs, path, fmt, wanted)
         n = table.num_rows
         verdict: list[int | None] = [None] * n
         if row_filter is not None:
             row_filter.check_types(table.schema, path)
             verdict = row_filter.blame(table)
-        urls = table[columns.url].to_pylist() if dedupe_urls else None
+        urls = table[columns.url].to_pylist() if dedupe_urls or blocklist else None
+        keys = table["key"].to_pylist() if by_key else None
         reasons: list[str | None] = [None] * n
         for row in range(n):
             if verdict[row] is not None:
                 removed[verdict[row]] += 1
                 reasons[row] = row_filter.reason(verdict[row])
-            elif urls is not None and urls[row] is not None:
+            elif keys is not None and keys[row] is not None and str(keys[row]) in blocklist.keys:
+                reasons[row] = "excluded: key"
+            elif blocklist and blocklist.url_blocked(urls[row]):
+                reasons[row] = "excluded: url"
+            elif dedupe_urls and urls is not None and urls[row] is not None:
                 digest = hashlib.blake2b(urls[row].encode("utf-8", "surrogatepass"), digest_size=16).digest()
                 if digest in seen:
                     reasons[row] = DUPLICATE_URL

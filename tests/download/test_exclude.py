@@ -1,0 +1,24 @@
+"""--exclude in the downloader (issue 51): listed URLs (Re-LAION's sha256 form) and keys are never fetched."""
+
+import hashlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from diffusion.convert.exclude import load_blocklists
+from diffusion.download.plan import InputColumns, open_filesystem, plan_shards
+from diffusion.download.select import plan_drops
+
+
+def test_blocklisted_urls_and_keys_are_dropped_before_fetching(tmp_path):
+    urls = [f"http://127.0.0.1:1/{i}.jpg" for i in range(10)]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"URL": urls, "TEXT": ["a cat"] * 10, "key": [f"k{i}" for i in range(10)]}), src)
+    blocklist = tmp_path / "relaion.txt"
+    blocklist.write_text(f"# Re-LAION style: sha256 of the URL\n{hashlib.sha256(urls[2].encode()).hexdigest()}\n"
+                         f"url_sha256:{hashlib.sha256(urls[7].encode()).hexdigest().upper()}\nkey:k5\n")
+    shards, formats = plan_shards(str(src), InputColumns(), rows_per_shard=4)
+    fs, _ = open_filesystem(str(src))
+    drops = plan_drops(fs, formats, shards, InputColumns(), None, True, load_blocklists([str(blocklist)]))
+    assert drops == {0: {2: "excluded: url"}, 1: {1: "excluded: key", 3: "excluded: url"}}
+    assert plan_drops(fs, formats, shards, InputColumns(), None, False, None) == {}  # off: nothing dropped
