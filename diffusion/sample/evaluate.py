@@ -236,12 +236,13 @@ def clip_metrics(image_features: np.ndarray, prompts: list[str], scorer: ClipSco
 
 def evaluate(images, *, clip_model: str | None = None, reference=None, fid_features: str = "clip",
              inception_weights: str | None = None, batch_size: int = 32, device=None, judge: bool = False,
-             protocol: dict | None = None) -> dict:
+             protocol: dict | None = None, cmmd_estimator: str = "biased") -> dict:
     """Score ``images`` (paths, or a list of ``(PIL image, prompt)`` pairs) and return the metrics.
 
     A prompt is text or a GenEval metadata line (a dict with ``prompt``). CLIP metrics need prompts
     (images without one are left out of them) and ``clip_model``; FID and CMMD need ``reference``;
-    ``judge`` adds the scene judge's per-category accuracy. The result's ``protocol`` records how the
+    ``judge`` adds the scene judge's per-category accuracy; ``cmmd_estimator``: "biased" (the CMMD
+    reference code's, comparable with published numbers) or "unbiased". The result's ``protocol`` records how the
     numbers were made: ``protocol`` (the sampling settings, when the images were generated) and the
     feature models and resizing used here.
     """
@@ -269,7 +270,8 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
     if not prompts:
         raise ValueError(f"no readable images in {images!r}")
     result = {"num_images": len(prompts), "protocol": _protocol(protocol, len(prompts), scorer, clip_model,
-                                                                 fid_features if scorer else None, judge)}
+                                                                 fid_features if scorer else None, judge,
+                                                                 cmmd_estimator)}
     if scorer:
         result["fid_features"] = fid_features
     if judge:
@@ -293,14 +295,15 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
             raise ValueError(f"no readable reference images in {reference!r}")
         ref_fid = np.concatenate(ref_fid)
         result.update(num_reference=len(ref_fid), fid=frechet_distance(np.concatenate(fid_feats), ref_fid),
-                      cmmd=cmmd.cmmd(np.concatenate(clip_feats), np.concatenate(ref_clip)))
+                      cmmd=cmmd.cmmd(np.concatenate(clip_feats), np.concatenate(ref_clip), cmmd_estimator))
         result["protocol"]["reference_count"] = len(ref_fid)
     if skipped:
         result["skipped"] = dict(skipped)
     return result
 
 
-def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, judge: bool) -> dict:
+def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, judge: bool,
+              cmmd_estimator: str = "biased") -> dict:
     """How the numbers were made: the sampling settings (``given``; "given images" when the images were
     not generated here), the image count, each feature model and the resizing in front of it."""
     from diffusion.sample import cmmd, judge as scene_judge
@@ -312,7 +315,7 @@ def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, 
         protocol["resize"] = (f"CLIPImageProcessor: shortest side to {processor.size}, resample "
                               f"{int(processor.resample)} (PIL), centre crop {processor.crop_size}")
         protocol["fid_features"] = fid_features
-        protocol["cmmd"] = dict(cmmd.PROTOCOL)
+        protocol["cmmd"] = cmmd.protocol(cmmd_estimator)
     if judge:
         protocol["judge"] = (f"diffusion.sample.judge: centre square, bilinear down to {scene_judge.WORK_SIDE} px "
                              f"when larger; GenEval's metadata rules")
@@ -380,7 +383,8 @@ parquet or webdataset tars, or directories of these), or a checkpoint and prompt
 (--checkpoint with --prompts-file, and the sampling flags of diffusion.generate); a CLIP model
 (--clip-model: local directory or hub id); for FID and CMMD a reference set (--reference, the same
 forms). FID features are the CLIP model's image embeddings unless --fid-features inception; CMMD's are
-always CLIP's (sigma 10, x1000, unbiased). --judge needs no CLIP model: it reads shapes, colours, counts
+always CLIP's (sigma 10, x1000, the reference code's biased estimator; --cmmd-estimator unbiased for the
+U-statistic). --judge needs no CLIP model: it reads shapes, colours, counts
 and places back from the images and scores them against their prompts (captions of the sample scenes,
 or GenEval metadata lines: --prompts-file X.jsonl, a GenEval image folder as --images).
 Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, cmmd,
@@ -415,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "needed)")
     parser.add_argument("--fid-features", choices=("clip", "inception"), default="clip",
                         help="features FID compares (default: %(default)s)")
+    parser.add_argument("--cmmd-estimator", choices=("biased", "unbiased"), default="biased",
+                        help="CMMD's estimator: biased, google-research/cmmd's, which published numbers use "
+                             "(default), or unbiased (the within-set means without the diagonal)")
     parser.add_argument("--inception-weights", default=None, metavar="FILE",
                         help="local torchvision Inception-v3 state dict, for --fid-features inception")
     parser.add_argument("--eval-batch-size", type=cli.positive_int, default=32,
@@ -505,7 +512,8 @@ def main(argv=None) -> None:
         images = list(zip(generated, labels))
     metrics = evaluate(images, clip_model=args.clip_model, reference=args.reference,
                        fid_features=args.fid_features, inception_weights=args.inception_weights,
-                       batch_size=args.eval_batch_size, device=args.device, judge=args.judge, protocol=protocol)
+                       batch_size=args.eval_batch_size, device=args.device, judge=args.judge, protocol=protocol,
+                       cmmd_estimator=args.cmmd_estimator)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:

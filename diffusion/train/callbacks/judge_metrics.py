@@ -8,7 +8,8 @@ score) and its cost: ``metrics/judge/seconds`` (this round's sampling and judgin
 ``metrics/judge/seconds_total``. With ``clip_model`` and ``reference`` (images or raw data that
 :func:`diffusion.sample.evaluate.iter_images` reads, the first ``reference_images`` of them) it also logs
 ``metrics/judge/cmmd``: CMMD (:mod:`diffusion.sample.cmmd`) between the round's images and the reference,
-whose CLIP embeddings are computed once. The sampler draws from its own seeded generator, so training's
+whose CLIP embeddings are computed once, by the reference code's (biased) estimator unless
+``cmmd_estimator: unbiased``. The sampler draws from its own seeded generator, so training's
 random draws are the same with and without it.
 
     callbacks:
@@ -33,9 +34,14 @@ class JudgeMetrics(ImageLogger):
     def __init__(self, *, per_category: int = 4, prompts_file: str | None = None, seed: int = 0,
                  images_per_prompt: int = 2, guidance_scale: float = 3.0, steps: int = 25,
                  interval: str | None = None, scheduler: str | None = None, clip_model: str | None = None,
-                 reference: str | None = None, reference_images: int = 256):
+                 reference: str | None = None, reference_images: int = 256, cmmd_estimator: str = "biased"):
         if bool(clip_model) != bool(reference):
             raise ValueError("callbacks.judge_metrics: CMMD needs both clip_model and reference (or neither)")
+        from diffusion.sample.cmmd import ESTIMATORS
+        if cmmd_estimator not in ESTIMATORS:
+            raise ValueError(f"callbacks.judge_metrics.cmmd_estimator={cmmd_estimator!r}: biased (the reference "
+                             f"code's) or unbiased")
+        self.cmmd_estimator = cmmd_estimator
         self.clip_model, self.reference, self.reference_images = clip_model, reference, int(reference_images)
         self._clip = self._reference_features = None
         if prompts_file:
@@ -77,7 +83,7 @@ class JudgeMetrics(ImageLogger):
             pairs = evaluate.iter_images(self.reference)
             reference = [image for _, (image, _) in zip(range(self.reference_images), pairs)]
             self._reference_features = self._clip.image_features(reference)
-        return cmmd.cmmd(self._clip.image_features(images), self._reference_features)
+        return cmmd.cmmd(self._clip.image_features(images), self._reference_features, self.cmmd_estimator)
 
     def _sample(self, state: State):
         """The prompt set's images from the (EMA) weights on rank 0; None on other ranks."""
