@@ -38,7 +38,7 @@ test-transformers5: $(STAMP)
 
 # make demo RECIPE=unet trains the other recipe (the SD2 UNet); BATCHES=1000 a shorter run (slow machines)
 demo: $(STAMP)
-	$(PY) -m diffusion.demo --out $(DEMO) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(BATCHES),--batches $(BATCHES))
+	$(PY) -m diffusion.demo --out $(DEMO) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(BATCHES),--batches $(BATCHES)) $(if $(CURATE),--curate)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

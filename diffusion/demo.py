@@ -73,7 +73,8 @@ DEFAULT_RECIPE = "mmdit-flow"
 
 
 def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None,
-             buckets: bool = False, recipe: str = DEFAULT_RECIPE, images_per_prompt: int = IMAGES_PER_PROMPT) -> dict:
+             buckets: bool = False, recipe: str = DEFAULT_RECIPE, images_per_prompt: int = IMAGES_PER_PROMPT,
+             curate: bool = False) -> dict:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
@@ -89,9 +90,18 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     if not os.path.exists(os.path.join(raw, "manifest.json")):
         _run([py, "-m", "diffusion.kit.sample", "--out", raw, "--n", str(n), "--seed", "0"], log)
     _run([py, "-m", "diffusion.kit.build", "--preset", preset, "--out", kit], log)
+    curation = []
+    if curate:  # issue 51's stages on the tiny-clip kit: scores, heads, --where on them, near dedupe
+        clip = os.path.join(os.path.dirname(kit), "tiny-clip")
+        _run([py, "-m", "diffusion.kit.build", "--preset", "tiny-clip", "--out", clip], log)
+        curation = ["--embed", clip, *(a for k in ("aesthetic", "nsfw", "watermark")
+                                       for a in (f"--{k}-head", os.path.join(clip, "heads", f"{k}.safetensors"))),
+                    "--store-embeddings", "--visualize-duplicates", "4"]
     if not os.path.exists(os.path.join(mds, "dataset.json")):
         _run([py, "convert/laion_to_mds.py", "--input", raw, "--output", mds, "--model", kit,
-              "--resolutions", "64", "--deterministic", "--where", WHERE, "--dedupe", "bytes",
+              "--resolutions", "64", "--deterministic",
+              "--where", WHERE + (" and nsfw < 0.5" if curate else ""),
+              "--dedupe", "near" if curate else "bytes", *curation,
               # the before/after picture is of square crops
               *(["--buckets", "preset"] if buckets else ["--visualize", "8"])], log)
     train = [py, "run.py", yaml, f"model.ref={kit}", f"data.train.path={mds}",
@@ -186,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", action="store_true",
                         help="convert into aspect-ratio buckets (--buckets preset: 48x80, 64x64, 80x48 at 64 px), "
                              "train on them, and draw grids at 48x80 and 80x48 beside the square one")
+    parser.add_argument("--curate", action="store_true",
+                        help="convert with issue 51's curation (the tiny-clip kit): --embed and its heads' scores "
+                             "stored and filtered by --where, --dedupe near with duplicates.png")
     return parser
 
 
@@ -193,7 +206,8 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", args.out)
-    run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit, buckets=args.buckets, recipe=args.recipe)
+    run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit, buckets=args.buckets, recipe=args.recipe,
+             curate=args.curate)
 
 
 if __name__ == "__main__":
