@@ -394,6 +394,17 @@ def build_denoiser(model_cfg, model_ref: str, seed: int = 0) -> torch.nn.Module:
     return adapter.build(adapter.load_config(model_ref), seed=seed)
 
 
+def set_embedded_guidance(denoiser: torch.nn.Module, value: float | None) -> None:
+    """``model.embedded_guidance``: the value a guidance-distilled denoiser (``guidance_embeds``: Flux.1-dev)
+    reads while training (null: 1.0), kept on the module for its adapter; a one-line refusal for a denoiser
+    without a guidance embedding, which would ignore it."""
+    if dict(denoiser.config).get("guidance_embeds"):
+        denoiser.embedded_guidance = 1.0 if value is None else float(value)
+    elif value is not None:
+        raise ConfigError(f"model.embedded_guidance={value}: the {type(denoiser).__name__} has no guidance embedding "
+                          f"(its config's guidance_embeds is not true), so it would ignore it; remove the key")
+
+
 def check_latent_channels(denoiser: torch.nn.Module, info: schema.DatasetInfo, where: str) -> None:
     """The denoiser reads and predicts latents of the data's width, or a one-line refusal naming the key."""
     adapter = denoisers.adapter_for(denoiser)
@@ -466,6 +477,7 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
     denoiser = build_denoiser(model_cfg, ref, seed=seed)
     check_latent_channels(denoiser, info, f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained
                           else f"model.ref {ref}")
+    set_embedded_guidance(denoiser, getattr(model_cfg, "embedded_guidance", None))
     repa = repa_module.build(model_cfg, denoiser, denoisers.adapter_for(denoiser), info, seed=seed)
     pooled_text = pooled_text_of(model_cfg, ref, denoiser, info)
     return LatentDiffusion(

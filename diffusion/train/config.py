@@ -113,6 +113,10 @@ class ModelConfig:
     # encoder (long padded captions), off for CLIP (SD2 trained on the padded embeddings).
     text_mask: Optional[bool] = None
     repa: Optional[RepaConfig] = None  # representation alignment to a frozen vision encoder; null: off
+    # A guidance-distilled denoiser (Flux.1-dev's shape: guidance_embeds true) reads this value in its
+    # guidance embedding while training, as diffusers' Flux training scripts pass --guidance_scale; null: 1.0.
+    # Refused for a denoiser without a guidance embedding
+    embedded_guidance: Optional[float] = None
 
 
 DEFAULT_MDS_PATH = "out/demo/mds"  # data.train.path (and data.eval.path) when neither path nor streams is set

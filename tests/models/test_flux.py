@@ -169,3 +169,42 @@ def test_the_training_step_compiles_without_graph_breaks(tiny_flux_kit, mds):
     explanation = explain_config_step(_cfg(tiny_flux_kit, mds))
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_kit, tmp_path):
+    """Issue 47, item 12: a Flux.1-dev-shaped transformer (``guidance_embeds: true``) crashed in diffusers with a
+    TypeError (no guidance given). It trains with ``model.embedded_guidance`` in its guidance embedding (1.0 by
+    default) and samples with FluxPipeline's; a transformer without the embedding refuses the key in one line."""
+    import json
+    import shutil
+
+    from diffusion.models import sampling
+    from diffusion.models.latent_diffusion import set_embedded_guidance
+    from diffusion.sample import generate
+    from sampling_helpers import PROMPTS, train_tiny_checkpoint
+    kit = str(tmp_path / "kit")
+    shutil.copytree(tiny_flux_kit, kit)
+    path = os.path.join(kit, "transformer", "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(config, guidance_embeds=True), f)
+    adapter = denoisers.adapter("FluxTransformer2DModel")
+    module = adapter.build(adapter.load_config(kit))
+    set_embedded_guidance(module, None)
+    latents, t, text = torch.randn(2, 16, 8, 8), torch.tensor([300.0, 700.0]), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        default = adapter(module, latents, t, text)
+        module.embedded_guidance = 3.5
+        other = adapter(module, latents, t, text)
+    assert module.embedded_guidance == 3.5 and not torch.allclose(default, other, atol=1e-4)  # the value is read
+    space = loading.latent_space_of(loading.load_vae_config(kit))
+    checkpoint = train_tiny_checkpoint(kit, str(tmp_path / "run"), "model.objective=flow", "model.prediction_type=null",
+                                       "model.embedded_guidance=3.5", batches=1, latent_space=space)
+    assert sampling.load_trained(checkpoint).denoiser.config.guidance_embeds
+    (image,) = generate.generate_images(checkpoint, PROMPTS[:1], steps=2, guidance_scale=2.0, seed=0)
+    assert image.size == (64, 64)
+    plain = adapter.build(adapter.load_config(tiny_flux_kit))
+    with pytest.raises(ConfigError, match=r"^model.embedded_guidance=2.0: the FluxTransformer2DModel has no guidance "
+                                          r"embedding .*remove the key$"):
+        set_embedded_guidance(plain, 2.0)

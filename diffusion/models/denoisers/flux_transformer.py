@@ -7,7 +7,11 @@ tokens' ids are zeros. The adapter packs a batch of (B, C, H, W) latents, calls 
 prediction, with the pipeline's own static helpers, so training and ``FluxPipeline`` see the same layout.
 The time is the noise level σ = t / 1000 (the model multiplies it by 1000 itself, as the pipeline passes it).
 Guidance embedding off, as in Flux.1-schnell: sampling guides with true classifier-free guidance
-(``true_cfg_scale``, the negative prompt's prediction in a second call).
+(``true_cfg_scale``, the negative prompt's prediction in a second call). Flux.1-dev's shape
+(``guidance_embeds: true``, guidance-distilled) trains with one guidance value in that embedding for every
+sample, ``model.embedded_guidance`` (default 1.0; diffusers' Flux training scripts pass ``--guidance_scale``
+the same way), and samples with FluxPipeline's own embedded guidance (its ``guidance_scale``, 3.5) beside
+the true classifier-free guidance above.
 
 Conditioning, as Flux.1 is: with a model reference in FluxPipeline's layout of two text encoders (CLIP in
 ``text_encoder/``, T5 in ``text_encoder_2/``, as the tiny-flux kit has), T5's last hidden state as
@@ -108,9 +112,13 @@ class FluxTransformerAdapter(DenoiserAdapter):
         text_ids = torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype)
         masked = {"joint_attention_kwargs": {"attention_mask": text_mask}} if text_mask is not None else {}
         pooled = mean_pooled(text, text_mask) if pooled is None else pooled.to(noisy.dtype)
+        guidance = None  # Flux.1-dev's shape: one guidance value for every sample (model.embedded_guidance)
+        if module.config.guidance_embeds:
+            guidance = torch.full((tokens.shape[0],), float(getattr(module, "embedded_guidance", 1.0)),
+                                  device=noisy.device, dtype=noisy.dtype)
         out = module(hidden_states=tokens, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=timesteps.to(noisy.dtype) / 1000, img_ids=image_ids, txt_ids=text_ids,
-                     guidance=None, **masked).sample
+                     guidance=guidance, **masked).sample
         return unpack(out, height, width)
 
     def sample_size(self, module) -> int:
