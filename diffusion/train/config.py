@@ -198,19 +198,27 @@ class DataConfig:
 class OptimizerConfig:
     """The optimizer and its parameter groups (:mod:`diffusion.train.optimizers`)."""
 
-    # adamw: torch's AdamW; muon: timm's Muon on the hidden 2-D weights (the Linear weights inside the
-    # denoiser's blocks), its AdamW fallback on embeddings, norms, biases, input and final projections
+    # adamw: torch's AdamW; muon: timm's Muon on the hidden matrices (the Linear and convolution weights
+    # inside the denoiser's blocks, kernels flattened), its AdamW fallback on embeddings, norms, biases,
+    # input and final projections
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 1.0e-4  # muon: the same for both (Muon's updates are scaled to AdamW's RMS)
     weight_decay: float = 0.01
     # all: every trainable tensor decays (as every YAML trained so far); weights: weight matrices and
     # kernels only, not norms, biases or embeddings
     decay: Literal["all", "weights"] = "all"
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])  # AdamW's (muon: its fallback's)
-    eps: float = 1.0e-8
+    # AdamW's (muon: its fallback's); null: [0.9, 0.999] for adamw, [0.9, 0.95] for muon's fallback (KellerJordan's)
+    betas: Optional[list[float]] = None
+    eps: float = 1.0e-8  # AdamW's (muon: its fallback's)
     fused: Optional[bool] = None  # None: fused on CUDA (AdamW)
     momentum: float = 0.95  # muon: the Muon update's momentum
-    nesterov: bool = False  # muon: Nesterov momentum (and NAdamW for the fallback)
+    # muon: Nesterov momentum. null: on for the Muon update, plain AdamW for the fallback (KellerJordan's);
+    # true: also NAdamW for the fallback (timm's); false: off for both (what this repository trained before)
+    nesterov: Optional[bool] = None
+    # muon: the Newton–Schulz coefficients: original = KellerJordan's (3.4445, -4.7750, 2.0315) every step;
+    # quintic = timm's default (a per-step schedule; what this repository trained before); polar_express*
+    ns_coefficients: Literal["original", "quintic", "polar_express", "polar_express_safer"] = "original"
+    ns_eps: float = 1.0e-7  # muon: Newton–Schulz's ε (the gradient's norm + ε), apart from the fallback's eps
 
 
 @dataclasses.dataclass
@@ -580,6 +588,9 @@ def _check_consistency(cfg: Config) -> None:
     _require(math.isfinite(o.lr) and o.lr >= 0, f"optimizer.lr={o.lr} must be a finite number >= 0")
     _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
              f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0")
+    if o.betas is None:  # each optimizer's reference: AdamW's own, Muon's AdamW fallback KellerJordan's
+        o.betas = [0.9, 0.95] if o.name == "muon" else [0.9, 0.999]
+    _require(math.isfinite(o.ns_eps) and o.ns_eps > 0, f"optimizer.ns_eps={o.ns_eps} must be a small positive number")
     _require(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
              f"optimizer.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a small positive number")

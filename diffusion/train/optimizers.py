@@ -4,12 +4,20 @@
   tensor, as every existing YAML trained; ``decay: weights`` decays weight matrices and kernels only,
   not norms, biases or embeddings (common DiT and LLM practice: decay pulls a norm's gain or a bias
   toward 0, which is not a simpler model).
-- ``name: muon``: timm's ``Muon`` (momentum orthogonalised by Newton–Schulz) on the hidden 2-D weights,
-  the ``nn.Linear`` weights inside the denoiser's repeated blocks (the ones FSDP wraps), and its AdamW
-  fallback on everything else: embeddings, norms, biases, convolutions, the input projections
-  (``pos_embed``, ``context_embedder``, ``conv_in``) and the final projection (``norm_out``,
-  ``proj_out``). One learning rate serves both: timm scales each Muon update to AdamW's RMS
-  (``adjust_lr_fn: match_rms_adamw``, Kimi's rule), so ``optimizer.lr`` means what it means for AdamW.
+- ``name: muon``: timm's ``Muon`` (momentum orthogonalised by Newton–Schulz) on the hidden matrices,
+  the weights of the ``nn.Linear`` and convolution layers inside the denoiser's repeated blocks (the ones
+  FSDP wraps; a convolution's (out, in, k…) kernel is flattened to (out, in·k…) for Newton–Schulz, as
+  KellerJordan's Muon does: SANA's feed-forward is 1×1 and depthwise convolutions), and its AdamW
+  fallback on everything else: embeddings, norms, biases, the input projections (``pos_embed``,
+  ``context_embedder``, ``conv_in``) and the final projection (``norm_out``, ``proj_out``). One learning
+  rate serves both: timm scales each Muon update to AdamW's RMS (``adjust_lr_fn: match_rms_adamw``,
+  Kimi's rule), so ``optimizer.lr`` means what it means for AdamW. Its defaults are KellerJordan's
+  Muon's (``Muon`` with its AdamW fallback): Nesterov momentum on the Muon update and plain AdamW
+  for the fallback (``nesterov: null``), the coefficients (3.4445, -4.7750, 2.0315) at every
+  Newton–Schulz step (``ns_coefficients: original``), Newton–Schulz's own ε (``ns_eps``: 1e-7) apart
+  from AdamW's (``eps``), and the fallback's betas (0.9, 0.95) (``betas: null``). What this repository
+  trained before is kept behind the keys: ``nesterov: false``, ``ns_coefficients: quintic`` (timm's
+  default), ``ns_eps`` equal to ``eps``, ``betas: [0.9, 0.999]``.
 
 Muon needs whole matrices: it is refused in one line at start under FSDP (any sharding but FSDP1's
 NO_SHARD). FSDP1 flattens and shards the parameters into 1-D pieces, where there is no matrix to
@@ -25,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-MUON_GROUP = "muon (hidden 2-D weights)"
+MUON_GROUP = "muon (hidden matrices)"
 FALLBACK_GROUP = "adamw"
 NO_DECAY_GROUP = "adamw, no decay (norms, biases, embeddings)"
 
@@ -58,8 +66,13 @@ def decays(name: str, param: torch.Tensor, owner: torch.nn.Module) -> bool:
 
 
 def is_hidden_matrix(name: str, param: torch.Tensor, owner: torch.nn.Module, in_block: bool) -> bool:
-    """Muon's tensors: 2-D ``nn.Linear`` weights inside one of the denoiser's repeated blocks."""
-    return in_block and isinstance(owner, torch.nn.Linear) and name.endswith("weight") and param.ndim == 2
+    """Muon's tensors: the weights of the ``nn.Linear`` layers (2-D) and of the convolutions (flattened to
+    (out, in·k…) by timm's ``conv_mode: flatten``) inside one of the denoiser's repeated blocks."""
+    if not (in_block and name.endswith("weight")):
+        return False
+    if isinstance(owner, torch.nn.Linear):
+        return param.ndim == 2
+    return isinstance(owner, torch.nn.modules.conv._ConvNd) and param.ndim >= 3
 
 
 def parameter_groups(model: torch.nn.Module, o) -> list[dict]:
@@ -77,9 +90,12 @@ def parameter_groups(model: torch.nn.Module, o) -> list[dict]:
     for name, p in params.items():
         owner, in_block = owners[name]
         if o.name == "muon" and is_hidden_matrix(name, p, owner, in_block):
-            put(MUON_GROUP, name, p, use_muon=True, weight_decay=o.weight_decay)
+            # Newton–Schulz's ε and Nesterov (null: on, KellerJordan's) on this group alone
+            put(MUON_GROUP, name, p, use_muon=True, weight_decay=o.weight_decay, eps=o.ns_eps,
+                nesterov=True if o.nesterov is None else o.nesterov)
             continue
-        extra = {"use_fallback": True} if o.name == "muon" else {}
+        # the fallback: AdamW's ε; Nesterov (NAdamW in timm) only when asked for (null: plain AdamW)
+        extra = {"use_fallback": True, "eps": o.eps, "nesterov": bool(o.nesterov)} if o.name == "muon" else {}
         if split_decay and not decays(name, p, owner):
             put(NO_DECAY_GROUP, name, p, weight_decay=0.0, **extra)
         else:
@@ -119,5 +135,6 @@ def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                  fused=fused)
     from timm.optim import Muon
-    return Muon(groups, lr=o.lr, weight_decay=o.weight_decay, momentum=o.momentum, nesterov=o.nesterov,
-                betas=tuple(o.betas), eps=o.eps, adjust_lr_fn="match_rms_adamw")
+    return Muon(groups, lr=o.lr, weight_decay=o.weight_decay, momentum=o.momentum, nesterov=bool(o.nesterov),
+                betas=tuple(o.betas), eps=o.eps, ns_coefficients=o.ns_coefficients, conv_mode="flatten",
+                adjust_lr_fn="match_rms_adamw")
