@@ -125,15 +125,17 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     from diffusion.sample.grid import read_grid
     adherences = {name: prompt_adherence(*read_grid(path)) for name, path in grids.items()}
     adherence = adherences["square"]
-    from diffusion.sample.judge import judge_pairs
-    judged, _ = judge_pairs(zip(*read_grid(grid)))  # the colour prompts: single object and colours
+    from diffusion.sample.judge import judge_pairs, noise_floor
+    grid_images, grid_prompts = read_grid(grid)
+    judged, _ = judge_pairs(zip(grid_images, grid_prompts))  # the colour prompts: single object and colours
+    floor = noise_floor(list(PROMPTS), size=min(grid_images[0].size))  # what colour blobs score: an untrained model
 
     with open(os.path.join(mds, "dataset.json")) as f:
         info = json.load(f)
     summary = {"recipe": recipe, "sample_data": raw, "model_kit": kit, "mds": mds, "samples": info.get("count"),
                "rejects": info.get("rejects"), "checkpoint": checkpoint, "grid": grid,
                "before_after": before_after, "prompt_adherence": adherence,
-               "judge": judged["accuracy"], "seconds": round(time.time() - start, 1),
+               "judge": judged["accuracy"], "judge_floor": floor, "seconds": round(time.time() - start, 1),
                **({"buckets": info.get("buckets"), "grids": grids, "prompt_adherence_by_grid": adherences}
                   if buckets else {}),
                "steps": [{"command": c, "seconds": round(s, 1)} for c, s in log]}
@@ -146,8 +148,10 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
           f"{summary['rejects']}")
     print(f"  prompt adherence: {adherence:.0%} of images show the colour their prompt names "
           f"(chance {1 / len(PROMPTS):.0%})")
-    print("  scene judge:     " + ", ".join(f"{t} {a:.0%}" for t, a in judged["accuracy"].items())
-          + " (the named shape is there; in the named colour)")
+    print("  scene judge:     " + ", ".join(f"{t} {a:.0%} (noise {floor.get(t, 0):.0%})"
+                                            for t, a in judged["accuracy"].items())
+          + " (the named shape is there; in the named colour; noise: what colour blobs, an untrained model's "
+            "draws, score)")
     print(f"  checkpoint:      {checkpoint}")
     print(f"  prompt grid:     {grid}")
     for name, path in grids.items():

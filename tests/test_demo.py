@@ -57,6 +57,7 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, 
     # The scene judge's categories for the colour prompts: the shape named, and in its colour.
     assert set(summary["judge"]) == {"single_object", "colors"}
     assert summary["judge"]["colors"] <= summary["judge"]["single_object"]
+    assert set(summary["judge_floor"]) == set(summary["judge"])  # what colour noise scores, printed beside it
     # `make demo` a second time in the same folder: every step finds its output done (training reports
     # the finished run instead of failing) and the same checkpoint draws the same grid.
     again = run_demo(str(out), n=1024, kit=tiny_mmdit_kit)

@@ -14,10 +14,15 @@ known backgrounds, so the judge reads them back directly:
    nearest its median pixel, its place the centre of its box.
 
 :func:`check` then applies a metadata line (GenEval's format, :mod:`diffusion.kit.scenes`) as GenEval's
-evaluator does: every ``include`` needs ``count`` objects of its shape (the largest ones; those of the
-named colour first, so two shapes alike are told apart by colour), of its colour if it names one, and,
+evaluator does: every ``include`` needs ``count`` objects of its shape, and GenEval checks its most
+confident detections of that shape (here the largest: a shape is read surely in proportion to its size),
+so those ``count`` must be of its colour if it names one (a small red circle beside a larger blue one is
+not "a red circle"); and,
 with ``position``, each in that relation (box centres, offsets beyond a tenth of the two boxes' sizes)
 to the objects of the include it names; an ``exclude`` fails at ``count`` or more objects of its shape.
+One exception, for lines GenEval never writes: where a line names one shape twice ("a red circle and a
+blue circle", :func:`diffusion.kit.scenes.caption_entries`), the largest of each colour are taken, since
+the largest circle cannot be both (``alike_by_color``; False applies GenEval's rule to those too).
 """
 
 from __future__ import annotations
@@ -118,13 +123,14 @@ def relations(a: Found, b: Found) -> set[str]:
                                    ("below", dy > 0.5)) if hit}
 
 
-def check(objects: list[Found], line: dict) -> tuple[bool, str]:
-    """Whether ``objects`` satisfy the metadata ``line``, and why not ("" when they do)."""
+def check(objects: list[Found], line: dict, alike_by_color: bool = True) -> tuple[bool, str]:
+    """Whether ``objects`` (largest first) satisfy the metadata ``line``, and why not ("" when they do)."""
     reasons, groups = [], []
+    named = [req["class"] for req in line.get("include", [])]
     for req in line.get("include", []):
         shape, count, color = req["class"], int(req["count"]), req.get("color")
-        candidates = [o for o in objects if o.shape == shape]
-        if color:  # those of the named colour first, largest first within each
+        candidates = [o for o in objects if o.shape == shape]  # GenEval's: the most confident (largest) first
+        if color and alike_by_color and named.count(shape) > 1:  # one shape named twice: told apart by colour
             candidates.sort(key=lambda o: o.color != color)
         chosen = candidates[:count]
         ok = len(chosen) >= count
@@ -194,6 +200,18 @@ def judge_many(pairs) -> tuple[list[dict], int]:
             results.append({"tag": line["tag"], "prompt": line["prompt"], "correct": correct, "reason": reason,
                             "objects": [o.as_dict() for o in objects]})
     return results, unjudged
+
+
+def noise_floor(prompts, size: int = 64, images: int = 96, cells: int = 8, seed: int = 0) -> dict:
+    """What an untrained model scores: the judge's per-category accuracy on ``images`` smooth colour-noise
+    images (``cells`` x ``cells`` random colours, bilinear up to ``size`` px: blobs, as a barely trained
+    model draws), the ``prompts`` in turn. Many blobs hold some shape of every kind, so a category near its
+    floor says nothing about the model."""
+    rng = np.random.default_rng(seed)
+    pairs = [(Image.fromarray(rng.integers(0, 256, (cells, cells, 3), dtype=np.uint8)).resize((size, size),
+                                                                                              Image.BILINEAR),
+              prompts[i % len(prompts)]) for i in range(images)]
+    return summarize(judge_many(pairs)[0])["accuracy"]
 
 
 def judge_pairs(pairs) -> tuple[dict, list[dict]]:

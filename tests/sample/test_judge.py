@@ -79,6 +79,34 @@ def test_wrong_pictures_fail_the_category_that_sees_the_mistake():
     assert _verdicts(blank, "a red circle") == {"single_object": False, "colors": False}
 
 
+def test_the_most_confident_detection_of_a_shape_is_the_one_checked_as_geneval_does():
+    """GenEval checks the colour of its most confident detections of the named shape: a small red circle
+    beside a larger blue one is a circle, but not "a red circle" (the earlier rule took red ones first)."""
+    from PIL import ImageDraw
+    from diffusion.kit.sample import COLORS
+    image = Image.new("RGB", (64, 64), BACKGROUNDS["gray"])
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((6, 14, 36, 44), fill=tuple(COLORS["blue"]))
+    draw.ellipse((44, 26, 58, 40), fill=tuple(COLORS["red"]))
+    assert [(o.shape, o.color) for o in judge.read_objects(image)] == [("circle", "blue"), ("circle", "red")]
+    assert _verdicts(image, "a red circle") == {"single_object": True, "colors": False}
+    assert _verdicts(image, "a blue circle") == {"single_object": True, "colors": True}
+    # a line naming one shape twice (our captions, never GenEval's) takes the largest of each colour
+    assert _verdicts(image, "a red circle and a blue circle") == {"color_attr": True}
+    line = scenes.caption_entries("a red circle and a blue circle")[0]
+    assert judge.check(judge.read_objects(image), line, alike_by_color=False)[0] is False
+
+
+def test_colour_noise_sets_the_floor_the_demo_prints_beside_its_score():
+    """Blobs of random colour, as a barely trained model draws: nearly every image holds some circle, square
+    and triangle, so single_object near 100% says nothing; colours stays low. The demo prints this floor."""
+    from diffusion.demo import PROMPTS
+    floor = judge.noise_floor(list(PROMPTS), size=64)
+    assert set(floor) == {"single_object", "colors"}
+    assert floor["single_object"] >= 0.9 and floor["colors"] <= 0.4, floor
+    assert judge.noise_floor(list(PROMPTS), size=64) == floor  # a fixed seed: the same floor every run
+
+
 def test_evaluate_judge_writes_per_category_accuracy_and_geneval_layout_round_trips(tmp_path, capsys):
     lines = scenes.prompt_set(per_category=2, seed=1)
     images = [scenes.draw_entry(line, np.random.default_rng([i, k]), 64) for i, line in enumerate(lines) for k in range(2)]
