@@ -83,6 +83,9 @@ def _file_images(path: str, skipped: collections.Counter):
             return
         with Image.open(path) as im:
             image = im.convert("RGB")
+    except InputError as e:  # its message names the file and what is wrong with it
+        skipped[str(e)] += 1
+        return
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         skipped[f"{path}: {type(e).__name__}"] += 1
         return
@@ -268,7 +271,7 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
             unjudged += missed
         prompts.extend(p["prompt"] if isinstance(p, dict) else p for _, p in batch)
     if not prompts:
-        raise ValueError(f"no readable images in {images!r}")
+        raise InputError(f"no readable images in {images!r}" + _first_reason(skipped))
     result = {"num_images": len(prompts), "protocol": _protocol(protocol, len(prompts), scorer, clip_model,
                                                                  fid_features if scorer else None, judge,
                                                                  cmmd_estimator)}
@@ -285,14 +288,16 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
         result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, got {len(prompts)}: "
                                  f"generate more (e.g. --images-per-prompt 8) for a FID")
     elif reference is not None:
-        pairs = iter_images(reference, skipped) if _is_paths(reference) else iter(reference)
+        ref_skipped = collections.Counter()
+        pairs = iter_images(reference, ref_skipped) if _is_paths(reference) else iter(reference)
         ref_fid, ref_clip = [], []
         for batch in _batches(pairs, batch_size):
             batch_images = [im for im, _ in batch]
             ref_clip.append(scorer.image_features(batch_images))
             ref_fid.append(ref_clip[-1] if fid_features == "clip" else fid_model(batch_images))
+        skipped.update(ref_skipped)
         if not ref_fid:
-            raise ValueError(f"no readable reference images in {reference!r}")
+            raise InputError(f"no readable reference images in {reference!r}" + _first_reason(ref_skipped))
         ref_fid = np.concatenate(ref_fid)
         result.update(num_reference=len(ref_fid), fid=frechet_distance(np.concatenate(fid_feats), ref_fid),
                       cmmd=cmmd.cmmd(np.concatenate(clip_feats), np.concatenate(ref_clip), cmmd_estimator))
@@ -300,6 +305,15 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
     if skipped:
         result["skipped"] = dict(skipped)
     return result
+
+
+def _first_reason(skipped: collections.Counter) -> str:
+    """``: <the first reason an image was skipped>`` (and how many more), or nothing."""
+    if not skipped:
+        return ""
+    reason = next(iter(skipped))
+    return f": {reason}" + (f" (and {sum(skipped.values()) - skipped[reason]} more skipped)"
+                            if sum(skipped.values()) > skipped[reason] else "")
 
 
 def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, judge: bool,

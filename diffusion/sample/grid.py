@@ -65,13 +65,48 @@ def is_grid(path: str) -> bool:
         return GRID_KEY in getattr(im, "text", {})
 
 
+def _layout(path: str, text: str, size: tuple[int, int]) -> dict:
+    """A grid's layout (its PNG text chunk), checked: a layout it cannot be cut by is one
+    :class:`~diffusion.errors.InputError` naming the file and the field."""
+    from diffusion.errors import InputError
+
+    def whole(value, least):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    try:
+        layout = json.loads(text)
+    except ValueError:
+        layout = None
+    problem = None
+    if not isinstance(layout, dict):
+        problem = "its layout is not a JSON object"
+    elif not isinstance(layout.get("prompts"), list) or not all(isinstance(p, str) for p in layout["prompts"]):
+        problem = "no list of prompts"
+    elif not whole(layout.get("columns"), 1):
+        problem = f"columns {layout.get('columns')!r}, not a positive whole number"
+    elif not (isinstance(layout.get("tile"), list) and len(layout["tile"]) == 2
+              and all(whole(v, 1) for v in layout["tile"])):
+        problem = f"tile {layout.get('tile')!r}, not [width, height] in pixels"
+    elif not whole(layout.get("scale"), 1) or not whole(layout.get("label_height"), 0):
+        problem = f"scale {layout.get('scale')!r} or label_height {layout.get('label_height')!r} not whole numbers"
+    else:
+        rows = math.ceil(len(layout["prompts"]) / layout["columns"])
+        width = min(len(layout["prompts"]), layout["columns"]) * layout["tile"][0] * layout["scale"]
+        height = rows * (layout["tile"][1] * layout["scale"] + layout["label_height"])
+        if width > size[0] or height > size[1]:
+            problem = f"its layout needs {width}x{height} px, the image is {size[0]}x{size[1]}"
+    if problem:
+        raise InputError(f"{path}: a prompt grid that cannot be cut into its images ({GRID_KEY}: {problem})")
+    return layout
+
+
 def read_grid(path: str) -> tuple[list[Image.Image], list[str]]:
     """The images (at their generated size) and prompts of a grid written by :func:`save_grid`."""
     with Image.open(path) as im:
         text = getattr(im, "text", {})
         if GRID_KEY not in text:
             raise ValueError(f"{path}: not a prompt grid written by diffusion.generate (no {GRID_KEY} metadata)")
-        layout = json.loads(text[GRID_KEY])
+        layout = _layout(path, text[GRID_KEY], im.size)
         grid = im.convert("RGB")
     (tile_w, tile_h), scale = layout["tile"], layout["scale"]
     cell_w, cell_h = tile_w * scale, tile_h * scale

@@ -116,6 +116,31 @@ def test_inputs_grids_captioned_files_and_parquet_with_bad_rows(tmp_path, sample
         list(evaluate.iter_images(str(tmp_path / "no-such-dir")))
 
 
+@pytest.mark.parametrize("layout", [{"columns": 0}, {"tile": None}, {"columns": "2"}, {"tile": [4000, 16]}])
+def test_a_grid_that_cannot_be_cut_is_one_line_naming_it(tiny_clip, tmp_path, capsys, layout):
+    """`diffusion.evaluate --reference GRID` with a grid whose layout it cannot tile (columns 0, no tile size,
+    a layout bigger than the image): one line naming the file and the field, no traceback."""
+    from PIL.PngImagePlugin import PngInfo
+    from diffusion import cli
+    rng = np.random.default_rng(0)
+    images = [_color_image(n, rng, 16) for n in ("red", "blue", "green")]
+    good = grid.make_grid(images, ["red one", "blue one", "green one"])
+    grid.save_grid(good, str(tmp_path / "good.png"))
+    fields = json.loads(good.info[grid.GRID_KEY])
+    fields.update(layout)
+    meta = PngInfo()
+    meta.add_text(grid.GRID_KEY, json.dumps({k: v for k, v in fields.items() if v is not None}))
+    bad = tmp_path / "bad.png"
+    good.save(bad, format="PNG", pnginfo=meta)
+    with pytest.raises(SystemExit) as exit:
+        cli.run(evaluate.main, "evaluate", ["--images", str(tmp_path / "good.png"), "--reference", str(bad),
+                                            "--clip-model", tiny_clip, "--device", "cpu"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"evaluate: error: no readable reference images in ['{bad}']: {bad}: a prompt grid that "
+                          f"cannot be cut into its images ({grid.GRID_KEY}: ") and "\n" not in err, err
+
+
 def test_a_reference_parquet_without_captions_is_read_and_one_without_images_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
