@@ -69,22 +69,6 @@ class ConvertConfig(PipelineSettings):
                                           type=float, metavar="T")
     visualize_duplicates: int = flag(0, "--dedupe near/semantic: write duplicates.png, N removed groups each beside "
                                         "the image kept", type=int, metavar="N")
-    embed: str | None = flag(None, "image-text embedding model (hub id or local transformers directory: CLIP, "
-                                   "SigLIP; the kit's tiny-clip offline), a stage before encoding: stores clip_score "
-                                   "(image-caption cosine) and the heads' scores as columns --where can filter on",
-                             metavar="MODEL_REF")
-    store_embeddings: bool = flag(False, "--embed: store each image embedding too (column clip_embeds, float16)")
-    aesthetic_head: str | None = flag(None, "--embed: aesthetic head on the image embedding (safetensors, LAION "
-                                            "aesthetic predictor's layout): column aesthetic_score", metavar="FILE")
-    nsfw_head: str | None = flag(None, "--embed: NSFW head on the image embedding (safetensors): column nsfw",
-                                 metavar="FILE")
-    watermark_head: str | None = flag(None, "--embed: watermark head on the image embedding (safetensors): column "
-                                            "watermark", metavar="FILE")
-    exclude: list[str] | None = flag(None, "blocklists: text files of keys, URL sha256s (Re-LAION's form: 64 hex "
-                                           "digits, or url_sha256:HEX) or image sha256s (image_sha256:HEX), one a "
-                                           "line; keys and URLs are dropped as the input is read, image hashes before "
-                                           "decoding, counted as 'excluded: key|url|image'",
-                                     nargs="+", metavar="FILE")
     buckets: str | None = flag(None, "aspect-ratio buckets: 'preset' (sides multiples of 64 at the pixel budget of the "
                                      "one --resolutions value, within --max-aspect) or WxH,WxH,...; each image is cropped "
                                      "minimally to the bucket nearest its aspect ratio, one MDS dataset per bucket "

@@ -93,8 +93,8 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     if cfg.embed is not None:  # --embed: a quarter CPU (or a quarter GPU, beside the encoder) per curator
         curators = max(1, int(gpus // 4)) if gpus else 1
         cur_gpus = CURATE_GPUS if gpus else 0.0
-        cur_cpus = min(1.0, free / (8 * curators)) if gpus else CURATE_CPUS
-        free = max(free - curators * cur_cpus, 0.5)
+        cur_cpus = min(1.0, free / (8 * curators)) if gpus else min(CURATE_CPUS, free / 4)
+        free -= curators * cur_cpus  # out of what is free, no more: online mode's training workers hold the rest
         if gpus:
             if cfg.encoder_gpus is None and gpus - curators * cur_gpus < gpu_each:
                 gpu_each = max(gpus - curators * cur_gpus, CURATE_GPUS)
@@ -108,7 +108,7 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
         enc_cpus = free / 2 / encoders
         batch = CPU_BATCH
     tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
-    tr_cpus = max(tr_cpus, 0.25)
+    tr_cpus = max(tr_cpus, 0.125 if curators else 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
     return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch,
                     captioners, cap_cpus, cap_gpus, cfg.recaption_batch_size if captioners else 0,
@@ -173,6 +173,9 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
     """The Ray Dataset from raw rows to encoded rows (not yet executed). ``removed_dir``: --dedupe near or
     semantic's decision; ``blocklist``: --exclude's keys and image hashes."""
     from ray.data import ActorPoolStrategy
+    if blocklist is None and cfg.exclude:  # online mode builds the pipeline from its settings alone
+        from diffusion.convert.exclude import load_blocklists
+        blocklist = load_blocklists(cfg.exclude)
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
                          max_scans=cfg.max_scans)
     ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,

@@ -53,6 +53,23 @@ class PipelineSettings:
                                          type=float)
     encoder_accelerator_type: Optional[str] = flag(None, "Ray accelerator type for the encoders, e.g. A10G",
                                                    flag_name="--accelerator-type")
+    # Curation from the pixels (issue 51; diffusion.convert.curate, diffusion.convert.exclude)
+    embed: Optional[str] = flag(None, "image-text embedding model (hub id or local transformers directory: CLIP, "
+                                      "SigLIP; the kit's tiny-clip offline), a stage before encoding: stores "
+                                      "clip_score (image-caption cosine) and the heads' scores as columns --where can "
+                                      "filter on", metavar="MODEL_REF")
+    store_embeddings: bool = flag(False, "--embed: store each image embedding too (column clip_embeds, float16)")
+    aesthetic_head: Optional[str] = flag(None, "--embed: aesthetic head on the image embedding (safetensors, LAION "
+                                               "aesthetic predictor's layout): column aesthetic_score", metavar="FILE")
+    nsfw_head: Optional[str] = flag(None, "--embed: NSFW head on the image embedding (safetensors): column nsfw",
+                                    metavar="FILE")
+    watermark_head: Optional[str] = flag(None, "--embed: watermark head on the image embedding (safetensors): "
+                                               "column watermark", metavar="FILE")
+    exclude: Optional[list[str]] = flag(None, "blocklists: text files of keys, URL sha256s (Re-LAION's form: 64 hex "
+                                              "digits, or url_sha256:HEX) or image sha256s (image_sha256:HEX), one a "
+                                              "line; keys and URLs are dropped as the input is read, image hashes "
+                                              "before decoding, counted as 'excluded: key|url|image'",
+                                        nargs="+", metavar="FILE")
 
     def pipeline_settings(self) -> dict:
         """These settings alone, as keyword arguments (to build one config from another)."""

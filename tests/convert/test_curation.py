@@ -212,3 +212,23 @@ def test_heads_refuse_pickles_and_wrong_widths_in_one_line(clip_kit, tmp_path):
         "aesthetic >= 5", "clip_score > 0.28 and nsfw < 0.1")
     with pytest.raises(ConfigError, match="mixes computed scores"):
         split_where("clip_score > 0.3 or aesthetic > 5", ["clip_score"])
+
+
+def test_online_mode_runs_the_embed_stage_and_blocklists_from_its_settings(tmp_path):
+    """data.online takes the same curation settings (PipelineSettings): the stream's pipeline gets the
+    --embed stage, its pool fits 2 CPUs beside the training workers with a CPU for the read, and the
+    blocklist's URLs are checked as the input is read."""
+    from diffusion.stream.stream_source import convert_config, plan_online_pools
+    from diffusion.train.config import load_config
+    blocklist = tmp_path / "block.txt"
+    blocklist.write_text("url:https://example.com/a.jpg\n")
+    yaml = os.path.join(os.path.dirname(__file__), "..", "..", "yamls", "tiny-cpu.yaml")
+    cfg = load_config(yaml, ["data.online.input=x", "data.online.embed=clip", f"data.online.exclude=[{blocklist}]"])
+    stream = convert_config(cfg, str(tmp_path))
+    assert stream.embed == "clip" and stream.raw_columns().exclude_urls == {
+        hashlib.sha256(b"https://example.com/a.jpg").digest()}
+    plan = plan_online_pools({"CPU": 2.0}, cfg)
+    o = cfg.data.online
+    held = (o.num_train_workers * o.train_cpus + plan.num_transformers * plan.cpus_per_transformer
+            + plan.num_encoders * plan.cpus_per_encoder + plan.num_curators * plan.cpus_per_curator)
+    assert plan.num_curators == 1 and held <= 2.0 - 1.0
