@@ -277,7 +277,8 @@ def decide(folder: str, mode: str, threshold: float, seed: int = 0) -> dict:
     meta, vectors = load_vectors(folder)
     passing = np.flatnonzero(meta.column("passes").to_numpy(zero_copy_only=False))
     scores = meta.column("score").to_numpy()[passing]
-    removed, partner = duplicate_groups(vectors[passing], scores, threshold, seed)
+    chosen = vectors if len(passing) == len(vectors) else vectors[passing]  # no copy when every row passes
+    removed, partner = duplicate_groups(chosen, scores, threshold, seed)
     keys = meta.column("key").to_pylist()
     files = meta.column("file").to_pylist()
     out = os.path.join(folder, "removed")
