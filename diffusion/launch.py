@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from diffusion import cpus
@@ -24,7 +25,8 @@ trainer; see diffusion/config.py) and any number of section.key=value overrides.
 in trainer.save_folder (Composer format, EMA weights included), logs through the configured loggers."""
 TRAIN_EXAMPLES = """examples:
   composer run.py yamls/sd2-base-256.yaml                       # every GPU of this node
-  composer -n 8 --world_size 16 --node_rank 0 --master_addr HOST run.py yamls/sd2-base-256.yaml
+  composer -n 8 --world_size 16 --node_rank 0 --master_addr HOST --master_port 29500 run.py yamls/sd2-base-256.yaml
+  WORLD_SIZE=16 NODE_RANK=0 MASTER_ADDR=HOST MASTER_PORT=29500 composer -n 8 run.py yamls/sd2-base-256.yaml
   python run.py yamls/tiny-cpu.yaml trainer.max_duration=100ba  # one process, CPU"""
 
 
@@ -85,12 +87,17 @@ def main_with(path: str, overrides: list[str]):
         trainer.close()
         return trainer
     rank0 = dist.get_global_rank() == 0
+    if rank0:
+        print(model_line(trainer.state.model), flush=True)
     if rank0 and trainer.resumed_from:
         print(f"resuming from {trainer.resumed_from} at batch {int(trainer.state.timestamp.batch)}", flush=True)
     trainer.logger.log_hyperparameters(cfg.to_dict())
     try:
         trainer.fit()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Composer's engine turns SIGINT into sys.exit(130) (and SIGTERM into 143): Ctrl-C arrives as that
+        if isinstance(e, SystemExit) and e.code != 128 + signal.SIGINT:
+            raise
         batch = int(trainer.state.timestamp.batch)
         resumable = cfg.trainer.autoresume and cfg.trainer.save_folder
         raise KeyboardInterrupt(f"at batch {batch}; " + (
@@ -100,6 +107,26 @@ def main_with(path: str, overrides: list[str]):
     if rank0:
         print(closing_line(cfg, trainer), flush=True)
     return trainer
+
+
+OBJECTIVES = {"epsilon": "DDPM, predicting the noise (epsilon)", "v_prediction": "DDPM, predicting v",
+              "flow": "rectified flow, predicting the velocity"}
+
+
+def model_line(model) -> str:
+    """What was built, in one line: ``model: <denoiser class> denoiser, N parameters; objective <name> (...)``;
+    ``model.denoiser: auto`` picks the class the model reference holds, ``model.objective`` the objective.
+    The count is the whole denoiser's (built again on the meta device: no memory, the same under FSDP)."""
+    import torch
+    model = getattr(model, "module", model)  # DDP's wrapper
+    denoiser = model.denoiser
+    with torch.device("meta"):
+        whole = type(denoiser).from_config(dict(denoiser.config))
+    count = sum(p.numel() for p in whole.parameters())
+    name = model.objective.name
+    described = OBJECTIVES.get(name)
+    return (f"model: {model.adapter.class_name} denoiser, {count:,} parameters; objective {name}"
+            + (f" ({described})" if described else ""))
 
 
 def closing_line(cfg, trainer) -> str:
