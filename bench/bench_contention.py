@@ -12,7 +12,11 @@ process's CPU time (every thread) over the next batches, for at most ``--seconds
 
 - ``before``: ``DIFFUSION_CPUS=off``, torch's defaults (one intra-op thread per CPU of the affinity
   mask; libgomp's threads spin at every barrier before they sleep), as every run was before.
-- ``after``: the CPUs this process may use (:mod:`diffusion.cpus`), and ``OMP_WAIT_POLICY=PASSIVE``.
+- ``after``: the CPUs this process may use (:mod:`diffusion.cpus`), and the wait policy it chooses from the
+  CPU pressure at start: ``OMP_WAIT_POLICY=PASSIVE`` where the machine is busy, libgomp's short spin where
+  it is quiet (one run measures both sides: the row alone and the row beside the load).
+- ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` whatever the load (the policy before the choice at start).
+- ``spin-N``: ``GOMP_SPINCOUNT=N``, a bounded spin of N iterations (about N/100 microseconds) then sleep.
 - ``one-thread`` (on request): ``OMP_NUM_THREADS=1``, a user's own setting (it wins over the sizing).
 
 Loads: ``alone``, and beside a competing load as large as the machine: one busy-loop process per usable
@@ -34,7 +38,15 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "yamls" / "tiny-cpu.yaml")
-VARIANTS = {"before": {"DIFFUSION_CPUS": "off"}, "after": {}, "one-thread": {"OMP_NUM_THREADS": "1"}}
+VARIANTS = {"before": {"DIFFUSION_CPUS": "off"}, "after": {}, "one-thread": {"OMP_NUM_THREADS": "1"},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+SPIN = "spin-"  # spin-N: GOMP_SPINCOUNT=N, the wait policy left to libgomp (a bounded spin, then sleep)
+
+
+def variant_env(variant: str) -> dict:
+    if variant.startswith(SPIN):
+        return {"GOMP_SPINCOUNT": str(int(variant[len(SPIN):])), "OMP_WAIT_POLICY": ""}
+    return VARIANTS[variant]
 DEFAULT_VARIANTS = ["before", "after"]
 RESULT = "RESULT "
 
@@ -74,15 +86,26 @@ def worker(data: str, batches: int, warmup: int, seconds: float) -> None:
         n = (len(clock.marks) - 1 - warmup) * cfg.data.train.batch_size
         print(RESULT + json.dumps({"samples": n, "wall": w1 - w0, "cpu": c1 - c0, "losses": clock.losses,
                                    "threads": torch.get_num_threads(),
-                                   "wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}), flush=True)
+                                   "wait_policy": os.environ.get("OMP_WAIT_POLICY", "default") + (
+                                       f", GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
+                                       if os.environ.get("GOMP_SPINCOUNT") else "") + (
+                                       f" ({os.environ['DIFFUSION_OMP_WAIT']})"
+                                       if os.environ.get("DIFFUSION_OMP_WAIT") else "")}), flush=True)
         trainer.close()
 
     cli.run(main, "bench_contention")
 
 
+def _variant(text: str) -> str:
+    if text in VARIANTS or (text.startswith(SPIN) and text[len(SPIN):].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(VARIANTS)}, or {SPIN}N")
+
+
 def _env(variant: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "DIFFUSION_CPUS")}
-    return {**env, **VARIANTS[variant], "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "DIFFUSION_CPUS", "GOMP_SPINCOUNT")}
+    return {**env, **variant_env(variant), "PYTHONPATH": str(ROOT)}
 
 
 def _start(variant: str, data: str, batches: int, warmup: int, seconds: float, nice: int = 0) -> subprocess.Popen:
@@ -113,8 +136,14 @@ def measure(variant: str, load: str, args, data: str) -> dict:
         competing = busy_loops(args.cpus)
     elif load == "training":  # the same training, started first and running for longer than the measured one
         competing = [_start(variant, data, 100_000, 0, 1e9)]
+    if not competing:  # the previous row's load has left the CPU pressure the command reads at start
+        from diffusion import cpus
+        deadline = time.monotonic() + 30
+        while (cpus.cpu_pressure() or 0) >= cpus.BUSY_PRESSURE and time.monotonic() < deadline:
+            time.sleep(1)
+        load_average = os.getloadavg()[0]
     try:
-        time.sleep(1 if competing else 0)
+        time.sleep(3 if competing else 0)  # the load shows in the CPU pressure the command reads at start
         nice = args.alone_nice if load == "alone" else 0
         result = _result(_start(variant, data, args.batches, args.warmup, args.seconds, nice))
     finally:
@@ -140,7 +169,7 @@ def headline(rows: list[dict]) -> list[str]:
     per_cpu = {(r["variant"], r["load"]): r["samples"] / r["cpu"] for r in rows}
     rate = {(r["variant"], r["load"]): r["samples"] / r["wall"] for r in rows}
     lines = []
-    for variant in VARIANTS:
+    for variant in dict.fromkeys(r["variant"] for r in rows):
         alone = per_cpu.get((variant, "alone"))
         loaded = next((v for (var, load), v in per_cpu.items() if var == variant and load != "alone"), None)
         if alone and loaded:
@@ -155,8 +184,9 @@ def headline(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS,
-                   help="one-thread: OMP_NUM_THREADS=1, the user's own setting")
+    p.add_argument("--variants", nargs="+", type=_variant, default=DEFAULT_VARIANTS,
+                   help=f"{', '.join(VARIANTS)} or {SPIN}N; one-thread: OMP_NUM_THREADS=1, the user's own setting; "
+                        f"passive: OMP_WAIT_POLICY=PASSIVE; {SPIN}N: GOMP_SPINCOUNT=N")
     p.add_argument("--load", choices=("busy", "training", "none"), default="busy",
                    help="the competing load (none: the rows alone only)")
     p.add_argument("--samples", type=int, default=512, help="synthetic MDS samples (an epoch is samples/32 batches)")

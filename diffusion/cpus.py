@@ -25,6 +25,10 @@ import math
 import os
 
 ENV = "DIFFUSION_CPUS"
+CHOICE = "DIFFUSION_OMP_WAIT"  # how configure_process chose the wait policy (for describe)
+PRESSURE = "/proc/pressure/cpu"
+BUSY_PRESSURE = 10.0  # % of the last 10 s in which some task waited for a CPU: the machine is busy
+BUSY_LOAD = 0.5  # without pressure information: 1-minute load average per CPU
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 
@@ -152,10 +156,44 @@ def rank_cpus() -> int:
     return max(1, usable_cpus() // local_ranks())
 
 
+def cpu_pressure(path: str | None = None) -> float | None:
+    """The share of the last 10 s (in %) in which some runnable task on the machine waited for a CPU
+    (Linux pressure stall information, ``some avg10``), or None where the kernel does not report it."""
+    text = _read(path or PRESSURE) or ""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            for field in line.split()[1:]:
+                name, _, value = field.partition("=")
+                if name == "avg10":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return None
+    return None
+
+
+def busy_at_start() -> tuple[bool, str]:
+    """(whether other work competes for the CPUs now, why): CPU pressure of at least ``BUSY_PRESSURE`` %
+    over the last 10 s, or where the kernel does not report it a 1-minute load average of at least
+    ``BUSY_LOAD`` per CPU; a cgroup CPU quota counts as busy (a spinning thread spends the quota)."""
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        return True, f"a cgroup CPU quota of {quota:g}"
+    pressure = cpu_pressure()
+    if pressure is not None:
+        return pressure >= BUSY_PRESSURE, f"CPU pressure {pressure:g}% over the last 10 s"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return load >= BUSY_LOAD * machine_cpus(), f"load average {load:.1f} on {machine_cpus()} CPUs"
+
+
 def configure_process() -> None:
-    """Before torch loads: waiting OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``;
-    libgomp and Intel's runtime read it once, at load), for this process and every process it starts
-    (loader workers, Ray's workers). A user's own ``OMP_WAIT_POLICY`` wins; ``DIFFUSION_CPUS=off`` sets nothing."""
+    """Before torch loads (libgomp and Intel's runtime read the wait policy once, at load), for this
+    process and every process it starts (loader workers, Ray's workers): where other work competes for
+    the CPUs at start (:func:`busy_at_start`), waiting OpenMP threads sleep at once
+    (``OMP_WAIT_POLICY=PASSIVE``); on a quiet machine they keep libgomp's default, a spin of about 3 ms
+    before they sleep, which the tiny model's thousands of small parallel regions need for full speed.
+    The choice is recorded in ``DIFFUSION_OMP_WAIT`` (for :func:`describe`). A user's own
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins; ``DIFFUSION_CPUS=off`` sets nothing."""
     given = os.environ.get(ENV, "").strip()
     if given and enabled() and _override() is None:
         from diffusion.errors import ConfigError
@@ -165,7 +203,13 @@ def configure_process() -> None:
         if name in os.environ and not os.environ[name].strip():  # libgomp warns on stderr otherwise
             del os.environ[name]
     if enabled():
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "OMP_WAIT_POLICY" not in os.environ and not os.environ.get("GOMP_SPINCOUNT", "").strip():
+            busy, why = busy_at_start()
+            if busy:
+                os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+            os.environ[CHOICE] = f"{'busy' if busy else 'quiet'} at start: {why}"
+        else:
+            os.environ.pop(CHOICE, None)
         note = override_note()
         if note and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
             import sys
@@ -216,4 +260,16 @@ def describe(workers: tuple[int, int] | None = None) -> str:
     ranks = "" if local_ranks() == 1 else f" per rank of {local_ranks()}"
     return (f"# cpus: {usable_cpus()} usable (affinity {affinity_cpus()}, cgroup quota "
             f"{'none' if quota is None else f'{quota:g}'}); {', '.join(pools)}{ranks}; "
-            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}{_choice()}")
+
+
+def _choice() -> str:
+    """How the wait policy was chosen, for :func:`describe`: the user's, or from the load at start."""
+    if os.environ.get("GOMP_SPINCOUNT"):
+        return f", GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
+    choice = os.environ.get(CHOICE)
+    if not choice:
+        return ""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f" ({choice})"
+    return f" (threads spin ~3 ms before they sleep; {choice})"
