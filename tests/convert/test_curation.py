@@ -232,3 +232,24 @@ def test_online_mode_runs_the_embed_stage_and_blocklists_from_its_settings(tmp_p
     held = (o.num_train_workers * o.train_cpus + plan.num_transformers * plan.cpus_per_transformer
             + plan.num_encoders * plan.cpus_per_encoder + plan.num_curators * plan.cpus_per_curator)
     assert plan.num_curators == 1 and held <= 2.0 - 1.0
+
+
+def test_semantic_decision_keeps_the_best_of_each_group_across_clusters_deterministically():
+    """SemDeDup's decision on clustered unit vectors (k-means forced to several clusters): every planted
+    copy found, the highest-priority member of each group kept, no other row removed, the same set twice."""
+    from diffusion.convert.neardup import duplicate_groups
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((600, 64)).astype(np.float32)
+    src = rng.choice(600, 40, replace=False)
+    copies = x[src] + 0.02 * rng.standard_normal((40, 64)).astype(np.float32)
+    x = np.concatenate([x, copies])
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    priority = rng.random(len(x)).astype(np.float32)
+    removed, partner = duplicate_groups(x.astype(np.float16), priority, 0.95, cluster_rows=100)
+    again, _ = duplicate_groups(x.astype(np.float16), priority, 0.95, cluster_rows=100)
+    assert (removed == again).all() and removed.sum() == 40
+    for k, s in enumerate(src):
+        pair = [int(s), 600 + k]
+        loser = min(pair, key=lambda i: priority[i])
+        assert removed[loser] and not removed[max(pair, key=lambda i: priority[i])]
+        assert partner[loser] == max(pair, key=lambda i: priority[i])
