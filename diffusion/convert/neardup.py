@@ -15,9 +15,9 @@ conversion, never by holding n x n similarities:
    dropped), decoded and cropped by the transform's own code, and their vectors (and with ``--embed``
    the scores, and whether the rows pass ``--where``'s rules on scores) written as parquet;
 2. **decide** (:func:`duplicate_groups`, in the driver): the passing rows' vectors are clustered with
-   scikit-learn's ``MiniBatchKMeans`` (about :data:`CLUSTER_ROWS` rows a cluster, fitted and assigned
-   chunk by chunk); within a cluster, rows are ranked by the stated rule -- highest ``clip_score``
-   first (without ``--embed``: all equal), ties in input order -- and a row is removed if its
+   scikit-learn's ``MiniBatchKMeans`` (about :data:`CLUSTER_ROWS` rows a cluster, fitted on a sample of
+   at most :data:`FIT_SAMPLE` rows and assigned chunk by chunk); within a cluster, rows are ranked by the
+   stated rule -- highest ``clip_score`` first (without ``--embed``: all equal), ties in input order -- and a row is removed if its
    similarity to any higher-ranked row of its cluster is >= T (SemDeDup's rule), computed a block of
    rows at a time. Memory: the vectors (n x D float16) plus one block x cluster, never n x n. Pairs
    that k-means puts in different clusters are not compared (SemDeDup's trade: near-duplicates are
@@ -48,6 +48,7 @@ REASONS = {"near": "near_duplicate", "semantic": "semantic_duplicate"}
 CLUSTER_ROWS = 1000  # rows per k-means cluster on average: the within-cluster comparison is m x m
 BLOCK = 1024  # rows of a cluster compared at once
 FIT_CHUNK = 65536  # rows per k-means partial_fit / predict call
+FIT_SAMPLE = 262144  # rows k-means is fitted on (an evenly spaced sample of a larger input)
 _DONE = "_done"
 
 
@@ -62,13 +63,16 @@ def cluster_labels(vectors: np.ndarray, clusters: int, seed: int = 0) -> np.ndar
     from sklearn.cluster import MiniBatchKMeans
     chunk = max(FIT_CHUNK, 3 * clusters)
     km = MiniBatchKMeans(n_clusters=clusters, random_state=seed, batch_size=min(chunk, n), n_init=1,
-                         init="random" if clusters > 2000 else "k-means++", reassignment_ratio=0.0)
-    for _ in range(2):  # two sweeps over the data
-        for start in range(0, n, chunk):
-            part = np.asarray(vectors[start:start + chunk], np.float32)
-            if len(part) < clusters:  # partial_fit's first call needs a sample per cluster
-                part = np.asarray(vectors[max(0, n - chunk):], np.float32)
-            km.partial_fit(part)
+                         init="random", reassignment_ratio=0.0)
+    # fitted on an evenly spaced sample of at most FIT_SAMPLE rows (the centres only route rows to the
+    # comparisons; every row is assigned below), one chunk at a time
+    step = max(1, n // FIT_SAMPLE)
+    sample = np.arange(0, n, step)
+    for start in range(0, len(sample), chunk):
+        rows = sample[start:start + chunk]
+        if len(rows) < clusters:  # partial_fit's first call needs a row per cluster
+            rows = sample[max(0, len(sample) - chunk):]
+        km.partial_fit(np.asarray(vectors[rows], np.float32))
     labels = np.empty(n, np.int64)
     for start in range(0, n, chunk):
         labels[start:start + chunk] = km.predict(np.asarray(vectors[start:start + chunk], np.float32))
