@@ -417,13 +417,22 @@ def check_latent_channels(denoiser: torch.nn.Module, info: schema.DatasetInfo, w
             f"{info.latent_space.channels} channels, or convert the data with the denoiser's autoencoder")
 
 
-def text_mask_of(model_cfg, info: schema.DatasetInfo) -> bool:
+# Denoisers whose reference trains its T5 sequence unmasked: SD3 (its pipeline and training scripts pass the
+# MMDiT's joint attention no mask) and Flux (FluxPipeline and its training scripts: none either, one text
+# encoder or two). Unmasked, attention can take SDPA's flash kernel, which takes no mask of any form (a float
+# additive mask goes to the same memory-efficient kernel a boolean one does): issue 47, item 14.
+UNMASKED_T5_REFERENCES = frozenset({"SD3Transformer2DModel", "FluxTransformer2DModel"})
+
+
+def text_mask_of(model_cfg, info: schema.DatasetInfo, denoiser_class: str | None = None) -> bool:
     """``model.text_mask``, else (null) on for a text encoder that reads masks itself (T5), off for CLIP (SD2
-    trains on the padded embeddings, as its pipeline samples) and for Flux's two text encoders (FluxPipeline
-    passes the transformer no mask)."""
+    trains on the padded embeddings, as its pipeline samples), for Flux's two text encoders (FluxPipeline
+    passes the transformer no mask) and for a T5 under SD3's MMDiT or Flux (both train T5 unmasked:
+    :data:`UNMASKED_T5_REFERENCES`; ``model.text_mask: true`` masks it). SANA's and PixArt's references
+    mask their long captions; the UNet keeps the mask too."""
     if model_cfg.text_mask is not None:
         return bool(model_cfg.text_mask)
-    if info.pooled_text_dim is not None:
+    if info.pooled_text_dim is not None or denoiser_class in UNMASKED_T5_REFERENCES:
         return False
     return loading.text_encoder_takes_mask(info.text_encoder_type or loading.CLIP_TEXT)
 
@@ -487,4 +496,4 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         eval_bins=model_cfg.eval_bins, eval_protocol=model_cfg.eval_protocol, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
         route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
-        text_mask=text_mask_of(model_cfg, info), repa=repa, pooled_text=pooled_text)
+        text_mask=text_mask_of(model_cfg, info, type(denoiser).__name__), repa=repa, pooled_text=pooled_text)

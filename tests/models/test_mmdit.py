@@ -180,3 +180,18 @@ def test_both_denoisers_train_on_an_aspect_ratio_bucket(kit_name, request):
     square = {**batch, schema.BATCH_MOMENTS: torch.cat([torch.randn(2, 4, 8, 8), torch.full((2, 4, 8, 8), -8.0)], 1)}
     square.pop(schema.BATCH_PATCH_KEEP, None)
     assert model.flops_per_batch(batch) < model.flops_per_batch(square)  # 60 latent pixels, not 64
+
+
+def test_a_t5_is_unmasked_by_default_under_the_mmdit_as_sd3_trains_it():
+    """Issue 47, item 14: SD3 (and Flux) train T5's sequence unmasked, and any attention mask keeps SDPA off
+    its flash kernel; the UNet (and a T5 asked for with model.text_mask) keeps the mask, CLIP never had one."""
+    from diffusion import schema
+    from diffusion.models.latent_diffusion import text_mask_of
+    from diffusion.train.config import ModelConfig
+    t5 = schema.DatasetInfo(model="kit", scaling_factor=0.18215, resolutions=[64], text_dim=64, text_encoder_type="t5")
+    clip = schema.DatasetInfo(model="kit", scaling_factor=0.18215, resolutions=[64], text_dim=64)
+    assert not text_mask_of(ModelConfig(), t5, "SD3Transformer2DModel")
+    assert not text_mask_of(ModelConfig(), t5, "FluxTransformer2DModel")  # one T5 under Flux: as FluxPipeline
+    assert text_mask_of(ModelConfig(), t5, "UNet2DConditionModel")
+    assert text_mask_of(ModelConfig(text_mask=True), t5, "SD3Transformer2DModel")
+    assert not text_mask_of(ModelConfig(), clip, "SD3Transformer2DModel")

@@ -200,11 +200,12 @@ def test_a_killed_worker_is_restarted_and_training_completes(tiny_t5_kit, sample
     # The MMDiT with rectified flow, from model.text=ids of a T5 at 24 tokens: the Ray pipeline runs no
     # text encoder, each worker encodes its batches' ids under their attention masks (and gets its text
     # encoder back when the group restarts), and the MMDiT attends to the captions' tokens only
-    # (model.text_mask, on for a T5). Either refuses a batch without the stream's token counts.
+    # (model.text_mask=true: SD3 trains T5 unmasked, the MMDiT's default). Either refuses a batch without the
+    # stream's token counts.
     marker = tmp_path / "killed-once"
     injector = FaultInjector(at_batch=3, marker=str(marker), rank=1)
     mmdit = ("model.denoiser=SD3Transformer2DModel", "model.text=ids", "model.prediction_type=null",
-             "model.objective=flow", "data.online.text_length=24")
+             "model.objective=flow", "data.online.text_length=24", "model.text_mask=true")
     result = run_online(online_config(tiny_t5_kit, sample_data, tmp_path, *mmdit), extra_callbacks=[injector])
     assert marker.exists()  # the fault happened...
     assert result.resumed_from == 2  # ...the new worker group resumed from the checkpoint before it...
