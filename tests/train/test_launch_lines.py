@@ -48,3 +48,31 @@ def test_start_line_names_the_model_and_ctrl_c_says_where_training_stopped(train
     count = sum(p.numel() for p in UNet2DConditionModel(**kit.TINY_UNET).parameters())
     assert f"model: UNet2DConditionModel denoiser, {count:,} parameters; objective epsilon (DDPM, predicting the " \
            f"noise (epsilon))" in out.splitlines(), out[-2000:]
+
+
+def test_readme_training_commands_do_not_share_a_save_folder():
+    """Two README commands that train other models or data into one save folder: the second is refused
+    (autoresume continues only its own run). Each README training command's save folder (its YAML's, or
+    its trainer.save_folder=) holds one model reference and one dataset; and a command's model.ref is where
+    README builds a kit (the MLPerf CPU twin's YAML names .cache/kit/tiny-flux, README builds kits/flux)."""
+    import shlex
+
+    import yaml
+    text = open(os.path.join(ROOT, "README.md")).read()
+    runs = {}
+    for line in re.findall(r"^(?:composer|python) (?:-n \d+ )?run\.py (yamls/\S+\.yaml[^\n#`]*)", text, re.M):
+        words = shlex.split(line)
+        with open(os.path.join(ROOT, words[0])) as f:
+            recipe = yaml.safe_load(f)
+        given = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+        folder = given.get("trainer.save_folder", recipe["trainer"].get("save_folder"))
+        what = (given.get("model.ref", recipe["model"].get("ref")),
+                given.get("data.train.path", recipe["data"]["train"].get("path")))
+        runs.setdefault(folder, set()).add(what)
+    assert len(runs) > 5
+    shared = {folder: sorted(map(str, whats)) for folder, whats in runs.items() if len(whats) > 1}
+    assert not shared, shared
+    built = {path.strip("`") for path in re.findall(r"diffusion\.kit --preset \S+ --out (\S+)", text)}
+    built.add(".cache/kit/tiny")  # make demo's kit
+    refs = {ref for whats in runs.values() for ref, _ in whats if ref and ref.startswith(("kits/", ".cache/kit/"))}
+    assert refs - built == set()
