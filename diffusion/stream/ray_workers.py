@@ -284,6 +284,47 @@ def with_absolute_paths(cfg: Config) -> Config:
     return cfg
 
 
+READ_CPUS = 1.0  # what a Ray Data read task asks for (its default num_cpus)
+
+
+def check_placement(nodes: list[dict], pools, cfg: Config) -> None:
+    """Refuse, in one line naming the resource, a plan whose actors cannot all be placed on the cluster's
+    ``nodes`` (each node's ``{"CPU": n, "GPU": n}``) with a whole CPU left on some node for the read tasks:
+    Ray would place what fits and wait for the rest without a word (a read task wanting a CPU on two
+    nodes with 0.75 and 0.25 left hung for 20 minutes). Actors are placed largest first, each on the node
+    with the most room that holds it, as Ray's default scheduling spreads them once a node is half used."""
+    o = cfg.data.online
+    demands = [("training worker", o.train_cpus, o.train_gpus)] * o.num_train_workers
+    demands += [("transformer", pools.cpus_per_transformer, 0.0)] * pools.num_transformers
+    demands += [("encoder", pools.cpus_per_encoder, pools.gpus_per_encoder)] * pools.num_encoders
+    demands += [("recaptioner", pools.cpus_per_recaptioner, pools.gpus_per_recaptioner)] * pools.num_recaptioners
+    demands += [("curator", pools.cpus_per_curator, pools.gpus_per_curator)] * pools.num_curators
+    free = [[float(n.get("CPU", 0)), float(n.get("GPU", 0))] for n in nodes]
+    for what, cpu, gpu in sorted(demands, key=lambda d: (-d[2], -d[1])):
+        fits = [room for room in free if room[0] >= cpu - 1e-9 and room[1] >= gpu - 1e-9]
+        if not fits:
+            rooms = ", ".join(f"{c:g} CPU/{g:g} GPU" for c, g in free)
+            raise ConfigError(
+                f"online mode cannot place a {what} ({cpu:g} CPU, {gpu:g} GPU) on this cluster: its nodes have "
+                f"{rooms} left after the actors placed before it; lower data.online.num_train_workers or "
+                f"train_cpus/train_gpus, or pin the pools (data.online.num_transformers, num_encoders)")
+        room = max(fits, key=lambda r: (r[1] - gpu, r[0] - cpu))
+        room[0] -= cpu
+        room[1] -= gpu
+    if not any(c >= READ_CPUS - 1e-9 for c, _ in free):
+        rooms = ", ".join(f"{c:g}" for c, _ in free)
+        raise ConfigError(
+            f"online mode cannot place its read tasks: each needs {READ_CPUS:g} whole CPU on one node, and once "
+            f"the training workers and pools are placed the nodes have {rooms} CPU left; lower "
+            f"data.online.train_cpus or num_train_workers, or pin the pools (data.online.num_transformers, "
+            f"num_encoders)")
+
+
+def node_resources(ray) -> list[dict]:
+    """Each live node's CPUs and GPUs."""
+    return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+
 def placement(cfg: Config) -> TrainPlacement:
     o = cfg.data.online
     return TrainPlacement(num_workers=o.num_train_workers, use_gpu=o.train_gpus > 0, cpus_per_worker=o.train_cpus,
@@ -350,6 +391,7 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
     ray = _init_ray_with_progress()
 
     pools = plan_online_pools(ray.cluster_resources(), cfg)
+    check_placement(node_resources(ray), pools, cfg)
     log.info("online pools: %d transformer(s) x %.2f CPU; %d encoder(s) x %.2f CPU, %.2f GPU, batch %d; "
              "%d train worker(s) x %.2f CPU, %.2f GPU", pools.num_transformers, pools.cpus_per_transformer,
              pools.num_encoders, pools.cpus_per_encoder, pools.gpus_per_encoder, pools.encoder_batch,
