@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+from process_cleanup import pytest_configure, pytest_sessionfinish  # noqa: F401 (hooks: the suite's processes end with it)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(os.environ.get("DIFFUSION_TEST_CACHE", ROOT / ".cache"))
 

@@ -149,19 +149,51 @@ def tiny_overrides(kit: str, mds: str, *, batches: int = 8, batch_size: int = 8,
     return overrides + list(extra)
 
 
-def launch_composer(script_path, script: str, args: list[str], *, port: int, env: dict | None = None,
+def free_port() -> int:
+    """A TCP port the OS has free now (bound to port 0): a launch's master port, never a fixed number that
+    another suite or job on the machine may hold."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(command: list[str], *, timeout: float, **kwargs):
+    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)`` in a process group
+    of its own: on a timeout or an interrupt the whole group (Composer's launcher and every rank it started)
+    is killed, not the launcher alone; a timeout fails naming the command's start and the seconds waited."""
+    import signal
+    import subprocess
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **kwargs)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except BaseException as error:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = process.communicate()
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(command, timeout, out, err) from None
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def launch_composer(script_path, script: str, args: list[str], *, port: int | None = None, env: dict | None = None,
                     processes: int = 2, timeout: float = 600):
     """Write ``script`` to ``script_path`` and run it under ``composer -n processes`` from the repository root
-    (one thread per rank, the repository importable); returns the ``subprocess.CompletedProcess``."""
-    import subprocess
+    (one thread per rank, the repository importable), on a master port from the OS unless ``port`` is given,
+    in a process group killed whole on a timeout or an interrupt; returns the ``subprocess.CompletedProcess``."""
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(script_path, "w") as f:
         f.write(script)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
     full_env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
-                          cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    port = free_port() if port is None else port
+    return run_group([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
+                     cwd=root, env=full_env, timeout=timeout)
 
 
 def close_trainer(trainer) -> None:

@@ -299,7 +299,7 @@ def _copies(a, b, dim, tmp_path, *, world=1, workers=0):
         result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
                                 timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     else:
-        result = launch_composer(tmp_path / "copies.py", COPIES_SCRIPT, args, port=29591, processes=world)
+        result = launch_composer(tmp_path / "copies.py", COPIES_SCRIPT, args, processes=world)
     assert result.returncode == 0, result.stderr[-3000:]
     return sorted(tuple(d) for name in os.listdir(out) for d in json.loads((out / name).read_text()))
 

@@ -167,7 +167,7 @@ def fsdp_runs(train_kit, tiny_kit, tmp_path_factory):
                          if name == "resumed" else None, "overrides": [
             "trainer.fsdp={sharding_strategy: FULL_SHARD}", f"trainer.save_folder={folder}", f"data.train.path={ids}",
             "trainer.save_interval=2ba", "trainer.max_duration=4ba", "trainer.autoresume=true"]})
-    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], port=29541,
+    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common],
                              env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return tmp, ckpt

@@ -38,7 +38,7 @@ def test_two_ranks_fsdp_train_the_transformers_as_one_process_with_ema(request, 
                     else "trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD}")
             variants.append({"name": f"{kit_name}-fsdp{version}", "blocks": blocks,
                              "overrides": [*commons[kit_name], fsdp]})
-    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML], port=29582,
+    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML],
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 

@@ -2,7 +2,6 @@
 the same weights as one process training the same global batches in any number of microbatches."""
 
 import os
-import subprocess
 import sys
 
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, free_port, run_group, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,8 +68,8 @@ def test_two_ranks_read_disjoint_samples_and_agree(train_kit, tmp_path):
                                                          f"data.train.streams=[{{path: {mds}}}, {{path: {other}}}]")),
             "trainer.save_interval=4ba"]
     env = dict(os.environ, RECORD_DIR=str(tmp_path), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    result = subprocess.run([composer, "-n", "2", "--master_port", "29533", str(harness), *args], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = run_group([composer, "-n", "2", "--master_port", str(free_port()), str(harness), *args], cwd=ROOT,
+                       env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert len(r0["seen"]) == len(r1["seen"]) == 4 * 8  # 4 batches of 16 global = 8 per rank
@@ -113,9 +112,8 @@ def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(train_k
     fsdp2 = ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
              "trainer.device_train_microbatch_size=2", f"trainer.save_folder={tmp_path / 'ckpt'}",
              "trainer.save_interval=3ba"]
-    result = subprocess.run([composer, "-n", "2", "--master_port", "29535", "run.py", *common, *fsdp2],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_group([composer, "-n", "2", "--master_port", str(free_port()), "run.py", *common, *fsdp2],
+                       cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ema, _, ema_used = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"))
     raw, _, _ = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"), ema=False)

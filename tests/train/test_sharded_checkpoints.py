@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import free_port, run_group, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -34,12 +34,11 @@ def _args(kit, mds, folder, batches, *extra):
         "trainer.save_num_checkpoints_to_keep=2", *extra))]
 
 
-def _launch(args, port, ranks=2, timeout=400):
+def _launch(args, ranks=2, timeout=400):
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    command = ([composer, "-n", str(ranks), "--master_port", str(port)] if ranks > 1 else [sys.executable])
-    return subprocess.run([*command, os.path.join(ROOT, "run.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    command = ([composer, "-n", str(ranks), "--master_port", str(free_port())] if ranks > 1 else [sys.executable])
+    return run_group([*command, os.path.join(ROOT, "run.py"), *args], cwd=ROOT, env=env, timeout=timeout)
 
 
 def _error_lines(result):
@@ -65,7 +64,7 @@ def runs(train_kit, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     mds = write_latent_mds(str(tmp / "mds"), kit=train_kit, n=48)
     folder = tmp / "resumed"
-    first = _launch(_args(train_kit, mds, folder, 5, "trainer.save_num_checkpoints_to_keep=3"), port=29561)
+    first = _launch(_args(train_kit, mds, folder, 5, "trainer.save_num_checkpoints_to_keep=3"))
     assert first.returncode == 0, first.stderr[-4000:]
     kept_after_first = sorted(os.listdir(folder))
     shutil.copytree(folder, tmp / "straight", symlinks=True, ignore=shutil.ignore_patterns("ep0-ba3"))
@@ -76,7 +75,7 @@ def runs(train_kit, tmp_path_factory):
     shutil.rmtree(folder / "ep0-ba5")
     (folder / "ep0-ba5").mkdir()
     shutil.copy(folder / "ep0-ba3" / "__0_0.distcp", folder / "ep0-ba5" / "__0_0.distcp")
-    resumed = _launch(_args(train_kit, mds, folder, 5), port=29563)
+    resumed = _launch(_args(train_kit, mds, folder, 5))
     return {"tmp": tmp, "mds": mds, "first": first, "resumed": resumed, "kept_after_first": kept_after_first}
 
 
@@ -108,7 +107,7 @@ def test_a_folder_of_unreadable_checkpoints_is_refused_unless_asked_to_start_fre
     for name in os.listdir(folder):
         if name.startswith("ep0-ba"):
             os.remove(folder / name / ".metadata")
-    refused = _launch(_args(train_kit, mds, folder, 6), port=29564)
+    refused = _launch(_args(train_kit, mds, folder, 6))
     # every rank refuses (exit 2); Composer's launcher exits with its own code once a rank has failed
     assert refused.returncode != 0, refused.stderr[-4000:]
     assert "Traceback" not in refused.stderr
@@ -116,7 +115,7 @@ def test_a_folder_of_unreadable_checkpoints_is_refused_unless_asked_to_start_fre
     assert f"trainer.save_folder={folder} holds checkpoints autoresume cannot read" in line
     assert "set trainer.start_fresh=true" in line
     assert not any(n.startswith("ep0-ba") and not n.endswith(".incomplete") for n in os.listdir(folder))
-    fresh = _launch(_args(train_kit, mds, folder, 1, "trainer.start_fresh=true"), port=29565)
+    fresh = _launch(_args(train_kit, mds, folder, 1, "trainer.start_fresh=true"))
     assert fresh.returncode == 0, fresh.stderr[-4000:]
     assert "resuming from" not in fresh.stdout
     assert sorted(n for n in os.listdir(folder) if n.endswith(".incomplete")) == ["ep0-ba4.incomplete",
@@ -138,7 +137,7 @@ def test_a_second_run_into_a_sharded_runs_folder_is_refused(runs, train_kit, tmp
         "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = _launch(_args(train_kit, runs["mds"], folder, 6), port=29566)
+        second = _launch(_args(train_kit, runs["mds"], folder, 6))
     finally:
         holder.kill()
         holder.wait()
@@ -190,7 +189,7 @@ def test_a_sharded_index_or_entry_that_would_run_code_is_refused_and_runs_nothin
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=8)
     result = _launch([TINY, "trainer.device=cpu", f"trainer.load_path={hostile_index}", "trainer.max_duration=1ba",
                       "trainer.save_folder=null", "trainer.autoresume=false", f"data.train.path={mds}", "data.train.batch_size=8",
-                      f"model.ref={train_kit}", "algorithms={}", "callbacks={}", "loggers={}"], port=0, ranks=1)
+                      f"model.ref={train_kit}", "algorithms={}", "callbacks={}", "loggers={}"], ranks=1)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     [line] = _error_lines(result)

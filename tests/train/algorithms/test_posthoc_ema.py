@@ -232,7 +232,7 @@ def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mm
                 {"name": "fsdp1-resumed", "overrides": fsdp1 + ["trainer.autoresume=true"], "resume_from": "fsdp1"}]
     import json
     from train_fixtures import launch_composer
-    result = launch_composer(tmp_path / "harness.py", HARNESS, [yaml, *common], port=29581,
+    result = launch_composer(tmp_path / "harness.py", HARNESS, [yaml, *common],
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     one = tmp_path / "one"
