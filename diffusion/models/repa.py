@@ -9,8 +9,19 @@ run restores, so the switch-off batch is the same however often a run is cut).
 
 Where the encoder's input comes from: our shards hold latents, so the step decodes the clean latent with
 the data's own autoencoder (frozen, as the encoder) and resizes the image to the encoder's input; nothing
-more is stored (BENCHMARKS.md compares this with storing crops or features at conversion). The encoder's
-patch grid is resized to the denoiser's token grid. With patch masking or token routing only the tokens
+more is stored (BENCHMARKS.md compares this with storing crops or features at conversion). The input is
+sized so that the encoder's patch grid is the denoiser's token grid (``encoder_input: token_grid``, the
+default): tokens × the encoder's patch per side, which is REPA's 224·(resolution/256) for DINOv2's 14-pixel
+patches on an f8 autoencoder with 2×2 patches (SD3's MMDiT, Flux), i.e. 224 px at 256 and 896 at 1024
+(DINOv2's hub config says 518: 37×37 patches, 6.5× the encoder's FLOPs, resampled down). The encoder's
+position embeddings are interpolated to that grid (transformers' ``interpolate_pos_encoding``).
+``encoder_input: encoder_config`` keeps what this module did before: the config's ``image_size``, its
+patch grid resized to the token grid.
+
+Precision: under ``amp_bf16`` the frozen encoder and autoencoder are cast to bf16 once at fit start
+(:class:`RepaSwitch`), on every rank: half their memory, and no per-step cast of their weights; under fp32
+and ``amp_fp16`` they stay fp32 (an fp16 VAE decode can overflow; autocast still runs their matmuls in
+fp16). Their features are compared in fp32. With patch masking or token routing only the tokens
 the block computed (the kept, or the routed-through, patches) are aligned, as PRX does.
 
 The projector is a child module (``repa.projector.*``): trained, saved in checkpoints and averaged by the
@@ -69,15 +80,26 @@ class FrozenVisionEncoder:
     as its preprocessor says. Not an ``nn.Module`` child (see the module's doc); moved to the batch's
     device at its first call."""
 
-    def __init__(self, model, preprocessing: dict):
+    def __init__(self, model, preprocessing: dict, input_rule: str = "token_grid"):
+        import inspect
         self.model = model
         config = model.config
         self.image_size = int(config.image_size if isinstance(config.image_size, int) else config.image_size[0])
         self.patch = int(config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0])
         self.grid = self.image_size // self.patch
         self.width = int(config.hidden_size)
+        self.input_rule = input_rule
+        # ViT and SigLIP interpolate their position embeddings only when asked; DINOv2 and DINOv3 always can
+        self._interpolate = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
         self.mean = torch.tensor(preprocessing["image_mean"], dtype=torch.float32).view(1, 3, 1, 1)
         self.std = torch.tensor(preprocessing["image_std"], dtype=torch.float32).view(1, 3, 1, 1)
+
+    def input_size(self, rows: int, columns: int) -> tuple[int, int]:
+        """The encoder's input (height, width) in pixels for a denoiser's (rows × columns) token grid: each
+        token one encoder patch (``token_grid``), or the config's ``image_size`` (``encoder_config``)."""
+        if self.input_rule == "encoder_config":
+            return self.image_size, self.image_size
+        return rows * self.patch, columns * self.patch
 
     def to(self, device) -> "FrozenVisionEncoder":
         self.model.to(device)
@@ -85,15 +107,20 @@ class FrozenVisionEncoder:
         return self
 
     @torch.no_grad()
-    def features(self, images: torch.Tensor) -> torch.Tensor:
+    def features(self, images: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        """(B, N, D) patch features of ``images`` resized to ``size`` (default the config's ``image_size``):
+        N = (height / patch) × (width / patch)."""
         if self.mean.device != images.device:
             self.to(images.device)
-        x = F.interpolate(images.float(), size=(self.image_size, self.image_size), mode="bicubic",
-                          align_corners=False, antialias=True)
+        size = tuple(size) if size is not None else (self.image_size, self.image_size)
+        x = F.interpolate(images.float(), size=size, mode="bicubic", align_corners=False, antialias=True)
         x = ((x.clamp(-1, 1) + 1) / 2 - self.mean) / self.std
         dtype = next(self.model.parameters()).dtype
-        states = self.model(pixel_values=x.to(dtype)).last_hidden_state
-        return states[:, -self.grid * self.grid:].float()  # the patch tokens: after CLS and any registers
+        other = size != (self.image_size, self.image_size)
+        extra = {"interpolate_pos_encoding": True} if self._interpolate and other else {}
+        states = self.model(pixel_values=x.to(dtype), **extra).last_hidden_state
+        patches = (size[0] // self.patch) * (size[1] // self.patch)
+        return states[:, -patches:].float()  # the patch tokens: after CLS and any registers
 
 
 class LatentDecoder:
@@ -156,12 +183,13 @@ class Repa(torch.nn.Module):
     def target(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, N, D): the encoder's features of the decoded clean latents, on the denoiser's token grid."""
         images = self.decoder(latents) if self.decoder is not None else latents
-        features = self.encoder.features(images)
-        batch, _, width = features.shape
-        grid = self.encoder.grid
         height, breadth = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
-        features = features.transpose(1, 2).reshape(batch, width, grid, grid)
-        if (height, breadth) != (grid, grid):
+        size = self.encoder.input_size(height, breadth)
+        features = self.encoder.features(images, size)
+        batch, _, width = features.shape
+        grid = (size[0] // self.encoder.patch, size[1] // self.encoder.patch)
+        features = features.transpose(1, 2).reshape(batch, width, *grid)
+        if (height, breadth) != grid:
             features = F.interpolate(features, size=(height, breadth), mode="bilinear", align_corners=False,
                                      antialias=True)
         return features.flatten(2).transpose(1, 2)
@@ -186,7 +214,14 @@ class Repa(torch.nn.Module):
         and backward (3×) over ``tokens``; counted by torch on the meta device."""
         channels, height, width = latent_shape
         decode = _decode_flops(self.decoder, channels, height, width) if self.decoder is not None else 0
-        return decode + _encoder_flops(self.encoder.model) + 3 * _projector_flops(self.projector, tokens)
+        size = self.encoder.input_size(height // self.patch, width // self.patch)
+        return decode + _encoder_flops(self.encoder.model, size) + 3 * _projector_flops(self.projector, tokens)
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """The frozen encoder and autoencoder in ``dtype`` (bf16 under ``amp_bf16``: see the module's doc)."""
+        self.encoder.model.to(dtype=dtype)
+        if self.decoder is not None:
+            self.decoder.vae.to(dtype=dtype)
 
 
 def _count(factory, shape, call) -> int:
@@ -211,15 +246,20 @@ def _cached_decode_flops(cls, config_key, channels, height, width) -> int:
                   call=lambda vae, z: vae.decode(z))
 
 
-def _encoder_flops(model) -> int:
-    return _cached_encoder_flops(type(model), model.config.to_json_string())
+def _encoder_flops(model, size: tuple[int, int] | None = None) -> int:
+    """The encoder's forward FLOPs on one image of ``size`` (height, width; default its config's)."""
+    return _cached_encoder_flops(type(model), model.config.to_json_string(), tuple(size) if size else None)
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_encoder_flops(cls, config_json) -> int:
+def _cached_encoder_flops(cls, config_json, size) -> int:
+    import inspect
     config = cls.config_class.from_dict(__import__("json").loads(config_json))
-    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
-    return _count(lambda: cls(config), (1, 3, size, size), call=lambda m, x: m(pixel_values=x))
+    default = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    size = size or (default, default)
+    extra = {"interpolate_pos_encoding": True} if size != (default, default) and (
+        "interpolate_pos_encoding" in inspect.signature(cls.forward).parameters) else {}
+    return _count(lambda: cls(config), (1, 3, *size), call=lambda m, x: m(pixel_values=x, **extra))
 
 
 def _projector_flops(projector: Projector, tokens: int) -> int:
@@ -265,6 +305,10 @@ class RepaSwitch(Algorithm):
         return event in (Event.FIT_START, Event.BATCH_START)
 
     def apply(self, event, state, logger) -> None:
+        if event == Event.FIT_START:  # the frozen encoder and autoencoder in the run's compute dtype
+            from composer.core import Precision
+            if state.precision == Precision.AMP_BF16:
+                self.repa.use_compute_dtype(torch.bfloat16)
         self.repa.switch(int(state.timestamp.batch))
 
 
@@ -289,5 +333,6 @@ def build(model_cfg, denoiser, adapter, info, seed: int = 0) -> Repa | None:
     decoder = LatentDecoder(loading.load_vae(info.model), info.latent_space)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        return Repa(denoiser, adapter, FrozenVisionEncoder(model, preprocessing), decoder, block=r.block,
+        encoder = FrozenVisionEncoder(model, preprocessing, getattr(r, "encoder_input", "token_grid"))
+        return Repa(denoiser, adapter, encoder, decoder, block=r.block,
                     weight=r.weight, until=r.until, projector_dim=r.projector_dim)

@@ -76,6 +76,10 @@ class RepaConfig:
     weight: float = 0.5  # λ of the alignment loss (REPA, PRX: 0.5)
     until: Optional[int] = None  # the batch from which it is off (PRX: ~200k); null: never
     projector_dim: int = 2048  # the projector MLP's hidden width (REPA: 2048)
+    # the encoder's input size: token_grid = its patch grid is the denoiser's token grid (REPA's rule: DINOv2 at
+    # 224 px for 256 px on an f8 VAE with 2x2 patches); encoder_config = its config's image_size (518 for
+    # DINOv2's hub configs), the grid resampled to the tokens (what this repository did before issue 47)
+    encoder_input: Literal["token_grid", "encoder_config"] = "token_grid"
 
 
 @dataclasses.dataclass

@@ -49,15 +49,13 @@ def _batch(model, n=3, ratio=0.0):
 
 
 def _features_by_hand(model, latents):
-    """The encoder's patch features of the decoded latents on the 4×4 token grid, computed here."""
+    """The encoder's patch features of the decoded latents on the 4×4 token grid, computed here: the image at
+    4 tokens × the encoder's 8-pixel patches = 32 px, so its 4×4 patches are the tokens (REPA's rule)."""
     vae, encoder = model.repa.decoder.vae, model.repa.encoder.model
     images = vae.decode(latents / model.latent_space.scaling_factor).sample.clamp(-1, 1)
-    x = F.interpolate(images, size=(64, 64), mode="bicubic", align_corners=False, antialias=True)
+    x = F.interpolate(images, size=(32, 32), mode="bicubic", align_corners=False, antialias=True)
     x = ((x + 1) / 2 - 0.5) / 0.5  # the tiny encoder's preprocessor: mean 0.5, std 0.5
-    patches = encoder(pixel_values=x).last_hidden_state[:, 1:]  # after the class token: 8×8
-    grid = patches.transpose(1, 2).reshape(len(x), -1, 8, 8)
-    grid = F.interpolate(grid, size=(4, 4), mode="bilinear", align_corners=False, antialias=True)
-    return grid.flatten(2).transpose(1, 2)
+    return encoder(pixel_values=x, interpolate_pos_encoding=True).last_hidden_state[:, 1:]  # after the class token
 
 
 def test_the_loss_is_the_denoising_loss_plus_weight_times_minus_the_cosine(repa_kit):
@@ -107,6 +105,40 @@ def test_only_the_kept_patches_are_aligned(repa_kit):
         kept = features.gather(1, keep[..., None].expand(-1, -1, features.shape[-1]))
         expected = -F.cosine_similarity(model.repa.projector(hidden["x"]), kept, dim=-1).mean(1)
     torch.testing.assert_close(outputs["repa"].detach(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_encoder_sees_the_denoisers_token_grid_in_the_run_precision(repa_kit, tmp_path):
+    """Issue 47, item 6: the encoder's input makes its patch grid the denoiser's tokens (REPA's 224·R/256 for
+    DINOv2: 224 px at 256, 896 at 1024), not its config's image_size (DINOv2's hub configs: 518 px, 37×37
+    patches resampled down, 6.5× the FLOPs); the old size behind model.repa.encoder_input=encoder_config.
+    Under amp_bf16 the frozen encoder and VAE run in bf16 from fit start."""
+    from composer.core import Event, Precision
+    from transformers import Dinov2Config, Dinov2Model
+    from diffusion.models.repa import FrozenVisionEncoder, RepaSwitch, _encoder_flops
+    stats = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    dinov2 = Dinov2Config(image_size=518, patch_size=14, hidden_size=768, num_hidden_layers=1, num_attention_heads=12)
+    with torch.device("meta"):
+        base = FrozenVisionEncoder(Dinov2Model(dinov2), stats)
+    # SD3's MMDiT on an f8 VAE, 2×2 patches: 16 tokens a side at 256 px, 64 at 1024
+    assert [base.input_size(r // 16, r // 16) for r in (256, 512, 1024)] == [(224, 224), (448, 448), (896, 896)]
+    assert FrozenVisionEncoder(base.model, stats, "encoder_config").input_size(16, 16) == (518, 518)
+    ratio = _encoder_flops(base.model, (518, 518)) / _encoder_flops(base.model, (224, 224))
+    assert 6.0 < ratio < 7.0, ratio  # ViT-B/14 (one of its 12 layers here): 46 GFLOP at 224 px, 6.5× at 518
+    model = _model(repa_kit).train()
+    assert model.repa.encoder.input_size(4, 4) == (32, 32)  # the tiny kit: 4×4 tokens, 8-pixel patches
+    flops = model.repa.flops_per_image((4, 8, 8), 16) - 3 * sum(
+        2 * 16 * m.in_features * m.out_features for m in model.repa.projector if isinstance(m, torch.nn.Linear))
+    from diffusion.models.repa import _decode_flops
+    assert flops - _decode_flops(model.repa.decoder, 4, 8, 8) == _encoder_flops(model.repa.encoder.model, (32, 32))
+
+    class State:
+        precision, timestamp = Precision.AMP_BF16, type("T", (), {"batch": 0})()
+    RepaSwitch(model.repa).apply(Event.FIT_START, State(), None)
+    assert next(model.repa.encoder.model.parameters()).dtype == torch.bfloat16
+    assert next(model.repa.decoder.vae.parameters()).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = model(_batch(model))
+    assert outputs["repa"].dtype == torch.float32 and torch.isfinite(outputs["repa"]).all()
 
 
 def test_unet_and_a_block_out_of_range_are_refused(repa_kit, train_kit):
@@ -217,12 +249,11 @@ def test_flux_and_sana_train_with_the_alignment(kit_name, block, grid, request, 
     plain = model(batch)
     model.repa.active = True
     assert "repa" not in plain and hidden["x"].shape[1] == grid * grid
+    assert model.repa.encoder.input_size(grid, grid) == (8 * grid, 8 * grid)
     with torch.no_grad():
-        features = model.repa.encoder.features(model.repa.decoder(outputs["latents"]))  # 8×8 patches
-        features = features.transpose(1, 2).reshape(4, -1, 8, 8)
-        features = F.interpolate(features, size=(grid, grid), mode="bilinear", align_corners=False, antialias=True)
-        expected = -F.cosine_similarity(model.repa.projector(hidden["x"]), features.flatten(2).transpose(1, 2),
-                                        dim=-1).mean(1)
+        # the encoder at grid × its 8-pixel patches: its grid × grid patches are the tokens
+        features = model.repa.encoder.features(model.repa.decoder(outputs["latents"]), (8 * grid, 8 * grid))
+        expected = -F.cosine_similarity(model.repa.projector(hidden["x"]), features, dim=-1).mean(1)
     torch.testing.assert_close(outputs["repa"].detach(), expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close((model.loss(outputs, batch) - model.loss(plain, batch)).detach(),
                                0.5 * expected.mean(), rtol=1e-4, atol=1e-5)
