@@ -259,6 +259,9 @@ class TrainerConfig:
     device_train_microbatch_size: Union[int, Literal["auto"], None] = None  # None: the whole device batch
     precision: Optional[Literal["fp32", "amp_bf16", "amp_fp16"]] = None  # None: amp_bf16 on GPU, fp32 on CPU
     grad_clip_norm: Optional[float] = 1.0
+    # log the pre-clip norm (l2_norm/grad/global_before_clip) every this many batches: the host waits for
+    # the norm only then (clipping itself never waits)
+    grad_norm_log_interval: int = 1
     fsdp: Optional[FSDPSection] = None  # null: DDP
     activation_checkpointing: bool = False
     channels_last: bool = False
@@ -533,6 +536,8 @@ def _check_model(m: ModelConfig) -> None:
               "weight 0, so the step zero terminal SNR adds is not trained; set model.min_snr_floor (e.g. 0.1) "
               "to keep it", flush=True)
     _require(m.eval_bins >= 0, f"model.eval_bins={m.eval_bins} must be >= 0 (0: off)")
+    _require(m.eval_protocol == "mlperf" or m.eval_bins > 0,
+             f"model.eval_protocol={m.eval_protocol} is read only with model.eval_bins > 0 (the binned held-out loss)")
     _require(0.0 <= m.masking.ratio < 1.0, f"model.masking.ratio={m.masking.ratio} must be in [0, 1) (0: no masking)")
     _require(m.masking.mixer_blocks >= 1, f"model.masking.mixer_blocks={m.masking.mixer_blocks} must be at least 1")
     _require(0.0 <= m.routing.ratio < 1.0, f"model.routing.ratio={m.routing.ratio} must be in [0, 1) (0: no routing)")
@@ -541,8 +546,6 @@ def _check_model(m: ModelConfig) -> None:
     _require(m.routing.start >= 0, f"model.routing.start={m.routing.start} must be at least 0")
     if m.repa is not None:
         r = m.repa
-    _require(m.eval_protocol == "mlperf" or m.eval_bins > 0,
-             f"model.eval_protocol={m.eval_protocol} is read only with model.eval_bins > 0 (the binned held-out loss)")
         _require(bool(r.encoder), "model.repa.encoder is empty: give a vision encoder (hub id or local directory), "
                                   "e.g. facebook/dinov2-base")
         _require(r.block >= 1, f"model.repa.block={r.block} must be at least 1 (the first block's output)")
@@ -610,6 +613,10 @@ def _check_consistency(cfg: Config) -> None:
              f"trainer.grad_clip_norm={t.grad_clip_norm} must be a positive norm (null or 0 turns clipping off)")
     if isinstance(t.device_train_microbatch_size, int) and t.device_train_microbatch_size <= 0:
         raise ConfigError("trainer.device_train_microbatch_size must be positive or 'auto'")
+    _require(t.grad_norm_log_interval >= 1, f"trainer.grad_norm_log_interval={t.grad_norm_log_interval} must be >= 1")
+    _require(not (t.compile and t.device_train_microbatch_size == "auto"),
+             "trainer.compile=true with trainer.device_train_microbatch_size=auto: each size the search tries "
+             "compiles the model again; give a number of samples per microbatch")
     if t.fsdp is not None and t.fsdp.version == 2:
         if t.fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             raise ConfigError(f"trainer.fsdp.sharding_strategy={t.fsdp.sharding_strategy} has no FSDP2 equivalent "

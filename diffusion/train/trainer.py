@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 from composer import Trainer
-from composer.core import Evaluator
+from composer.core import Callback, Evaluator
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
                             LinearWithWarmupScheduler)
 from composer.utils import dist
@@ -161,28 +161,77 @@ def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
     if cfg.trainer.activation_checkpointing and cfg.trainer.fsdp is None:
         model.denoiser.enable_gradient_checkpointing()
     if cfg.trainer.compile and cfg.trainer.fsdp is not None:
-        compile_blocks(model, cfg.trainer)
+        compile_blocks(model, cfg.trainer, buckets=_shape_buckets(cfg))
     return model
+
+
+def _shape_buckets(cfg: Config) -> int:
+    """How many latent shapes the run's batches come in: one, or the buckets of a bucketed dataset
+    (train and held-out set)."""
+    try:
+        return sum(max(1, len(dataset_info.bucket_streams(section)))
+                   for section in (cfg.data.train, cfg.data.eval) if section is not None and section.source == "mds")
+    except Exception:  # the loaders report a dataset they cannot read, in their own words
+        return 2
 
 
 def _compile_options(t) -> dict:
     return {"backend": t.compile_backend, **({"mode": t.compile_mode} if t.compile_mode else {})}
 
 
-def compile_blocks(model: LatentDiffusion, t) -> int:
+# The (batch size, grad mode) pairs a block sees per latent shape in one run, at most: the train microbatch
+# and its remainder (grad), the eval batch and its last partial batch (no_grad; the EMA's eval and the
+# eval_bins levels reuse them), and the image logger's classifier-free-guidance batch (no_grad or inference
+# mode), with room to spare. A finite set: every eval and every resume reuses the same graphs.
+SHAPES_PER_BUCKET = 8
+
+
+def compile_blocks(model: LatentDiffusion, t, buckets: int = 1) -> int:
     """``trainer.compile`` under FSDP: each block FSDP wraps is compiled in place, whole
     (``fullgraph=True``: a break inside one is an error, not a silent fallback), before FSDP wraps it, and
     the rest of the step runs eager. Compiling the whole model instead (Composer's ``compile_config``)
     breaks its graph at every FSDP unit. In place (``Module.compile``): parameter names, and so
-    checkpoints, stay as they are. Returns the number of blocks compiled."""
+    checkpoints, stay as they are. Returns the number of blocks compiled.
+
+    Graphs are static (``dynamic=False``: a second shape does not turn the first graph dynamic, and the
+    shapes differ between a UNet's stages anyway), one per distinct block, input shape and grad mode. All
+    blocks share one code object (``Module._call_impl``), whose cache dynamo limits: it is sized for every
+    block at each of the run's shapes (:data:`SHAPES_PER_BUCKET` per latent shape of ``buckets``), so the
+    eval batch under ``no_grad`` and the image logger's batch compile once each instead of exceeding the
+    limit (``FailOnRecompileLimitHit``, which ``fullgraph`` makes an error). A microbatch size that
+    changes during the run (``auto``) is refused by the config."""
     import torch._dynamo
     blocks = [m for m in model.denoiser.modules() if type(m).__name__ in model.adapter.blocks]
-    # one static graph per distinct block (shapes differ between a UNet's stages; dynamic=False keeps a
-    # second shape from turning the first graph dynamic): room for every one of them
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(blocks))
+    limit = len(blocks) * SHAPES_PER_BUCKET * max(1, buckets)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, limit)
     for block in blocks:
         block.compile(fullgraph=True, dynamic=False, **_compile_options(t))
     return len(blocks)
+
+
+class DropGradientsBeforeEval(Callback):
+    """``trainer.compile`` under FSDP1: the last step's gradients are let go before the evals (Composer sets
+    them to None at the next batch's start anyway). FSDP1 keeps a flat parameter's sharded gradient beside
+    its gathered whole value, and dynamo, compiling a block for the eval's shapes, refuses such a tensor
+    (``attempting to assign a gradient of size ...``)."""
+
+    def eval_before_all(self, state, logger) -> None:
+        for optimizer in state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+
+def check_compiled_fsdp1_microbatches(cfg: Config, world_size: int) -> None:
+    """FSDP1 holds the sharded gradient of earlier microbatches beside the gathered weights while the next
+    microbatch's forward runs, which compiled blocks cannot read (the same dynamo error as above): compiled
+    FSDP1 takes each rank's batch whole; FSDP2 accumulates microbatches compiled."""
+    t = cfg.trainer
+    per_rank = cfg.data.train.batch_size // max(1, world_size)
+    micro = t.device_train_microbatch_size
+    if t.compile and t.fsdp is not None and t.fsdp.version == 1 and isinstance(micro, int) and micro < per_rank:
+        raise ConfigError(f"trainer.compile=true under trainer.fsdp.version=1 cannot accumulate microbatches "
+                          f"(trainer.device_train_microbatch_size={micro} < {per_rank} samples a rank): use "
+                          f"trainer.fsdp.version=2, or a microbatch of the rank's whole batch")
 
 
 def check_weights_for(model: LatentDiffusion, path: str) -> None:
@@ -343,6 +392,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     t = cfg.trainer
     device = t.device or ("gpu" if torch.cuda.is_available() else "cpu")
     dist.initialize_dist(device, timeout=t.dist_timeout)
+    check_compiled_fsdp1_microbatches(cfg, dist.get_world_size())
     shared_memory.clean_shared_memory()  # every rank: local rank 0 cleans, then streaming's own barrier
 
     if info is None:
@@ -371,9 +421,11 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     if model.repa is not None:  # REPA's switch-off batch, from the trainer's batch count
         algorithms.append(RepaSwitch(model.repa))
     if t.grad_clip_norm:
-        algorithms.append(LoggedGradientClipping(t.grad_clip_norm))  # Composer's, logging the pre-clip norm
+        algorithms.append(LoggedGradientClipping(t.grad_clip_norm, t.grad_norm_log_interval))  # logs the pre-clip norm
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
+    if t.compile and t.fsdp is not None and t.fsdp.version == 1:
+        callbacks.insert(0, DropGradientsBeforeEval())
     if model.text_encoder is not None and not any(isinstance(c, TextEncoderShare) for c in callbacks):
         callbacks.append(TextEncoderShare())  # every run that encodes text shows what it costs
     loggers, console = _console_logging(cfg.loggers)

@@ -105,27 +105,53 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class LoggedGradientClipping(GradientClipping):
-    """Composer's norm clipping, logging what it clipped (issue 25, item 3): every batch,
-    ``l2_norm/grad/global_before_clip`` (the whole gradient's norm, FSDP-aware as above: the spikes users
-    watch for) and ``l2_norm/grad/clip_ratio`` (the factor clipping scaled the gradient by, 1 when it did
-    not clip). ``l2_norm/grad/global`` (the monitor's) stays the norm after clipping, as applied."""
+    """Norm clipping that measures the gradient once (issue 25 item 3, issue 49 item 4), logging what it
+    clipped every ``log_interval`` batches: ``l2_norm/grad/global_before_clip`` (the whole gradient's
+    norm, FSDP-aware as above: the spikes users watch for) and ``l2_norm/grad/clip_ratio`` (the factor
+    clipping scaled the gradient by, 1 when it did not clip). ``l2_norm/grad/global`` (the monitor's)
+    stays the norm after clipping, as applied.
 
-    def __init__(self, clipping_threshold: float):
+    The norm is the one clipping uses: torch's ``clip_grad_norm_`` for one process or DDP (whole
+    gradients), and under FSDP one foreach pass over the local shards, one all-reduce of the squared sum
+    and one foreach scale, as torch's own clipping computes it. The norm stays a tensor on the device:
+    the host waits for it only on the batches that log it."""
+
+    def __init__(self, clipping_threshold: float, log_interval: int = 1):
         super().__init__(clipping_type="norm", clipping_threshold=clipping_threshold)
+        self.log_interval = max(1, int(log_interval))
 
     def apply(self, event, state, logger):
         if event != Event.AFTER_TRAIN_BATCH:
             return super().apply(event, state, logger)
         if state.fsdp_enabled:
-            # the global norm only, read once: one host sync per optimizer step (no per-parameter list);
-            # then Composer's clipping, which takes the sharded norm its own way
-            before = float(OptimizerMonitor.global_norm(state.model))
-            result = super().apply(event, state, logger)
+            before = clip_sharded_gradients(state.model, self.clipping_threshold)
         else:
-            # Composer's own call for one process or DDP (whole gradients); torch returns the norm it
-            # measured before clipping, so the gradient is read once a step, not twice
-            before = float(torch.nn.utils.clip_grad_norm_(state.model.parameters(), self.clipping_threshold))
-            result = None
-        ratio = min(1.0, self.clipping_threshold / before) if before > 0 else 1.0
-        logger.log_metrics({"l2_norm/grad/global_before_clip": before, "l2_norm/grad/clip_ratio": ratio})
-        return result
+            before = torch.nn.utils.clip_grad_norm_(state.model.parameters(), self.clipping_threshold)
+        if (int(state.timestamp.batch) + 1) % self.log_interval == 0:  # the batch being finished, 1-based
+            before = float(before)
+            ratio = min(1.0, self.clipping_threshold / before) if before > 0 else 1.0
+            logger.log_metrics({"l2_norm/grad/global_before_clip": before, "l2_norm/grad/clip_ratio": ratio})
+
+
+@torch.no_grad()
+def clip_sharded_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the (FSDP-sharded) gradients of ``model`` so that the whole gradient's L2 norm is at most
+    ``max_norm``; returns that norm before clipping, a tensor (no host sync). Torch's formula: the
+    gradient times ``min(1, max_norm / (norm + 1e-6))``."""
+    grads = [_local(p.grad) for p in trainable_parameters(model).values() if p.grad is not None]
+    device = grads[0].device if grads else next(model.parameters()).device
+    squares = torch.zeros((), device=device, dtype=torch.float32)
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for group in groups.values():
+        squares = squares + torch.stack(torch._foreach_norm(group)).float().pow(2).sum().to(device)
+    replicas = gradient_replicas(model)
+    if replicas is not None:
+        dist.all_reduce(squares, reduce_operation="SUM")
+        squares = squares / replicas
+    norm = squares.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for group in groups.values():
+        torch._foreach_mul_(group, scale.to(group[0].dtype))
+    return norm
