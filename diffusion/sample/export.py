@@ -183,8 +183,11 @@ def main(argv=None) -> None:
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
     if two:
         length = sampling.describe_reference(out).text_length
-        print(f"  and call it with a prompt, negative_prompt=\"\", {adapter.cfg_argument}=... for guidance and "
-              f"max_sequence_length={length} (the text length it was trained on), as diffusion.generate does")
+        size = trained_resolution(args.checkpoint)
+        at = f", height={size}, width={size}" if size else ""
+        print(f"  and call it as trained (its size{'' if size else ' as height= and width='}; diffusers' default is "
+              f"1024 px), e.g. pipe(\"a prompt\"{at}, negative_prompt=\"\", {adapter.cfg_argument}=4.0, "
+              f"max_sequence_length={length}).images[0], as diffusion.generate does")
     if empty:
         print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
               "(the text encoder and tokenizer are in text_encoder/ and tokenizer/"
@@ -194,6 +197,20 @@ def main(argv=None) -> None:
         if json.load(f).get("rescale_betas_zero_snr"):
             print(f"zero terminal SNR: call the pipeline with guidance_rescale="
                   f"{sampling.ZTSNR_GUIDANCE_RESCALE} to sample as diffusion.generate does")
+
+
+def trained_resolution(checkpoint: str) -> int | None:
+    """The size a Composer checkpoint was trained at (its model description, read weights-only), or None
+    (a diffusers directory, an older checkpoint)."""
+    from diffusion.models import safe_checkpoint
+    from diffusion.models.description import ModelDescription
+    if os.path.isdir(checkpoint):
+        return None
+    try:
+        state = safe_checkpoint.load(checkpoint, mmap=True).get("state") or {}
+        return ModelDescription.from_extra_state(state["model"]["_extra_state"]).resolution
+    except Exception:  # not a checkpoint of ours: the message says to pass the size
+        return None
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ def test_flux_export_loads_as_flux_pipeline_and_draws_what_generate_draws(flux_c
     theirs = pipe(PROMPTS[0], negative_prompt="", true_cfg_scale=4.0, max_sequence_length=77, num_inference_steps=3,
                   height=64, width=64, generator=[torch.Generator("cpu").manual_seed(7)]).images[0]
     assert np.abs(pixels(theirs) - pixels(ours)).max() <= 1
+    # the call export prints works as written, at the trained size (diffusers' default would draw 1024 px)
+    [call] = [part for part in said.split("e.g. ", 1)[1:]]
+    call = call.split(", as diffusion.generate does")[0]
+    assert call.startswith('pipe("a prompt", height=64, width=64, '), said
+    assert eval(call, {"pipe": pipe}).size == (64, 64)
     again = generate.generate_images(out, PROMPTS[:1], steps=3, guidance_scale=4.0, seed=7, size=64)[0]
     assert np.abs(pixels(again) - pixels(ours)).max() <= 1
 
