@@ -495,10 +495,21 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
         captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
         pooled=pooled,
         shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
-        cache_limit=loader_cfg.cache_limit, num_canonical_nodes=loader_cfg.num_canonical_nodes,
+        cache_limit=loader_cfg.cache_limit, num_canonical_nodes=canonical_nodes(loader_cfg),
         download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
     dataset.empty_pooled = info.empty_pooled() if pooled else None  # what caption dropout substitutes
     return dataset
+
+
+def canonical_nodes(loader_cfg) -> int:
+    """Streaming's ``num_canonical_nodes``: the section's, else 1. Streaming's own default is the number of
+    physical nodes, and it sets the sample order (which samples make each global batch), so the same
+    config would train other weights on 2 nodes than on 1 (4% apart after 20 batches). Pinned to what one
+    node picks (streaming's default shuffle, py1e: the node count), one process and N nodes read the same
+    global batches and single-node runs read what they always read; a run resumes with the value its
+    checkpoint recorded (streaming's resume state). Set it to the node count for each node to read its own
+    shards (less downloading from a remote dataset), the same value on every run that must match."""
+    return loader_cfg.num_canonical_nodes or 1
 
 
 def caption_choice(loader_cfg, seed: int) -> CaptionChoice | None:

@@ -323,6 +323,79 @@ class SaveFolderLock(Callback):
                 f"another trainer.save_folder")
 
 
+# ---- more than one node ----------------------------------------------------------------------------------
+
+def node_unique_signal_files() -> None:
+    """Give each node its own name for Composer's signal files.
+
+    Composer 0.32 releases a node's other ranks once its local rank 0 has finished an autoresume download
+    or a checkpoint load by writing a signal file beside the checkpoint, then removes it. The name is
+    meant to be the node's own (``._signal_file_node{N}_...``), but it is broadcast from global rank 0, so
+    every node gets node 0's name: in a save folder every node sees, the nodes' leaders write and remove
+    one file, and the slower one fails (``No such file or directory``; its peers then lose the connection).
+    Known upstream: llm-foundry #1736 and #504, composer #2363. This keeps Composer's function (the
+    broadcast still runs on every rank, so its collective stays in step) and appends the node's own rank
+    to the name it returns."""
+    from composer.utils import dist
+    shared_name = dist.get_node_signal_file_name
+    if getattr(shared_name, "node_unique", False):
+        return
+
+    def own_name(rng=None):
+        return f"{shared_name(rng)}-on-node{dist.get_node_rank()}"
+    own_name.node_unique = True
+    dist.get_node_signal_file_name = own_name
+
+
+def node_count() -> int:
+    from composer.utils import dist
+    return max(1, dist.get_world_size() // max(1, dist.get_local_world_size()))
+
+
+def check_shared(folder: str, shown: str, wait: float = 10.0) -> None:
+    """On more than one node, refuse (:class:`~diffusion.errors.UserError`, one line, on every rank) a local
+    save ``folder`` that is not one folder for every node: global rank 0 writes a marker file there and
+    each node's local rank 0 looks for it (for up to ``wait`` seconds, as a network file system may show a
+    new file late). Only global rank 0 writes checkpoints; a node that sees none cannot resume
+    (Composer: "Downloading the checkpoint to all nodes failed")."""
+    import uuid
+
+    from composer.utils import dist
+    nodes = node_count()
+    if nodes < 2:
+        return
+    name = [f".node-check-{uuid.uuid4().hex}" if dist.get_global_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    marker = os.path.join(folder, name[0])
+    if dist.get_global_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(socket.gethostname())
+    dist.barrier()
+    def sees() -> bool:  # listing the folder revalidates a network file system's cached view of it
+        with contextlib.suppress(OSError):
+            return name[0] in os.listdir(folder)
+        return False
+
+    seen = True
+    if dist.get_local_rank() == 0:
+        deadline = time.monotonic() + wait
+        while not sees() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = sees()
+    answers = dist.all_gather_object((dist.get_node_rank(), seen))
+    if dist.get_global_rank() == 0:
+        with contextlib.suppress(OSError):
+            os.remove(marker)
+    blind = sorted({node for node, saw in answers if not saw})
+    if blind:
+        which = ", ".join(str(n) for n in blind)
+        raise UserError(f"trainer.save_folder={shown} is not one folder for all {nodes} nodes: node "
+                        f"{which} {'does' if len(blind) == 1 else 'do'} not see what node 0 writes there, so "
+                        f"{'it' if len(blind) == 1 else 'they'} could never resume; on several nodes save to "
+                        f"s3://... or to shared storage mounted at the same path on every node")
+
+
 # ---- at the start of a run -----------------------------------------------------------------------------
 
 def claim(save_folder: str | None, run_name: str | None, autoresume: bool, start_fresh: bool = False) -> list[Callback]:
@@ -333,10 +406,13 @@ def claim(save_folder: str | None, run_name: str | None, autoresume: bool, start
     if not save_folder:
         return []
     write_checkpoints_atomically()
+    node_unique_signal_files()
+    # the local folder Composer saves in (a remote save_folder's local copy: its path as a relative one)
+    folder = format_name_with_dist(parse_uri(save_folder)[2], run_name or "")
+    if "://" not in save_folder:
+        check_shared(folder, save_folder)
     lock, error = None, None
     if dist.get_global_rank() == 0:
-        # the local folder Composer saves in (a remote save_folder's local copy: its path as a relative one)
-        folder = format_name_with_dist(parse_uri(save_folder)[2], run_name or "")
         lock = SaveFolderLock(folder, save_folder)
         try:
             notices = lock.acquire()
