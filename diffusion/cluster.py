@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 from diffusion import cpus
+from diffusion.errors import UserError
+
+AUTH_MODE = "RAY_AUTH_MODE"  # Ray 2.60: "token" sends the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN)
 
 
 def init_ray(address: str | None = None, log_to_driver: bool = False):
@@ -28,8 +31,14 @@ def init_ray(address: str | None = None, log_to_driver: bool = False):
             drop_token_note._drops_token_note = True
             auth.addFilter(drop_token_note)
         address = address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, log_to_driver=log_to_driver, num_cpus=_local_cpus(address),
-                 include_dashboard=False, logging_level=logging.WARNING)
+        joins = _joins(address)
+        if joins:
+            _token_for_cluster()
+        try:
+            ray.init(address=address, log_to_driver=log_to_driver, num_cpus=_local_cpus(address),
+                     include_dashboard=False, logging_level=logging.WARNING)
+        except Exception as e:  # Ray's start and connect failures: one line saying what to do
+            raise _start_failure(e, address if joins else None) from None
     import ray.data  # configures the "ray.data" logger's handlers on import
     for handler in logging.getLogger("ray.data").handlers:
         if handler.name == "console" and handler.level < logging.WARNING:
@@ -41,9 +50,50 @@ def _local_cpus(address: str | None) -> int | None:
     """``num_cpus`` when ``ray.init(address)`` starts a new local cluster: the CPUs this process may use
     (:func:`diffusion.cpus.ray_cpus`: its affinity mask and cgroup quota, which Ray alone half-counts);
     None when it joins a running cluster (which has its own) or ``DIFFUSION_CPUS=off``."""
+    return None if _joins(address) else cpus.ray_cpus()
+
+
+def _joins(address: str | None) -> bool:
+    """Whether ``ray.init(address)`` joins a running cluster (not a new local one)."""
     from ray._private.services import canonicalize_bootstrap_address
     try:
-        joins = canonicalize_bootstrap_address(address) is not None
+        return canonicalize_bootstrap_address(address) is not None
     except Exception:  # no cluster where the address says: ray.init reports that itself
-        return None
-    return None if joins else cpus.ray_cpus()
+        return bool(address)
+
+
+def _token_for_cluster() -> None:
+    """Joining a running cluster: send this host's Ray token when it has one and ``RAY_AUTH_MODE`` is unset.
+
+    Ray 2.60 writes ``~/.ray/auth_token`` at any local ``ray.init()`` (an earlier conversion, the demo), and
+    ``ray start --head`` then turns token authentication on for its cluster; a driver joining it does not
+    send the token unless ``RAY_AUTH_MODE=token`` (it fails with ~30 lines of ``InvalidAuthToken``). A head
+    without authentication ignores the token. ``RAY_AUTH_MODE`` set by the user is left as it is."""
+    if os.environ.get(AUTH_MODE):
+        return
+    # where Ray 2.60 looks for the token (not through its loader, which caches the mode it first sees)
+    paths = [os.environ.get("RAY_AUTH_TOKEN_PATH"), os.path.join(os.path.expanduser("~"), ".ray", "auth_token")]
+    if not (os.environ.get("RAY_AUTH_TOKEN") or any(p and os.path.isfile(p) for p in paths)):
+        return
+    try:  # Ray's own switch: the variable, and its cached config refreshed (read when ray was imported)
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+        _enable_token_auth()
+    except ImportError:
+        os.environ[AUTH_MODE] = "token"
+
+
+def _start_failure(error: Exception, address: str | None) -> Exception:
+    """``ray.init``'s ``error`` as one line (a :class:`~diffusion.errors.UserError`) where it is one the user
+    can act on: a local start that timed out (a busy machine: retry), a cluster that refused this
+    process's token, or no cluster at ``address``; anything else as it was."""
+    text = str(error)
+    if address is None and ("timed out" in text.lower() or isinstance(error, TimeoutError)):
+        return UserError(f"Ray's local start timed out ({text.splitlines()[0][:160]}): the machine is busy; "
+                         f"re-run the same command (it resumes where it stopped)")
+    if address is not None and (type(error).__name__ == "AuthenticationError" or "auth" in text.lower()):
+        return UserError(f"the Ray cluster at {address} refused this process's token: copy the head's "
+                         f"~/.ray/auth_token to this host (or set RAY_AUTH_TOKEN) and set {AUTH_MODE}=token")
+    if address is not None and isinstance(error, ConnectionError):
+        return UserError(f"no Ray cluster answers at {address} ({text.splitlines()[0][:160]}): start one with "
+                         f"ray start --head, or check the address and its port")
+    return error

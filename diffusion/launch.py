@@ -8,6 +8,7 @@ ranks (:mod:`diffusion.stream.ray_workers`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -75,7 +76,19 @@ def main_with(path: str, overrides: list[str]):
         print(cpus.describe(workers), flush=True)
     if cfg.data.train.source == "stream":
         from diffusion.stream import ray_workers
-        result = ray_workers.run_online(cfg)
+        # the driver trains nothing itself: Ctrl-C is Python's KeyboardInterrupt again, not the sys.exit(130)
+        # of Composer's engine (imported with the workers' code), which Ray's waits swallowed (rc 1, no word)
+        with contextlib.suppress(ValueError):  # not the main thread: no handler to set
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            result = ray_workers.run_online(cfg)
+        except (KeyboardInterrupt, SystemExit) as e:
+            if isinstance(e, SystemExit) and e.code != 128 + signal.SIGINT:
+                raise
+            resumable = cfg.trainer.autoresume and cfg.trainer.save_folder
+            raise KeyboardInterrupt("during training; " + (
+                "re-run the same command to resume from its last checkpoint" if resumable else
+                "trainer.autoresume is off, so a re-run starts from the beginning")) from None
         ray_workers.report(result)
         return result
     from diffusion.train.trainer import build_trainer, finished_message

@@ -1,0 +1,126 @@
+"""A two-node Ray cluster on one machine, started as README's runbook says (``ray start --head``, then
+``ray start --address`` on the second node, each with its own CPUs, temp dir and ports), with token
+authentication on (the head finds ``~/.ray/auth_token``, as after any earlier local ``ray.init``): the
+converter joins it through ``RAY_ADDRESS`` alone and writes the samples (keys) a local run writes."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _node_ip() -> str:
+    """The address ``ray start --head`` binds (this host's, as Ray finds it)."""
+    from ray._private.services import get_node_ip_address
+    return get_node_ip_address()
+
+
+def _node_ports() -> list[str]:
+    """A node's own dashboard agent port (every node would take 52365); Ray picks the others free."""
+    [agent] = _free_ports(1)
+    return [f"--dashboard-agent-listen-port={agent}"]
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    """(RAY_ADDRESS, environment) of a head and a worker node, 1 CPU each, stopped (both) even when the
+    test is interrupted. HOME is the test's own, holding a Ray token, so the head turns token auth on."""
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(generate_new_authentication_token())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    temp_dirs = [tempfile.mkdtemp(prefix="rayh"), tempfile.mkdtemp(prefix="rayw")]  # short: socket paths
+    [port] = _free_ports(1)
+    address = f"{_node_ip()}:{port}"
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    try:
+        for i, role in enumerate((["--head", f"--port={port}"], [f"--address={address}"])):
+            started = subprocess.run([RAY, "start", *role, *common, *_node_ports(), f"--temp-dir={temp_dirs[i]}"],
+                                     env=env if i == 0 else dict(env, RAY_AUTH_MODE="token"),
+                                     capture_output=True, text=True, timeout=180)
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield address, env
+    finally:
+        # `ray stop` stops every Ray process of this user on the machine: stop this cluster's own nodes
+        # only, by the pids their temp dirs record
+        for temp in temp_dirs:
+            _stop_node(temp)
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stop_node(temp_dir: str) -> None:
+    import signal
+    import psutil
+    mine = {os.getpid()}
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.pid not in mine and any(temp_dir in part for part in process.info["cmdline"] or ()):
+                process.send_signal(signal.SIGTERM)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    _, alive = psutil.wait_procs([p for p in psutil.process_iter(["cmdline"]) if p.pid not in mine
+                                  and any(temp_dir in part for part in (p.info["cmdline"] or ()))], timeout=10)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _keys(out) -> list[str]:
+    from streaming import StreamingDataset
+    dataset = StreamingDataset(local=str(out), shuffle=False, batch_size=1)
+    return sorted(sample["key"] for sample in dataset)
+
+
+@pytest.mark.slow
+def test_conversion_on_a_two_node_cluster_writes_the_keys_a_local_run_writes(
+        two_node_cluster, converted, sample_data, tiny_kit, tmp_path):
+    address, env = two_node_cluster
+    out = tmp_path / "cluster-out"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--input", sample_data,
+                             "--output", str(out), "--model", tiny_kit, "--resolutions", "32", "64",
+                             "--deterministic"],
+                            cwd=ROOT, env=dict(env, RAY_ADDRESS=address), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "InvalidAuthToken" not in result.stderr
+    local_out, _ = converted
+    assert _keys(out) == _keys(local_out)
+
+
+def test_ray_start_and_join_failures_are_one_line():
+    """What ``ray.init`` raises where the user can act, as one line: a local start that timed out on a busy
+    machine (Ray 2.60's "The current node timed out during startup", a raw traceback before), a token the
+    cluster refuses; anything else is left as it was."""
+    from diffusion.cluster import _start_failure
+    from diffusion.errors import UserError
+    timeout = _start_failure(Exception("The current node timed out during startup. This could happen because "
+                                       "some of the raylet failed to startup or the GCS has become overloaded."), None)
+    assert isinstance(timeout, UserError) and "\n" not in str(timeout)
+    assert str(timeout).startswith("Ray's local start timed out (The current node timed out during startup.")
+    assert str(timeout).endswith("the machine is busy; re-run the same command (it resumes where it stopped)")
+    auth = _start_failure(type("AuthenticationError", (Exception,), {})("InvalidAuthToken"), "head:6379")
+    assert str(auth) == ("the Ray cluster at head:6379 refused this process's token: copy the head's "
+                         "~/.ray/auth_token to this host (or set RAY_AUTH_TOKEN) and set RAY_AUTH_MODE=token")
+    other = RuntimeError("something else")
+    assert _start_failure(other, None) is other
