@@ -247,3 +247,26 @@ def test_a_load_path_without_this_models_weights_is_refused(train_kit, mds, tmp_
     cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=1, extra=(f"trainer.load_path={path}",)))
     with pytest.raises(ConfigError, match=r"holds 1 tensors \(encoder\), and 0 of the \d+ this UNet2DConditionModel"):
         build_trainer(cfg)
+
+
+def test_the_yamls_dist_timeout_reaches_composers_trainer_and_the_process_group(train_kit, mds, monkeypatch):
+    """trainer.dist_timeout is how long ranks wait for rank 0 to write a full checkpoint (issue 49 item 5)."""
+    import diffusion.train.trainer as trainer_module
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_trainer(**kwargs):
+        seen["trainer"] = kwargs["dist_timeout"]
+        raise Captured
+
+    real_init = trainer_module.dist.initialize_dist
+    monkeypatch.setattr(trainer_module, "Trainer", fake_trainer)
+    monkeypatch.setattr(trainer_module.dist, "initialize_dist",
+                        lambda device, timeout: (seen.__setitem__("group", timeout), real_init(device, timeout))[1])
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=1, extra=("trainer.dist_timeout=1800",)))
+    with pytest.raises(Captured):
+        build_trainer(cfg)
+    gc.collect()  # the loader built before the Trainer lets go of its shared memory
+    assert seen == {"trainer": 1800.0, "group": 1800.0}
