@@ -41,7 +41,7 @@ def _node_ports() -> list[str]:
 
 @pytest.fixture
 def two_node_cluster(tmp_path):
-    """(RAY_ADDRESS, environment) of a head and a worker node, 1 CPU each, stopped (both) even when the
+    """(RAY_ADDRESS, environment) of a head and a worker node, 2 CPUs each, stopped (both) even when the
     test is interrupted. HOME is the test's own, holding a Ray token, so the head turns token auth on."""
     from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
     home = tmp_path / "home"
@@ -52,7 +52,7 @@ def two_node_cluster(tmp_path):
     temp_dirs = [tempfile.mkdtemp(prefix="rayh"), tempfile.mkdtemp(prefix="rayw")]  # short: socket paths
     [port] = _free_ports(1)
     address = f"{_node_ip()}:{port}"
-    common = ["--num-cpus=1", "--disable-usage-stats"]
+    common = ["--num-cpus=2", "--disable-usage-stats"]  # 1 a node: the read tasks found no whole CPU free (a hang)
     try:
         for i, role in enumerate((["--head", f"--port={port}"], [f"--address={address}"])):
             started = subprocess.run([RAY, "start", *role, *common, *_node_ports(), f"--temp-dir={temp_dirs[i]}"],
