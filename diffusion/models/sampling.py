@@ -168,7 +168,11 @@ class Sampler:
 
     def __init__(self, model: ModelDescription | str, *, scheduler: str | None = None,
                  scaling_factor: float | None = None, prediction_type: str | None = None,
-                 noise_schedule: dict | None = None):
+                 noise_schedule: dict | None = None, dtype: torch.dtype | None = None):
+        # dtype: the run's compute dtype (bf16 under amp_bf16). The text encoders are loaded and kept in it
+        # (T5-XXL in fp32 is ~19 GB on every rank that samples) and sampling runs under autocast to it;
+        # None: every frozen component follows the denoiser's dtype, as before.
+        self.dtype = dtype
         if not isinstance(model, ModelDescription):
             model = describe_reference(model, prediction_type=prediction_type, noise_schedule=noise_schedule,
                                        scaling_factor=scaling_factor)
@@ -185,14 +189,14 @@ class Sampler:
         self.vae.register_to_config(scaling_factor=float(space.scaling_factor))
         if space.shift_factor or self.vae.config.get("shift_factor") is not None:
             self.vae.register_to_config(shift_factor=float(space.shift_factor))
-        self.text_encoder = loading.load_text_encoder(model_ref)
+        self.text_encoder = loading.load_text_encoder(model_ref, dtype)
         self.tokenizer = loading.load_tokenizer(model_ref)
-        self.pooled_encoder = self._pooled_encoder(model)
+        self.pooled_encoder = self._pooled_encoder(model, dtype)
         self.objective = model.build_objective()
         self.scheduler = self.objective.sampling_scheduler(model_ref, scheduler)
 
     @staticmethod
-    def _pooled_encoder(model: ModelDescription):
+    def _pooled_encoder(model: ModelDescription, dtype=None):
         """(CLIP, its tokenizer) where the denoiser was trained on the model reference's second text encoder's
         pooled vector (Flux's layout), else None; a checkpoint and a reference that disagree are refused."""
         if not model.adapter.pooled_text:
@@ -205,7 +209,7 @@ class Sampler:
                 f"the {model.denoiser} was trained on {trained}, but {model.model_ref} has "
                 f"{'two text encoders' if two else 'one text encoder'}: give the model reference it was trained "
                 f"with (--model)")
-        return loading.load_pooled_text_encoder(model.model_ref) if two else None
+        return loading.load_pooled_text_encoder(model.model_ref, dtype) if two else None
 
     @property
     def zero_terminal_snr(self) -> bool:
@@ -254,9 +258,11 @@ class Sampler:
                                    denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
         first = next(denoiser.parameters())
         device = torch.device(device) if device is not None else first.device
-        for frozen in (self.vae, self.text_encoder, *(self.pooled_encoder or ())[:1]):
-            if (frozen.device, frozen.dtype) != (device, first.dtype):
-                frozen.to(device=device, dtype=first.dtype)
+        encoders = self.dtype or first.dtype
+        for frozen, dtype in ((self.vae, first.dtype), (self.text_encoder, encoders),
+                              *((e, encoders) for e in (self.pooled_encoder or ())[:1])):
+            if (frozen.device, frozen.dtype) != (device, dtype):
+                frozen.to(device=device, dtype=dtype)
         pipe = self.pipeline(denoiser)
         adapter = denoisers.adapter_for(denoiser)
         length, masked = self.description.text_length, self.description.text_mask
@@ -265,7 +271,7 @@ class Sampler:
         pipe.set_progress_bar_config(disable=not progress)
         expanded = [p for p in prompts for _ in range(images_per_prompt)]
         images = []
-        with _eval_mode(denoiser), _autocast(device, first.dtype):
+        with _eval_mode(denoiser), _autocast(device, first.dtype, self.dtype):
             for start in range(0, len(expanded), batch_size):
                 chunk = expanded[start:start + batch_size]
                 generators = [torch.Generator("cpu").manual_seed(seed + start + i) for i in range(len(chunk))]
@@ -305,7 +311,9 @@ def _eval_mode(module):
         module.train(was_training)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype):
+def _autocast(device: torch.device, dtype: torch.dtype, compute: torch.dtype | None = None):
+    if compute is not None and compute != dtype:  # encoders kept in the run's compute dtype
+        return torch.autocast(device.type, dtype=compute)
     # On GPUs a float32 UNet (as trained under amp) samples in bf16, as in training.
     if device.type == "cuda" and dtype == torch.float32:
         return torch.autocast("cuda", dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ import contextlib
 import os
 
 import numpy as np
+import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
@@ -98,7 +99,7 @@ class ImageLogger(Callback):
         ema_context, ema_in_model = self._ema_weights(state)
         with ema_context:
             weights = "ema" if ema_in_model() else "raw"
-            images = self._get_sampler(model)(denoiser, self.prompts, **kwargs)
+            images = self._get_sampler(model, _compute_dtype(state))(denoiser, self.prompts, **kwargs)
         if not rank0:
             return None
         labels = [p for p in self.prompts for _ in range(self.sample_kwargs["images_per_prompt"])]
@@ -111,11 +112,11 @@ class ImageLogger(Callback):
             self.saved.append(grid.save_grid(picture, path))
         return picture
 
-    def _get_sampler(self, model) -> sampling.Sampler:
+    def _get_sampler(self, model, dtype=None) -> sampling.Sampler:
         if self._sampler is None:
             description = getattr(model, "description", None)
             if description is not None and not (self.model_ref or self.scaling_factor or self.prediction_type):
-                self._sampler = sampling.Sampler(description, scheduler=self.scheduler)
+                self._sampler = sampling.Sampler(description, scheduler=self.scheduler, dtype=dtype)
                 return self._sampler
             model_ref = self.model_ref or getattr(model, "model_ref", None)
             if not model_ref:
@@ -124,7 +125,7 @@ class ImageLogger(Callback):
                 model_ref, scheduler=self.scheduler,
                 scaling_factor=self.scaling_factor or getattr(model, "scaling_factor", None),
                 prediction_type=self.prediction_type or getattr(model, "prediction_type", None),
-                noise_schedule=getattr(model, "noise_schedule", None))
+                noise_schedule=getattr(model, "noise_schedule", None), dtype=dtype)
         return self._sampler
 
     def _ema_weights(self, state: State):
@@ -155,3 +156,10 @@ def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "denoiser"):
         model = model.module
     return model
+
+
+def _compute_dtype(state):
+    """The run's compute dtype for the frozen text encoders: bf16 under (amp_)bf16; None (the denoiser's dtype)
+    otherwise: fp16 is left out, T5 overflows in it."""
+    precision = getattr(state, "precision", None)
+    return torch.bfloat16 if str(getattr(precision, "value", precision)) in ("amp_bf16", "bf16") else None

@@ -184,6 +184,20 @@ def test_key_names_the_weights_that_drew_the_grid(half_res_model, tmp_path):
     assert not np.array_equal(capture.images[0][2], capture.images[1][2])
 
 
+def test_under_bf16_the_text_encoder_stays_in_bf16_and_the_denoiser_in_fp32(half_res_model):
+    """The frozen text encoder is kept in the run's compute dtype: in fp32 a T5-XXL is ~19 GB on every rank that
+    samples (issue 49 item 5)."""
+    capture = ImageCapture()
+    bf16 = ImageLogger(PROMPTS[:1], steps=1)
+    state = _state(half_res_model)
+    state.precision = "amp_bf16"
+    bf16.log_grid(state, capture)
+    assert bf16._sampler.text_encoder.dtype == torch.bfloat16
+    assert next(half_res_model.denoiser.parameters()).dtype == torch.float32
+    assert bf16._sampler.vae.dtype == torch.float32  # the decoder stays at the denoiser's precision
+    assert capture.images[0][2].astype(float).std() > 0  # a grid was drawn
+
+
 def test_other_ranks_neither_sample_nor_log_without_fsdp(half_res_model, monkeypatch, tmp_path):
     from diffusion.train.callbacks import image_logger
     monkeypatch.setattr(image_logger.dist, "get_global_rank", lambda: 1)
