@@ -132,10 +132,7 @@ class FrozenTextEncoder:
         current = next(self.model.parameters()).device
         if current == device:
             return
-        dtype = torch.float32
-        if device.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        self.model.to(device=device, dtype=dtype)
+        self.model.to(device=device, dtype=encoding_dtype(device.type))
 
     @torch.compiler.disable  # eager, timed; under trainer.compile the UNet's graph takes the embeddings as input
     def __call__(self, input_ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,20 +168,34 @@ class FrozenTextEncoder:
         return seconds
 
 
+def encoding_dtype(device_type: str) -> torch.dtype:
+    """The dtype a frozen encoder encodes in on ``device_type``: bf16 on CUDA (fp16 where bf16 is unsupported),
+    float32 elsewhere."""
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
 def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
                              probe: dict | None = None, where: str = "", empty_tokens: int | None = None,
-                             dataset: str = "") -> FrozenTextEncoder:
+                             dataset: str = "", dtype: torch.dtype | None = None,
+                             check_embeddings: bool = True) -> FrozenTextEncoder:
     """The text encoder of ``ref`` for training from ids, checked before the first step: it loads, its
     width is the UNet's ``text_dim``, the ids fit its vocabulary, and where the dataset's empty-caption
     embedding is given, it reproduces it from ``empty_input_ids``, and where the dataset recorded a
     ``probe`` (:func:`text_probe`), the probe captions' embeddings too (so the ids were made for it), and
     where the probe records its weights' sha256, the same weights (any other encoder, even one differing
     only on words neither probe caption holds, is refused). ``where`` says where the reference came from,
-    ``dataset`` which dataset recorded the probe, for the error messages."""
+    ``dataset`` which dataset recorded the probe, for the error messages.
+
+    ``dtype``: the dtype the encoder will train in; the returned encoder holds it. ``check_embeddings``
+    false (every local rank but 0, which checks the same files): loaded straight in ``dtype``, only width and
+    vocabulary checked, so a node holds one float32 copy (a T5-XXL is ~19 GB in float32), not one per rank;
+    true: loaded in float32 for the embedding and weight checks, then cast to ``dtype``."""
     where = f" ({where})" if where else ""
     dataset = f"dataset {dataset}" if dataset else "the dataset"
     try:
-        model = loading.load_text_encoder(ref)
+        model = loading.load_text_encoder(ref, None if check_embeddings else dtype)
     except ModelReferenceError as e:
         raise ModelReferenceError(f"training from token ids needs the text encoder {ref!r}{where}, which cannot "
                                   f"be loaded: {e}") from None
@@ -200,6 +211,8 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
     if ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
         raise DatasetMismatchError(f"the dataset's token ids do not fit text encoder {ref!r}{where} (ids up to "
                                    f"{int(ids.max())}, vocabulary {vocab}): name the text encoder it was converted for")
+    if not check_embeddings:
+        return encoder
     if empty_text_embeds is not None:
         counts = torch.tensor([int(empty_tokens)]) if empty_tokens is not None else None
         mine = encoder(torch.from_numpy(ids)[None], counts)[0].float().numpy()
@@ -229,4 +242,6 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
                 f"(a copy in another precision, or with any row changed, is another encoder): name the text encoder "
                 f"the dataset was converted with in model.text_encoder, or convert the dataset again with this one")
     encoder.take_seconds()  # the checks are not training time
+    if dtype is not None:
+        model.to(dtype)  # the float32 copy goes once checked
     return encoder

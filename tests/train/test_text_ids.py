@@ -244,3 +244,34 @@ def test_a_text_encoder_that_differs_only_on_words_the_probe_lacks_is_refused_by
     before_the_field = _copy_with_dataset_json(ids, tmp_path / "old", text_probe=old)
     close_trainer(build_trainer(_config(train_kit, before_the_field, f"model.text_encoder={others}")))  # probe only
     close_trainer(build_trainer(_config(train_kit, ids, f"model.text_encoder={tiny_kit}")))  # its own encoder
+
+
+def test_on_a_gpu_only_local_rank_0_loads_the_text_encoder_in_float32_and_every_rank_trains_it_in_bf16(
+        train_kit, datasets, monkeypatch):
+    """A T5-XXL in float32 is ~19 GB: one copy a node for the start-up checks, not one a rank (issue 49 item 5)."""
+    import gc
+    import diffusion.train.trainer as trainer_module
+    from diffusion.models import loading
+
+    class Captured(Exception):
+        pass
+
+    def no_trainer(**kwargs):
+        raise Captured
+
+    loaded, real_load = [], loading.load_text_encoder
+    monkeypatch.setattr(loading, "load_text_encoder", lambda ref, dtype=None: (loaded.append(dtype), real_load(ref, dtype))[1])
+    monkeypatch.setattr(trainer_module, "Trainer", no_trainer)
+    monkeypatch.setattr(trainer_module, "_on_gpu", lambda cfg: True)
+    monkeypatch.setattr(trainer_module, "encoding_dtype", lambda kind: torch.bfloat16 if kind == "cuda" else torch.float32)
+    attached = []
+    real_attach = trainer_module.attach_text_encoder
+    monkeypatch.setattr(trainer_module, "attach_text_encoder",
+                        lambda cfg, model, *a: (real_attach(cfg, model, *a), attached.append(model.text_encoder))[0])
+    for rank in (0, 1):
+        monkeypatch.setattr(trainer_module.dist, "get_local_rank", lambda rank=rank: rank)
+        with pytest.raises(Captured):
+            build_trainer(_config(train_kit, datasets["ids"]))
+        gc.collect()
+    assert loaded == [None, torch.bfloat16]  # rank 0: float32 for the checks; rank 1: bf16 from the start
+    assert [next(e.model.parameters()).dtype for e in attached] == [torch.bfloat16, torch.bfloat16]
