@@ -33,7 +33,7 @@ from diffusion.models import denoisers, objectives, safe_checkpoint
 from diffusion.models.masking import PatchMask
 from diffusion.models.repa import RepaSwitch
 from diffusion.models.latent_diffusion import LatentDiffusion, build_model, objective_name
-from diffusion.models.text_encoder import load_frozen_text_encoder
+from diffusion.models.text_encoder import encoding_dtype, load_frozen_text_encoder
 
 
 
@@ -370,7 +370,13 @@ def attach_text_encoder(cfg: Config, model: LatentDiffusion, info: schema.Datase
     model.text_encoder = load_frozen_text_encoder(ref, text_dim=model.text_dim, empty_input_ids=empty_ids,
                                                   empty_text_embeds=empty_text_embeds, probe=info.text_probe,
                                                   where=where, empty_tokens=info.empty_text_tokens,
-                                                  dataset=cfg.data.train.path or "")
+                                                  dataset=cfg.data.train.path or "",
+                                                  dtype=encoding_dtype("cuda" if _on_gpu(cfg) else "cpu"),
+                                                  check_embeddings=dist.get_local_rank() == 0)
+
+
+def _on_gpu(cfg: Config) -> bool:
+    return (cfg.trainer.device or ("gpu" if torch.cuda.is_available() else "cpu")) == "gpu"
 
 
 def _empty_embedding_or_none(loader_cfg):
