@@ -549,6 +549,40 @@ def check_batch_fits(loader_cfg, dataset: LatentDataset, world_size: int = 1) ->
                       f"{per_rank * world_size:,}")
 
 
+SHM_DIR = "/dev/shm"
+
+
+def shared_memory_needed(dataset) -> int:
+    """Bytes of ``/dev/shm`` streaming takes for ``dataset`` on each node: the epoch's sample order (int64 per
+    sample of the epoch, every rank's share, written by the node's first rank at the epoch's start) and the
+    per-shard state and access-time arrays; the small locks and barriers are left out."""
+    return 8 * int(dataset.epoch_size) + 9 * int(dataset.num_shards)
+
+
+def check_shared_memory(loader_cfg, dataset) -> None:
+    """Refuse, in one line naming the size, a dataset whose shared memory ``/dev/shm`` cannot hold (past
+    it streaming dies with a bus error at the first batch: Docker's default is 64 MB)."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:  # no /dev/shm (not Linux): nothing to check
+        return
+    free, needed = stats.f_bavail * stats.f_frsize, shared_memory_needed(dataset)
+    if needed <= free:
+        return
+    section = section_name(loader_cfg)
+    raise ConfigError(f"{section}: streaming needs about {_size(needed)} of shared memory for this dataset "
+                      f"({dataset.epoch_size:,} samples an epoch, {dataset.num_shards:,} shards) but {SHM_DIR} has "
+                      f"{_size(free)} free: give the node or container more (docker run --shm-size=...), or set "
+                      f"{section}.num_samples lower")
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+
+
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
                      seed: int = 0, noise: NoiseDraws | None = None,
                      text_column: str = schema.TEXT_EMBEDS, tokens: bool = False) -> StreamingDataLoader:
@@ -562,6 +596,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
                             device_batch_size=device_batch_size, text_column=text_column, seed=seed, tokens=tokens)
     check_batch_fits(loader_cfg, dataset, world_size)
+    check_shared_memory(loader_cfg, dataset)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
                             text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None,

@@ -83,6 +83,21 @@ def test_resolution_mismatch_is_a_clear_error(mds, dim):
         mds_source.build_dataset(_loader_cfg(mds), resolution=512, text_dim=dim, device_batch_size=8)
 
 
+def test_a_dataset_larger_than_dev_shm_is_refused_at_start_naming_the_size_it_needs(mds, dim, monkeypatch):
+    """Docker's default /dev/shm is 64 MB; past it streaming dies with a bus error at the first batch."""
+    import types
+    needed = 8 * 32 + 9 * mds_source.build_dataset(_loader_cfg(mds), resolution=64, text_dim=dim,
+                                                   device_batch_size=8).num_shards
+    monkeypatch.setattr(mds_source.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=needed - 1, f_frsize=1))
+    with pytest.raises(mds_source.ConfigError, match=rf"^data.train: streaming needs about {needed} bytes of shared "
+                       rf"memory .*\(32 samples an epoch, \d+ shards\) but /dev/shm has {needed - 1} bytes free: "
+                       rf".*--shm-size"):
+        mds_source.build_dataloader(_loader_cfg(mds), resolution=64, text_dim=dim)
+    monkeypatch.setattr(mds_source.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=needed, f_frsize=1))
+    loader = mds_source.build_dataloader(_loader_cfg(mds), resolution=64, text_dim=dim)  # just fits
+    del loader
+
+
 def test_text_dim_mismatch_is_a_clear_error(mds, dim):
     with pytest.raises(mds_source.DatasetMismatchError, match="dimension 64.*1024"):
         mds_source.build_dataset(_loader_cfg(mds), resolution=64, text_dim=1024, device_batch_size=8)
