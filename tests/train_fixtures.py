@@ -274,7 +274,7 @@ class RowsShard:
 # Run under ``launch_composer`` with VARIANTS (a JSON list of {"name", "blocks", "overrides"}) and RECORD_DIR:
 # each variant trains in turn in the one launch, and each rank saves ``NAME-rankR.pt``: how many of the
 # denoiser's ``blocks`` are FSDP units of their own (FSDP1's wrappers or FSDP2's ``FSDP<Block>`` classes), every
-# parameter gathered whole ("final"), and the EMA's weights ("ema").
+# parameter gathered whole ("final"), the EMA's weights ("ema") and the (replicate, shard) degrees ("mesh").
 FSDP_VARIANTS_HARNESS = r'''
 import gc, json, os, sys
 import torch
@@ -295,6 +295,10 @@ for variant in json.loads(os.environ["VARIANTS"]):
     fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
     trainer.fit()
     record = {"blocks": wrapped_blocks + fsdp2_blocks}
+    units = [m for m in model.denoiser.modules() if type(m).__name__ == "FullyShardedDataParallel"]
+    meshes = [p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")]
+    shard = units[0].process_group.size() if units else meshes[0].shape[-1] if meshes else 1
+    record["mesh"] = (dist.get_world_size() // shard, shard)  # (replicate, shard): each weight's shard group
     if wrapped_blocks:  # Composer's FSDP1 wraps each child of the model (REPA's projector is a unit of its own)
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         with FSDP.summon_full_params(model):

@@ -246,6 +246,12 @@ class FSDPSection:
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
     backward_prefetch: str = "BACKWARD_POST"
+    # Hybrid sharding (sharding_strategy HYBRID_SHARD, or _HYBRID_SHARD_ZERO2 to keep the gathered weights
+    # after forward), versions 1 and 2: Composer's device mesh (replicate, shard). Each weight is sharded over
+    # data_parallel_shard_degree ranks and replicated data_parallel_replicate_degree times; -1 / null fill in
+    # the world size; both unset: shard within a node (its ranks), replicate across nodes.
+    data_parallel_shard_degree: int = -1
+    data_parallel_replicate_degree: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -618,12 +624,26 @@ def _check_consistency(cfg: Config) -> None:
              "trainer.compile=true with trainer.device_train_microbatch_size=auto: each size the search tries "
              "compiles the model again; give a number of samples per microbatch")
     if t.fsdp is not None and t.fsdp.version == 2:
-        if t.fsdp.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if t.fsdp.sharding_strategy == "NO_SHARD":
             raise ConfigError(f"trainer.fsdp.sharding_strategy={t.fsdp.sharding_strategy} has no FSDP2 equivalent "
-                              f"here: use FULL_SHARD or SHARD_GRAD_OP, or trainer.fsdp.version=1")
+                              f"here: use FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2, or "
+                              f"trainer.fsdp.version=1")
         if t.device_train_microbatch_size == "auto":
             raise ConfigError("trainer.device_train_microbatch_size=auto fails under FSDP2 in Composer 0.32: give "
                               "a number of samples, or use trainer.fsdp.version=1")
+    if t.fsdp is not None:
+        f = t.fsdp
+        _require(f.data_parallel_shard_degree == -1 or f.data_parallel_shard_degree >= 1,
+                 f"trainer.fsdp.data_parallel_shard_degree={f.data_parallel_shard_degree} must be a number of ranks "
+                 f"(or -1: the rest of the world size)")
+        _require(f.data_parallel_replicate_degree in (None, -1) or f.data_parallel_replicate_degree >= 1,
+                 f"trainer.fsdp.data_parallel_replicate_degree={f.data_parallel_replicate_degree} must be a number "
+                 f"of replicas (or null: the rest of the world size)")
+        _require(f.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") or
+                 f.data_parallel_replicate_degree is None,
+                 f"trainer.fsdp.data_parallel_replicate_degree={f.data_parallel_replicate_degree} needs "
+                 f"trainer.fsdp.sharding_strategy=HYBRID_SHARD (or _HYBRID_SHARD_ZERO2); "
+                 f"{f.sharding_strategy} shards over every rank")
     if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms:
         raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.ema (the EMA is "
                           "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "

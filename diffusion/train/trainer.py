@@ -7,6 +7,7 @@ callbacks, loggers → Trainer. Parallelism (DDP or FSDP) is Composer's; the mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from unittest import mock
 
@@ -16,6 +17,7 @@ from composer.core import Callback, Evaluator
 from composer.optim import (ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler,
                             LinearWithWarmupScheduler)
 from composer.utils import dist
+from composer.utils.parallelism import FSDP2Config
 
 from diffusion.train import components
 from diffusion.train.optimizers import build_optimizer
@@ -71,15 +73,68 @@ def build_parallelism(cfg: Config) -> dict | None:
     fsdp = cfg.trainer.fsdp
     if fsdp is None:
         return None
+    replicate, shard = mesh_degrees(cfg, dist.get_world_size(), dist.get_local_world_size())
     if fsdp.version == 2:
         # FSDP2 keeps the gathered parameters after forward when not resharding: SHARD_GRAD_OP.
-        return {"fsdp": FSDP2Config(reshard_after_forward=fsdp.sharding_strategy == "FULL_SHARD",
-                                    mixed_precision=fsdp.mixed_precision, state_dict_type=fsdp.state_dict_type,
-                                    activation_checkpointing=cfg.trainer.activation_checkpointing)}
+        options = dict(reshard_after_forward=fsdp.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+                       mixed_precision=fsdp.mixed_precision, state_dict_type=fsdp.state_dict_type,
+                       activation_checkpointing=cfg.trainer.activation_checkpointing)
+        if replicate is None:
+            return {"fsdp": FSDP2Config(**options)}
+        if "data_parallel_shard_degree" in {f.name for f in dataclasses.fields(FSDP2Config)}:  # a later Composer
+            return {"fsdp": FSDP2Config(data_parallel_shard_degree=shard, data_parallel_replicate_degree=replicate,
+                                        **options)}
+        return {"fsdp": _HybridFSDP2Config(replicate, shard, **options)}
+    degrees = {} if replicate is None else {"data_parallel_replicate_degree": replicate,
+                                            "data_parallel_shard_degree": shard}
     return {"fsdp": FSDPConfig(sharding_strategy=fsdp.sharding_strategy, mixed_precision=fsdp.mixed_precision,
                                state_dict_type=fsdp.state_dict_type, limit_all_gathers=fsdp.limit_all_gathers,
                                forward_prefetch=fsdp.forward_prefetch, backward_prefetch=fsdp.backward_prefetch,
-                               activation_checkpointing=cfg.trainer.activation_checkpointing, use_orig_params=True)}
+                               activation_checkpointing=cfg.trainer.activation_checkpointing, use_orig_params=True,
+                               **degrees)}
+
+
+def mesh_degrees(cfg: Config, world_size: int, local_world_size: int) -> tuple[int | None, int]:
+    """Hybrid sharding's (replicate, shard) degrees for ``world_size`` ranks, ``local_world_size`` a node, from
+    ``trainer.fsdp``'s Composer keys (``data_parallel_replicate_degree``, ``data_parallel_shard_degree``); (None,
+    -1), Composer's one flat mesh, for the other strategies. A shape that does not make the world size is
+    refused in one line (Composer would fall back to full sharding, or fail in its mesh)."""
+    fsdp = cfg.trainer.fsdp
+    replicate, shard = fsdp.data_parallel_replicate_degree, fsdp.data_parallel_shard_degree
+    keys = (f"trainer.fsdp.data_parallel_replicate_degree={replicate}, "
+            f"trainer.fsdp.data_parallel_shard_degree={shard}")
+    if fsdp.sharding_strategy not in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        if shard not in (-1, world_size):
+            raise ConfigError(f"trainer.fsdp.data_parallel_shard_degree={shard} with sharding_strategy="
+                              f"{fsdp.sharding_strategy} must be the world size ({world_size} ranks): use "
+                              f"HYBRID_SHARD to shard over fewer")
+        return None, -1
+    if replicate in (None, -1) and shard == -1:
+        shard = local_world_size if world_size % local_world_size == 0 else world_size  # a node
+    if replicate in (None, -1):
+        replicate = world_size // shard if world_size % shard == 0 else 0
+    elif shard == -1:
+        shard = world_size // replicate if world_size % replicate == 0 else 0
+    if replicate * shard != world_size:
+        raise ConfigError(f"{keys}: a (replicate, shard) mesh must hold the world size, {world_size} ranks")
+    return replicate, shard
+
+
+class _HybridFSDP2Config(FSDP2Config):
+    """Composer 0.32's FSDP2Config with a (replicate, shard) mesh: Composer builds its device mesh from these two
+    degrees (fixed to one flat mesh there, and a ``device_mesh`` passed in is replaced by it)."""
+
+    def __init__(self, replicate: int, shard: int, **options):
+        super().__init__(**options)
+        self._degrees = (replicate, shard)
+
+    @property
+    def data_parallel_replicate_degree(self):
+        return self._degrees[0]
+
+    @property
+    def data_parallel_shard_degree(self):
+        return self._degrees[1]
 
 
 def _fsdp_device(device: str, cfg: Config):
@@ -96,7 +151,9 @@ def _fsdp_device(device: str, cfg: Config):
       ``exp_avg = exp_avg_sq``). On the CPU each state is copied out of the buffer.
     - FSDP2 (torch 2.7) reduce-scatters fp32 gradients with ``ReduceOp.AVG``, which gloo carries out
       as a sum: gradients come out world-size times too large. On the CPU the average is made a sum
-      and a division instead (the route FSDP2 itself takes for fp16 gradients).
+      and a division instead (the route FSDP2 itself takes for fp16 gradients). Under hybrid sharding
+      FSDP2 asserts the replicas' all-reduce recorded a stream event, which the CPU's streams do not
+      record: a stand-in event is handed on.
 
     Returns the context to build the Trainer in.
     """
@@ -151,6 +208,18 @@ def _average_fsdp2_gradients_on_cpu() -> None:
         return 1.0, float(size)  # no division before the sum, all of it after
     divide_factors.cpu_safe = True
     collectives._get_gradient_divide_factors = divide_factors
+
+    # HSDP (a 2-D mesh): the all-reduce over the replicas records its "event" on the CPU stream, which
+    # returns None, and FSDP2 asserts one exists; the CPU's streams never wait, so any event object serves.
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+    reduce = param_group.foreach_reduce
+
+    def foreach_reduce(*args, **kwargs):
+        out = reduce(*args, **kwargs)
+        if out[3] is not None and out[4] is None:
+            out = (*out[:4], torch.cpu.Event(), *out[5:])
+        return out
+    param_group.foreach_reduce = foreach_reduce
 
 
 def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:

@@ -159,8 +159,8 @@ def test_fsdp_version_is_the_configs_choice_not_the_environments(monkeypatch):
     assert isinstance(two["fsdp"], FSDP2Config) and two["fsdp"].reshard_after_forward is False
     full = build_parallelism(load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=FULL_SHARD"]))
     assert full["fsdp"].reshard_after_forward is True
-    with pytest.raises(ConfigError, match="HYBRID_SHARD has no FSDP2 equivalent"):
-        load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=HYBRID_SHARD"])
+    with pytest.raises(ConfigError, match="NO_SHARD has no FSDP2 equivalent"):
+        load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=NO_SHARD"])
     with pytest.raises(ConfigError, match="auto fails under FSDP2"):
         load_config(TINY, ["trainer.fsdp.version=2", "trainer.device_train_microbatch_size=auto"])
     with pytest.raises(ConfigError, match="trainer.fsdp.version"):

@@ -42,7 +42,8 @@ def gradient_replicas(model: torch.nn.Module) -> int | None:
         if strategy == ShardingStrategy.NO_SHARD:
             return None
         if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-            return max(1, dist.get_world_size() // dist.get_local_world_size())  # sharded within a node
+            # sharded within its shard group (a node, or trainer.fsdp.data_parallel_shard_degree ranks)
+            return max(1, dist.get_world_size() // fsdp1[0].process_group.size())
         return 1
     meshes = [p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")]
     if meshes:  # FSDP2: a 2-D mesh is (replicate, shard)
