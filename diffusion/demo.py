@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="convert into aspect-ratio buckets (--buckets preset: 48x80, 64x64, 80x48 at 64 px), "
                              "train on them, and draw grids at 48x80 and 80x48 beside the square one")
     parser.add_argument("--curate", action="store_true",
-                        help="convert with issue 51's curation (the tiny-clip kit): --embed and its heads' scores "
+                        help="convert with the curation stages (the tiny-clip kit): --embed and its heads' scores "
                              "stored and filtered by --where, --dedupe near with duplicates.png")
     return parser
 

@@ -134,7 +134,7 @@ def model_line(model) -> str:
     model = getattr(model, "module", model)  # DDP's wrapper
     denoiser = model.denoiser
     with torch.device("meta"):
-        whole = type(denoiser).from_config(dict(denoiser.config))
+        whole = model.adapter.model_class.from_config(dict(denoiser.config))  # FSDP1 wraps the denoiser itself
     count = sum(p.numel() for p in whole.parameters())
     name = model.objective.name
     described = OBJECTIVES.get(name)
