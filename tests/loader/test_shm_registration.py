@@ -112,6 +112,8 @@ def test_two_node_ranks_on_one_host_with_other_tmpdirs_register_at_once(train_ki
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node0-tmp"))
         _slow_find(monkeypatch)
+        if dist.is_initialized():  # an in-process Composer Trainer earlier on this worker leaves its 1-rank group
+            dist.destroy_process_group()
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
         try:
             dataset = mds_source.LatentDataset(remote=None, local=mds, resolution=64, batch_size=4)

@@ -160,7 +160,7 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
     variants.append({"name": "sd2", "fsdp": 1, "overrides": [fsdp1, f"model.ref={sd2}", "trainer.compile=true",
                                                               "trainer.compile_backend=eager",
                                                               "trainer.device_train_microbatch_size=4"]})
-    result = launch_composer(tmp_path / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], port=29571,
+    result = launch_composer(tmp_path / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common],
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)}, timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     blocks = unet_blocks(train_kit)

@@ -54,7 +54,7 @@ def test_two_ranks_fsdp1_and_fsdp2_with_ema_and_repa_train_as_one_process_and_re
                 {"name": "resumed", "overrides": [*fsdp1, *repa, f"trainer.load_path={saved}/ep0-ba1-rank0.pt"]}]
     for variant in variants:
         variant["blocks"] = ["JointTransformerBlock"]
-    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML, *common], port=29547,
+    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML, *common],
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,11 +20,10 @@ import pytest
 import torch
 
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, free_port, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 YAML = os.path.join(ROOT, "yamls", "tiny-mmdit-flow-cpu.yaml")
-PORT = 29651
 
 # One process per node runs several runs in turn (VARIANTS, a JSON list), as the product builds them: each
 # trains with its overrides and records what it did; "stop_at" stops it abruptly at the end of that batch
@@ -90,17 +90,18 @@ if __name__ == "__main__":
 '''
 
 
-def launch_two_nodes(tmp_path, args: list[str], *, port: int, env: dict, timeout: float = 600):
+def launch_two_nodes(tmp_path, args: list[str], *, env: dict, timeout: float = 600):
     """Node 0 as ``composer --world_size 2 --node_rank 0 -n 1 --master_addr ... --master_port ...``, node 1 as
     ``WORLD_SIZE=2 NODE_RANK=1 MASTER_ADDR=... MASTER_PORT=... composer -n 1``, each in its own working
-    directory with its own TMPDIR; returns [(returncode, output)] of both."""
+    directory with its own TMPDIR, on a master port from the OS, each node in a process group of its own that is
+    killed whole (the launcher and its rank) if the test times out or fails; returns [(returncode, output)] of both."""
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
     composer = os.path.join(os.path.dirname(sys.executable), "composer")
     base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
                                                              "MASTER_ADDR", "MASTER_PORT", "RANK", "BASE_RANK")}
     base.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RECORD_DIR=str(tmp_path), **env)
-    processes, temporaries = [], []
+    processes, temporaries, port = [], [], free_port()
     for node in (0, 1):
         # a short TMPDIR: multiprocessing's sockets in it (Composer's uploader) must fit AF_UNIX's 108 bytes
         work, tmp = tmp_path / f"node{node}", tempfile.mkdtemp(prefix=f"node{node}-")
@@ -114,7 +115,8 @@ def launch_two_nodes(tmp_path, args: list[str], *, port: int, env: dict, timeout
             node_env.update(WORLD_SIZE="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             command = [composer, "-n", "1"]
         processes.append(subprocess.Popen([*command, str(harness), *args], cwd=work, env=node_env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
     results = []
     try:
         for process in processes:
@@ -123,7 +125,10 @@ def launch_two_nodes(tmp_path, args: list[str], *, port: int, env: dict, timeout
     finally:
         for process in processes:
             if process.poll() is None:
-                process.kill()
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 process.wait()
         for tmp in temporaries:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -155,7 +160,7 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     args = [YAML, *tiny_overrides(mmdit_train_kit, mds, batches=4, batch_size=8, extra=(
         "model.prediction_type=null", "model.objective=flow", "optimizer.eps=1.0", "optimizer.lr=0.05",
         "trainer.grad_clip_norm=null", "algorithms={}"))]
-    results = launch_two_nodes(tmp_path, args, port=PORT, env={"VARIANTS": json.dumps(variants)})
+    results = launch_two_nodes(tmp_path, args, env={"VARIANTS": json.dumps(variants)})
     assert all(rc == 0 for rc, _ in results), _fail(results)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

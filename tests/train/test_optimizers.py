@@ -210,7 +210,7 @@ def test_two_ranks_train_with_muon_as_one_process(mmdit_train_kit, mds, tmp_path
                         "optimizer.nesterov=false", "optimizer.betas=[0.9, 0.999]", batches=3)
     result = launch_composer(tmp_path / "harness.py", HARNESS,
                              [YAML, *common],
-                             port=29572, env={"RECORD_DIR": str(tmp_path)})
+                             env={"RECORD_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert result.stdout.count(f"optimizer group {optimizers.MUON_GROUP}") == 1  # listed once, by rank 0
     one = fit_in_process(load_config(YAML, common))[0]
