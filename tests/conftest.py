@@ -16,6 +16,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# `make test` runs one pytest worker per CPU, so every process a test starts shares the CPUs with the other
+# worker's tests: its OpenMP threads wait passively. (diffusion.cpus would choose from the load at the process's
+# own start, and one started in a quiet moment spins beside the other worker's next test: the demo's training
+# ran at 2.4 batches/s in CI against ~10 alone.) tests/test_cpus.py clears it where it tests that choice.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
