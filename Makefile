@@ -18,8 +18,9 @@ $(STAMP): requirements.lock setup.py
 	@touch $@
 
 # One pytest worker per usable CPU (tests/conftest.py), a test file's tests on one worker (they share
-# module fixtures); `$(PY) -m pytest tests/...` runs in one process as before.
-XDIST := -n auto --dist loadfile
+# module fixtures), files in the collection's order (longest first: tests/conftest.py), not xdist's default
+# of the files with the most tests first; `$(PY) -m pytest tests/...` runs in one process as before.
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(XDIST)
