@@ -32,7 +32,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 # The longest test files (minutes each on 2 cores, from --durations), collected first: under `make test`'s
 # workers each starts at once and runs beside the rest, instead of one of them ending the suite alone.
-LONGEST_FIRST = ("test_demo.py", "test_online.py", "test_sharded_checkpoints.py", "test_full_disk.py")
+LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test_sharded_checkpoints.py", "test_full_disk.py",
+                 "test_demo_buckets.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -38,6 +38,7 @@ def test_adherence_is_perfect_on_real_scenes_and_near_chance_when_prompts_are_sh
 # The demo is reproducible: the same rows make the same MDS parts (--deterministic, parts named by their
 # keys) and trainer.seed fixes the model's init, so this test sees the same score on every run here.
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # `make demo` itself (2,000 batches), twice over, then the UNet: 5-10 min beside a worker
 def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, tiny_kit, tmp_path):
     out = tmp_path / "demo"
     summary = run_demo(str(out), n=1024, kit=tiny_mmdit_kit)
@@ -70,18 +71,3 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, 
     assert unet["recipe"] == "unet" and unet["checkpoint"] == str(out / "checkpoints" / "ep0-ba20-rank0.pt")
     assert unet["grid"] == str(out / "grid.png") and len(read_grid(unet["grid"])[0]) == len(PROMPTS) * 4
     assert before == {path: os.path.getmtime(path) for path in before}
-
-
-@pytest.mark.slow
-def test_the_demo_converts_into_buckets_trains_on_them_and_draws_each_aspect_ratio(tiny_kit, tmp_path):
-    """`python -m diffusion.demo --buckets`: the sample's scenes of every shape land in the three preset
-    buckets, the model trains on them and draws the prompts at 48x80 and 80x48 as well as square."""
-    summary = run_demo(str(tmp_path / "demo"), n=256, batches=20, kit=tiny_kit, buckets=True, recipe="unet",
-                       images_per_prompt=4)
-    counts = {b["name"]: b["count"] for b in summary["buckets"]}
-    assert sorted(counts) == ["bucket-48x80", "bucket-64x64", "bucket-80x48"] and all(c > 30 for c in counts.values()), counts
-    assert sum(counts.values()) == summary["samples"]
-    for name, (width, height) in (("48x80", (48, 80)), ("80x48", (80, 48)), ("square", (64, 64))):
-        images, prompts = read_grid(summary["grids"][name])
-        assert len(images) == len(PROMPTS) * 4 and images[0].size == (width, height), name
-        assert 0.0 <= summary["prompt_adherence_by_grid"][name] <= 1.0
