@@ -37,3 +37,19 @@ def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3,
     del trainer
     gc.collect()  # releases the StreamingDataset's shared memory
     return os.path.join(folder, "latest-rank0.pt")
+
+
+def run_printed_call(said: str, seed: int):
+    """Run what an export printed, exactly as written: its ``load with diffusers.<Pipeline>.from_pretrained(...)``
+    and then its indented lines (an import and ``image = pipe(...)``), the pipeline's noise drawn from torch's
+    global generator seeded with ``seed`` (the printed call passes none; it draws what ``seed`` draws in our
+    sampler). Returns the ``image`` they make."""
+    import diffusers
+    import torch
+    load = said.split("load with ", 1)[1].splitlines()[0]
+    namespace = {"pipe": eval(load, {"diffusers": diffusers})}
+    code = "\n".join(line[4:] for line in said.splitlines() if line.startswith("    "))
+    assert "image = pipe(" in code, said
+    torch.manual_seed(seed)
+    exec(code, namespace)
+    return namespace["image"]

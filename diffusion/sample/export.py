@@ -4,11 +4,13 @@ A UNet exports as a ``StableDiffusionPipeline``; an MMDiT (``SD3Transformer2DMod
 matching) as a ``StableDiffusion3Pipeline`` with its flow-matching scheduler, its three text-encoder slots
 empty (load it with ``from_pretrained(DIR, text_encoder=None, ...)`` for each, as diffusers' docs do
 for SD3 without T5) and our one text encoder and tokenizer in ``text_encoder/`` and ``tokenizer/``
-beside them: call it with ``prompt_embeds`` from :func:`diffusion.models.denoisers.sd3_transformer.encode_prompts` (our
-``diffusion.generate --checkpoint DIR`` does), and it draws the images our sampler draws. A Flux transformer
-trained with a model reference of Flux's two text encoders (the tiny-flux kit) exports as a ``FluxPipeline``
-with both in their own slots (CLIP in ``text_encoder/``, T5 in ``text_encoder_2/``): call it with a prompt
-string (``negative_prompt=""``, ``true_cfg_scale`` and ``max_sequence_length`` as trained).
+beside them: call it with the prompt embeddings :func:`prompt_inputs` makes from them
+(``pipe(**prompt_inputs(pipe, "a prompt"), height=..., width=...)``, as the export prints; a ``SanaPipeline``
+likewise, with ``use_resolution_binning=False``), and it draws the images our sampler (``diffusion.generate
+--checkpoint DIR``) draws. A Flux transformer trained with a model reference of Flux's two text encoders (the
+tiny-flux kit) exports as a ``FluxPipeline`` with both in their own slots (CLIP in ``text_encoder/``, T5 in
+``text_encoder_2/``): call it with a prompt string (``negative_prompt=""``, ``true_cfg_scale`` and
+``max_sequence_length`` as trained).
 
     python -m diffusion.export --checkpoint CKPT --out DIR
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import inspect
 import json
 import os
 
@@ -189,14 +192,62 @@ def main(argv=None) -> None:
               f"1024 px), e.g. pipe(\"a prompt\"{at}, negative_prompt=\"\", {adapter.cfg_argument}=4.0, "
               f"max_sequence_length={length}).images[0], as diffusion.generate does")
     if empty:
-        print("  and call it with prompt_embeds from diffusion.models.denoisers.sd3_transformer.encode_prompts "
-              "(the text encoder and tokenizer are in text_encoder/ and tokenizer/"
-              + (f", and {adapter.cfg_argument} for guidance" if adapter.cfg_argument != "guidance_scale" else "")
-              + f"), or sample with python -m diffusion.generate --checkpoint {out}")
+        print(embeddings_call(out, pipeline_class, adapter, trained_resolution(args.checkpoint)))
     with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
         if json.load(f).get("rescale_betas_zero_snr"):
             print(f"zero terminal SNR: call the pipeline with guidance_rescale="
                   f"{sampling.ZTSNR_GUIDANCE_RESCALE} to sample as diffusion.generate does")
+
+
+def embeddings_call(out: str, pipeline_class: str, adapter, size: int | None) -> str:
+    """How to call an export whose pipeline cannot load our text encoder (its slots left empty): with the
+    embeddings :func:`prompt_inputs` makes, at the trained size, as lines that run as written; or, where
+    the pipeline cannot pass the text masks the model was trained with, our sampler."""
+    import diffusers
+    masked = sampling.text_conditioning(out).get("text_mask", False)
+    takes_masks = "prompt_attention_mask" in inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
+    if masked and not takes_masks:
+        return (f"  (it was trained with text masks, which {pipeline_class} does not pass to the denoiser: "
+                f"sample it with python -m diffusion.generate --checkpoint {out})")
+    at = f", height={size}, width={size}" if size else ""
+    extra = "".join(f", {key}={value!r}" for key, value in adapter.call_kwargs(4.0).items())
+    return (f"  and call it with our text encoder's embeddings ({pipeline_class} cannot load it: prompt_inputs reads "
+            f"text_encoder/ and tokenizer/ beside it) at the size it was trained at"
+            f"{'' if size else ' (pass it as height= and width=)'}, e.g.\n"
+            f"    from diffusion.sample.export import prompt_inputs\n"
+            f"    image = pipe(**prompt_inputs(pipe, \"a prompt\"){at}{extra}).images[0]\n"
+            f"  or sample it with python -m diffusion.generate --checkpoint {out}")
+
+
+def prompt_inputs(pipe, prompt: str | list[str], negative_prompt: str = "") -> dict:
+    """The prompt arguments of an exported pipeline whose text-encoder slots are empty (SD3's, SANA's):
+    ``pipe(**prompt_inputs(pipe, "a prompt"), height=..., width=...)`` draws what ``diffusion.generate``
+    draws from the export (same seed, steps and guidance).
+
+    diffusers' pipelines encode prompts with their own encoders (SD3's two CLIPs and T5, SANA's Gemma
+    with its instruction), which are not the one the model was trained on: the export saves ours in
+    ``text_encoder/`` and ``tokenizer/`` of the directory ``pipe`` was loaded from, and this encodes the
+    prompts and the negative prompt with it as training did (its text length, with the attention masks
+    and pooled vectors the pipeline takes), on ``pipe``'s device, in its denoiser's dtype.
+    """
+    adapter = denoisers.adapter_for(pipe.transformer)
+    root = pipe.name_or_path
+    if getattr(pipe, "conditioning", None) is None:
+        if not root or not os.path.isdir(os.path.join(root, "text_encoder")):
+            raise UserError(f"{root or 'this pipeline'}: no text_encoder/ beside the pipeline: load the directory "
+                            f"python -m diffusion.export wrote with {pipe.__class__.__name__}.from_pretrained")
+        pipe.conditioning = (loading.load_text_encoder(root), loading.load_tokenizer(root))
+    pipe.conditioning[0].to(pipe.device)
+    trained = sampling.text_conditioning(root) if root else {}
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    kwargs = adapter.prompt_kwargs(pipe, prompts, negative_prompt, 0.0, trained.get("text_length", schema.MAX_TOKENS),
+                                   trained.get("text_mask", False))
+    if "text_masks" in kwargs:
+        raise UserError(f"{root}: the model was trained with text masks, which {pipe.__class__.__name__} does not "
+                        f"pass to the denoiser: sample it with python -m diffusion.generate --checkpoint {root}")
+    dtype = pipe.transformer.dtype
+    return {key: value.to(pipe.device, dtype if value.is_floating_point() else value.dtype)
+            if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
 
 
 def trained_resolution(checkpoint: str) -> int | None:

@@ -1,15 +1,16 @@
 """A trained MMDiT with flow matching samples, exports and loads as diffusers' StableDiffusion3Pipeline,
 which draws what our sampler draws."""
 
+import contextlib
+import io
 import os
 
 import numpy as np
 import pytest
-import torch
 
 from diffusion.sample import export, generate
 from diffusion.models import sampling
-from sampling_helpers import PROMPTS, pixels as _pixels, train_tiny_checkpoint
+from sampling_helpers import PROMPTS, pixels as _pixels, run_printed_call, train_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,9 @@ def flow_checkpoint(tiny_mmdit_kit, tmp_path_factory):
 @pytest.fixture(scope="module")
 def flow_export(flow_checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mmdit_export") / "pipe")
-    export.main(["--checkpoint", flow_checkpoint, "--out", out])
-    return out
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # what the export tells the user to run
+        export.main(["--checkpoint", flow_checkpoint, "--out", out])
+    return out, said.getvalue()
 
 
 def test_checkpoint_describes_an_mmdit_trained_with_flow(flow_checkpoint):
@@ -49,23 +51,22 @@ def test_flow_models_sample_with_both_flow_solvers(flow_checkpoint, scheduler):
 
 def test_export_loads_as_sd3_pipeline_and_draws_what_generate_draws(flow_checkpoint, flow_export):
     from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
-    from diffusion.models import loading
-    from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS, encode_prompts
-    pipe = DiffusionPipeline.from_pretrained(flow_export, **dict.fromkeys(EMPTY_SLOTS))
+    out, said = flow_export
+    from diffusion.models.denoisers.sd3_transformer import EMPTY_SLOTS
+    pipe = DiffusionPipeline.from_pretrained(out, **dict.fromkeys(EMPTY_SLOTS))
     assert isinstance(pipe, StableDiffusion3Pipeline)
     assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and pipe.scheduler.config.shift == 2.0
-    ours = generate.generate_images(flow_checkpoint, PROMPTS[:1], steps=4, guidance_scale=4.0, seed=11)[0]
-    text_encoder, tokenizer = loading.load_text_encoder(flow_export), loading.load_tokenizer(flow_export)
-    embeds, pooled = encode_prompts(text_encoder, tokenizer, PROMPTS[:1])
-    empty, empty_pooled = encode_prompts(text_encoder, tokenizer, [""])
-    theirs = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, negative_prompt_embeds=empty,
-                  negative_pooled_prompt_embeds=empty_pooled, num_inference_steps=4, guidance_scale=4.0,
-                  height=64, width=64, generator=[torch.Generator("cpu").manual_seed(11)]).images[0]
-    assert np.abs(_pixels(theirs) - _pixels(ours)).max() <= 1
+    # the lines export prints run as written (our text encoder's embeddings, the negative prompt's included:
+    # the pipeline has no encoder to make them) and draw what our sampler draws, at the trained size
+    assert "height=64, width=64" in said, said
+    theirs = run_printed_call(said, seed=5)
+    ours = generate.generate_images(flow_checkpoint, ["a prompt"], steps=28, guidance_scale=4.0, seed=5)[0]
+    assert theirs.size == (64, 64) and np.abs(_pixels(theirs) - _pixels(ours)).max() <= 1
     # the exported directory sampled by our own generate draws the same
-    again = generate.generate_images(flow_export, PROMPTS[:1], steps=4, guidance_scale=4.0, seed=11, size=64)[0]
+    ours = generate.generate_images(flow_checkpoint, PROMPTS[:1], steps=4, guidance_scale=4.0, seed=11)[0]
+    again = generate.generate_images(out, PROMPTS[:1], steps=4, guidance_scale=4.0, seed=11, size=64)[0]
     assert np.abs(_pixels(again) - _pixels(ours)).max() <= 1
-    assert os.path.isdir(os.path.join(flow_export, "transformer"))
+    assert os.path.isdir(os.path.join(out, "transformer"))
 
 
 def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tmp_path):
@@ -78,3 +79,15 @@ def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tm
     assert images[0].size == (80, 48)
     with pytest.raises(Exception, match="--width and --height together"):
         gen.main(["--checkpoint", flow_checkpoint, "--prompt", "x", "--width", "80", "--out", str(out)])
+
+
+def test_a_masked_export_is_called_as_its_pipeline_can_take_the_masks(tmp_path):
+    """SD3's pipeline passes no text mask to its transformer: the export of a masked MMDiT points to our
+    sampler rather than print a call that would draw unmasked; SANA's pipeline passes them, so it gets the call."""
+    import json
+    from diffusion.models import denoisers
+    (tmp_path / sampling.TEXT_CONDITIONING).write_text(json.dumps({"text_mask": True, "text_length": 77}))
+    sd3 = export.embeddings_call(str(tmp_path), "StableDiffusion3Pipeline", denoisers.adapter("SD3Transformer2DModel"), 64)
+    assert "prompt_inputs" not in sd3 and f"python -m diffusion.generate --checkpoint {tmp_path}" in sd3
+    sana = export.embeddings_call(str(tmp_path), "SanaPipeline", denoisers.adapter("SanaTransformer2DModel"), 64)
+    assert 'image = pipe(**prompt_inputs(pipe, "a prompt"), height=64, width=64' in sana
