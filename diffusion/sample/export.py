@@ -71,6 +71,10 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         sampler.scheduler = _reference_scheduler(trained.model_ref, trained.prediction_type,
                                                  trained.noise_schedule)
     pipe = sampler.pipeline(trained.denoiser)
+    unet, resolution = getattr(pipe, "unet", None), trained.description.resolution
+    if unet is not None and resolution and resolution % pipe.vae_scale_factor == 0:
+        # StableDiffusionPipeline draws unet.config.sample_size x the VAE's factor px unless told: the trained size
+        unet.register_to_config(sample_size=resolution // pipe.vae_scale_factor)
     pipe.to(dtype=DTYPES[dtype])
     os.makedirs(out, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)

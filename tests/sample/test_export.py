@@ -43,6 +43,8 @@ def test_checkpoint_export_has_ema_unet_and_training_settings(fake_checkpoint, t
     pipe = _load(out)
     assert pipe.scheduler.config.prediction_type == "v_prediction"
     assert pipe.vae.config.scaling_factor == 0.5
+    # pipe("a prompt") draws at the trained size (32 px), not the kit's config's (64)
+    assert pipe.unet.config.sample_size * pipe.vae_scale_factor == 32
     from safetensors import safe_open
     with safe_open(os.path.join(out, "unet", "diffusion_pytorch_model.safetensors"), "pt") as f:
         assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
