@@ -75,6 +75,8 @@ def test_two_ranks_fsdp1_and_fsdp2_with_ema_and_repa_train_as_one_process_and_re
         assert set(ema) == set(final)  # the EMA averages every weight, the projector too
         moved = [k for k in ema if not torch.allclose(ema[k], expected[k])]
         assert moved  # the EMA lags the weights: it is its own average, checkpointed whole
+        if name.startswith("fsdp2"):  # rank 0 alone (it writes) keeps the gathered EMA; rank 1 no whole copy
+            assert ranks[1]["ema"].keys() == ema.keys() and not any(t.numel() for t in ranks[1]["ema"].values())
 
     straight = torch.load(tmp_path / "fsdp1-repa-rank0.pt", weights_only=False)
     resumed = torch.load(tmp_path / "resumed-rank0.pt", weights_only=False)

@@ -309,7 +309,7 @@ class EMA(Algorithm):
             return
         if self._ema is not None and self._model is not None:
             # The model was re-wrapped (e.g. DDP/FSDP after INIT): keep the average, re-point the views.
-            self._pending = self._pending or self.state_dict()
+            self._pending = self._pending or self._state(every_rank=True)
         self._model, self._sharded_checkpoints = model, sharded
         params = trainable_parameters(model)
         if any("_flat_param" in n for n in params):
@@ -381,10 +381,17 @@ class EMA(Algorithm):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds. Under FSDP2 with full checkpoints (written by rank 0 alone) only rank 0 keeps
+        the gathered EMA: each tensor is gathered in turn by every rank (a collective) and the other ranks
+        let it go at once, so no other rank holds a whole copy of the EMA in host memory (at 12B, 48 GB a
+        rank in fp32). Their ``ema_params`` hold empty tensors under the same names."""
+        return self._state(every_rank=False)
+
+    def _state(self, every_rank: bool) -> dict[str, Any]:
         state = super().state_dict()
         state.update(num_updates=self.num_updates, smoothing=self.smoothing, start=str(self.start),
                      started_at_batch=self.started_at_batch, update_interval=self.update_interval,
-                     warmup=self.warmup, ema_params=self._ema_params())
+                     warmup=self.warmup, ema_params=self._ema_params(every_rank))
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
@@ -428,10 +435,13 @@ class EMA(Algorithm):
                              f"of local shape {tuple(local.shape)}")
         return saved.detach().to(device=local.device, dtype=local.dtype).clone()
 
-    def _ema_params(self) -> dict[str, torch.Tensor]:
-        """Full tensors by name (gathered once here under FSDP), or DTensors for sharded checkpoints."""
+    def _ema_params(self, every_rank: bool = True) -> dict[str, torch.Tensor]:
+        """Full tensors by name (gathered once here under FSDP), or DTensors for sharded checkpoints; under
+        FSDP2, unless ``every_rank``, full tensors on global rank 0 only (empty ones elsewhere)."""
         if not self.started:
             return {}
+        from composer.utils import dist
+        keep = every_rank or dist.get_global_rank() == 0
         if _uses_fsdp1(self._model):
             if self._sharded_checkpoints:
                 raise NotImplementedError("EMA with FSDP1 sharded checkpoints is not supported: use "
@@ -443,7 +453,12 @@ class EMA(Algorithm):
                 from torch.distributed.tensor import DTensor
                 full = DTensor.from_local(ema, param.device_mesh, param.placements, shape=param.shape,
                                           stride=param.stride())
-                out[name] = full if self._sharded_checkpoints else full.full_tensor().cpu()
+                if self._sharded_checkpoints:
+                    out[name] = full
+                else:
+                    gathered = full.full_tensor()  # a collective: every rank gathers, rank 0 keeps it
+                    out[name] = gathered.cpu() if keep else torch.empty(0, dtype=gathered.dtype)
+                    del gathered
             else:
                 out[name] = ema.detach().cpu().clone()
         return out

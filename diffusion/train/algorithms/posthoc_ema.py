@@ -294,7 +294,7 @@ class PostHocEMA(Algorithm):
         """Every profile to its snapshot file (a collective under FSDP: every rank calls it; rank 0 writes)."""
         from composer.utils import dist
         for profile in self.profiles:
-            params = profile._ema_params()
+            params = profile._ema_params(every_rank=False)  # rank 0 writes: the others let each tensor go
             if dist.get_global_rank() == 0:
                 meta = Snapshot("", profile.sigma_rel, profile.gamma, profile.num_updates, batch, self._run)
                 self.written.append(write_snapshot(self._folder, meta, params))
