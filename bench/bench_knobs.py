@@ -7,7 +7,7 @@ Like PRX's single-knob ablations, at this repository's CPU scale. The baseline i
 yamls/tiny-mmdit-flow-cpu.yaml (SD3's transformer, rectified flow, AdamW 1e-3, EMA 0.99, batch 32,
 seed 17) on the demo's converted data; each other row changes one thing:
 
-- ``muon``: ``optimizer.name=muon`` (timm's Muon on the hidden 2-D weights, AdamW on the rest, same lr);
+- ``muon``: ``optimizer.name=muon`` (timm's Muon on the hidden matrices, convolutions included (as 2-D), AdamW on the rest, same lr);
 - ``qk-norm``: the transformer's queries and keys RMS-normalised (diffusers' ``qk_norm: rms_norm``, as the
   micro-budget kit has it; a copy of the tiny-mmdit kit with that one config key changed);
 - ``decay-groups``: ``optimizer.decay=weights`` (norms, biases and embeddings not decayed);
