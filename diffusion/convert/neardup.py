@@ -116,28 +116,30 @@ class _EmbedFiles:
     valid, decodable row of each file its key, file, order, position, priority score, whether it passes
     ``--where``'s score rules, and its vector (float16 bytes)."""
 
-    def __init__(self, formats: dict, names: dict, columns, taken: dict, model: str, resolution: int, checks,
+    def __init__(self, formats: dict, names: dict, columns, taken: dict, resolution: int, checks,
                  mode: str, embed: str | None, heads: dict, where: str | None, blocklist=None,
                  cpu_threads: int | None = None):
-        import torch
-        if cpu_threads:
-            torch.set_num_threads(max(1, int(cpu_threads)))
-        from diffusion.convert.curate import Curator
-        from diffusion.convert.transforms import ImageCaptionTransform
         self.formats, self.names, self.columns, self.taken = formats, names, columns, taken
-        self.transform = ImageCaptionTransform(model, [resolution], checks)
-        self.curator = Curator(embed, resolution, heads) if embed else None
+        # the transform's own decode, checks and crop, without its tokenizer (this pass reads no tokens):
+        # without --embed, an actor that never imports torch or transformers
+        self.resolution, self.checks = int(resolution), checks
+        self.curator = None
+        if embed:
+            from diffusion.convert.curate import Curator
+            self.curator = Curator(embed, resolution, heads, cpu_threads=cpu_threads)
         self.mode, self.where, self.blocklist = mode, where, blocklist
 
     def _crops(self, batch: dict):
         from diffusion import schema
         from diffusion.rejects import Rejected
         keys, crops, positions, captions = [], [], [], []
-        res = self.transform.resolutions[0]
+        from diffusion.convert.transforms import center_square_crops, clean_caption, decode_image
+        res = self.resolution
         for i, (key, caption, data) in enumerate(zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
                                                      batch[schema.RAW_IMAGE])):
             try:
-                crops.append(self.transform.transform_one(data, caption)[0][res])
+                clean_caption(caption)  # as the transform: a row it would reject takes no part
+                crops.append(center_square_crops(decode_image(data, res, self.checks)[0], [res])[res])
             except Rejected:
                 continue
             keys.append(str(key))
@@ -231,7 +233,7 @@ def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
                              override_num_blocks=min(len(files), 1024))
     vectors = ds.map_batches(
         _EmbedFiles, batch_size=1, batch_format="numpy",
-        fn_constructor_kwargs=dict(formats=formats, names=names, columns=columns, taken=taken, model=cfg.model,
+        fn_constructor_kwargs=dict(formats=formats, names=names, columns=columns, taken=taken,
                                    resolution=max(cfg.resolutions), checks=checks, mode=cfg.dedupe, embed=cfg.embed,
                                    heads=cfg.heads(), where=settings["where"], blocklist=blocklist,
                                    cpu_threads=None if gpus else 1),

@@ -21,11 +21,8 @@ COPIES = 2  # per transform
 
 
 @pytest.fixture(scope="module")
-def clip_kit():
-    import pathlib
-    from diffusion.kit.build import ensure_kit
-    cache = pathlib.Path(os.environ.get("DIFFUSION_TEST_CACHE", pathlib.Path(__file__).parents[2] / ".cache"))
-    return str(ensure_kit("tiny-clip", cache / "kit" / "tiny-clip", progress=False))
+def clip_kit(tiny_clip):
+    return tiny_clip  # the session's tiny-clip kit (tests/conftest.py)
 
 
 def _crop_scores(rows, clip_kit):
@@ -70,7 +67,8 @@ def curated(sample_data, manifest, convert_config, clip_kit, tmp_path_factory, r
     options = dict(input=str(raw), resolutions=(64,), embed=clip_kit, store_embeddings=True, where=where,
                    dedupe="near", exclude=[str(blocklist)], visualize_duplicates=3, **heads)
     out = tmp / "mds"
-    first = run_conversion(convert_config(out, limit=6, **options))  # the "kill": stopped after 6 rows
+    # the "kill": stopped after 6 rows (duplicates.png is drawn by the run that finishes)
+    first = run_conversion(convert_config(out, limit=6, **{**options, "visualize_duplicates": 0}))
     stale = out / "curate" / "0123456789abcdef.tmp-deadbeef"  # a first pass killed half-way
     stale.mkdir()
     summary = run_conversion(convert_config(out, **options))
