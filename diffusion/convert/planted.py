@@ -3,7 +3,8 @@
 
 :data:`TRANSFORMS` are the near-duplicates the issue names: re-encoded, resized, cropped a little,
 mirrored, colour-jittered. :func:`planted_rows` returns the originals and the copies as raw rows with
-the truth (which original each copy is of, by which transform).
+the truth (which original each copy is of, by which transform); :func:`mismatch_captions` swaps some
+rows' captions for other rows' (bench/bench_curation_training.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ def planted_rows(rows: list[dict], copies_per_transform: int, seed: int = 0) -> 
                         "url": f"https://example.com/{key}.jpg"})
             truth[key] = (src["key"], name)
     return out, truth
+
+
+def mismatch_captions(rows: list[dict], share: float, seed: int = 0) -> set[str]:
+    """Give a ``share`` of ``rows`` (replaced in the list) the caption of another row, one that differs
+    from their own: alt-texts that do not describe their image, as a scrape has them. Returns their keys."""
+    rng = np.random.default_rng(seed)
+    captions = [r["caption"] for r in rows]
+    mismatched = set()
+    for i in rng.choice(len(rows), int(round(share * len(rows))), replace=False):
+        others = [j for j in rng.permutation(len(rows))[:32] if captions[j] != captions[i]]
+        if others:
+            rows[i] = {**rows[i], "caption": captions[int(others[0])]}
+            mismatched.add(rows[i]["key"])
+    return mismatched
 
 
 def measure(vectors: np.ndarray, keys: list[str], truth: dict, threshold: float) -> dict:
