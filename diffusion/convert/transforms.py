@@ -254,8 +254,8 @@ class ImageCaptionTransform:
     def __init__(self, model: str, resolutions, checks: ImageChecks = ImageChecks(),
                  rejects_dir: str | None = None, record_timing: bool = False, buckets=None, captions=(),
                  text_length: int = schema.MAX_TOKENS):
-        from diffusion.models.loading import load_tokenizer
-        self.tokenizer = load_tokenizer(model)
+        from diffusion.models.tokens import load_tokenizer_without_torch
+        self.tokenizer = load_tokenizer_without_torch(model)  # in a Ray actor: transformers without torch
         self.text_length = int(text_length)
         self.resolutions = sorted({int(r) for r in resolutions}, reverse=True)
         # Aspect-ratio buckets [(w, h)]: each image is cropped to its nearest one (one resolution only).
@@ -279,8 +279,8 @@ class ImageCaptionTransform:
             result[ids], result[schema.tokens_column(name)] = self.tokenize(values)
 
     def tokenize(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, token counts) of ``captions`` (:func:`diffusion.models.text_encoder.tokenize`)."""
-        from diffusion.models.text_encoder import tokenize
+        """(token ids, token counts) of ``captions`` (:func:`diffusion.models.tokens.tokenize`)."""
+        from diffusion.models.tokens import tokenize
         return tokenize(self.tokenizer, captions, self.text_length)
 
     def transform_one(self, data: bytes, caption) -> tuple[dict[int, np.ndarray], int, int]:

@@ -24,6 +24,7 @@ import torch
 from diffusion import schema
 from diffusion.errors import DatasetMismatchError, ModelReferenceError
 from diffusion.models import loading
+from diffusion.models.tokens import tokenize  # noqa: F401 (torch-free, for the converter's transform actors)
 
 # Largest difference allowed between the dataset's empty-caption embedding and this encoder's, relative
 # to the embedding's largest magnitude: float16 rounding and another summation order stay far below it,
@@ -39,18 +40,6 @@ WEIGHTS_SHA256 = "weights_sha256"
 # caption alone tells a causal encoder's first tokens and padding, not how it reads words.
 PROBE_CAPTIONS = ("a red bicycle leaning against a brick wall at noon",
                   "an oil painting of two grey cats asleep on a blue sofa, evening light")
-
-
-def tokenize(tokenizer, captions, length: int = schema.MAX_TOKENS) -> tuple[np.ndarray, np.ndarray]:
-    """The one way captions become token ids, everywhere (converter, training, sampling): padded to
-    ``length`` and truncated. Returns (ids int32 (B, length), token counts int32 (B,)): the count is the
-    caption's tokens before the padding, special tokens included, so ``arange(length) < count`` is its
-    attention mask (:func:`attention_mask`)."""
-    captions = list(captions)
-    if not captions:
-        return np.zeros((0, int(length)), np.int32), np.zeros((0,), np.int32)
-    out = tokenizer(captions, padding="max_length", max_length=int(length), truncation=True, return_tensors="np")
-    return out["input_ids"].astype(np.int32), out["attention_mask"].sum(axis=1).astype(np.int32)
 
 
 def attention_mask(counts: torch.Tensor, length: int) -> torch.Tensor:

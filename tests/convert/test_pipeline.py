@@ -409,6 +409,34 @@ def test_img2dataset_webdataset_files_and_tfrecord_folders_convert(sample_data, 
         assert keys == {key(r[schema.RAW_KEY]) for r in part if r[schema.RAW_KEY] not in manifest["bad_keys"]}
 
 
+def test_transform_actors_tokenize_without_torch_and_as_the_driver_does(tiny_kit, tiny_t5_kit, ray_local):
+    """A transform actor (a Ray actor of its own, as the pipeline's ImageCaptionTransform runs) imports transformers
+    without torch (about 100 MB a process instead of about 490 MB) and gives the token ids the driver's tokenizer,
+    with torch, gives: CLIP's and T5's, accents, emoji and an over-long caption included."""
+    from diffusion.convert.transforms import ImageCaptionTransform
+    from diffusion.models.loading import load_tokenizer
+    from diffusion.models.tokens import tokenize
+
+    @ray_local.remote(num_cpus=0.1)
+    class Transform:
+        def __init__(self, model):
+            self.transform = ImageCaptionTransform(model, [32])
+
+        def tokenize(self, captions):
+            import sys
+            return self.transform.tokenize(captions), "torch" in sys.modules
+
+    captions = ["a red circle", "Crème brûlée on a café table 🍰", "  two\tspaces ", "word " * 100]
+    for kit in (tiny_kit, tiny_t5_kit):
+        actor = Transform.remote(kit)
+        (ids, counts), torch_loaded = ray_local.get(actor.tokenize.remote(captions))
+        ray_local.kill(actor)
+        assert not torch_loaded, kit
+        expected_ids, expected_counts = tokenize(load_tokenizer(kit), captions)
+        np.testing.assert_array_equal(ids, expected_ids)
+        np.testing.assert_array_equal(counts, expected_counts)
+
+
 def test_cli_folder_without_images_lists_the_layouts_looked_for(tiny_kit, tmp_path):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "urls.csv").write_text("url,caption\nhttp://x/a.jpg,a red circle\n")
