@@ -306,7 +306,8 @@ for variant in json.loads(os.environ["VARIANTS"]):
     else:
         record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
-    record["ema"] = ema.state_dict()["ema_params"]
+    record["ema"] = ema._ema_params(every_rank=False)  # gathered on rank 0, whatever the checkpoints' kind
+    record["ema_state"] = {k: v for k, v in ema.state_dict().items() if k != "ema_params"}
     torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
     trainer.close()
     del trainer, model

@@ -644,12 +644,14 @@ def _check_consistency(cfg: Config) -> None:
                  f"trainer.fsdp.data_parallel_replicate_degree={f.data_parallel_replicate_degree} needs "
                  f"trainer.fsdp.sharding_strategy=HYBRID_SHARD (or _HYBRID_SHARD_ZERO2); "
                  f"{f.sharding_strategy} shards over every rank")
-    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms:
-        raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.ema (the EMA is "
-                          "checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full, or "
-                          "algorithms.ema=null")
-    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "posthoc_ema" in cfg.algorithms:
-        raise ConfigError("trainer.fsdp.state_dict_type=sharded does not work with algorithms.posthoc_ema (its "
-                          "averages are checkpointed as full tensors only): use trainer.fsdp.state_dict_type=full")
+    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "ema" in cfg.algorithms and t.fsdp.version == 1:
+        raise ConfigError("trainer.fsdp.state_dict_type=sharded with algorithms.ema needs trainer.fsdp.version=2 "
+                          "(under FSDP1 the EMA is checkpointed as full tensors only): use trainer.fsdp.version=2, "
+                          "or trainer.fsdp.state_dict_type=full")
+    if t.fsdp is not None and t.fsdp.state_dict_type == "sharded" and "posthoc_ema" in cfg.algorithms \
+            and t.fsdp.version == 1:
+        raise ConfigError("trainer.fsdp.state_dict_type=sharded with algorithms.posthoc_ema needs "
+                          "trainer.fsdp.version=2 (under FSDP1 its averages are checkpointed as full tensors only): "
+                          "use trainer.fsdp.version=2, or trainer.fsdp.state_dict_type=full")
     for key in ("max_duration", "eval_interval", "save_interval"):
         _check_duration(f"trainer.{key}", getattr(t, key))

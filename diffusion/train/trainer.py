@@ -21,7 +21,7 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.train import components
 from diffusion.train.optimizers import build_optimizer
-from diffusion.train.algorithms.ema import EMA
+from diffusion.train.algorithms.ema import EMA, EMAShards
 from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
 from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, local_pruner, remote_pruner
 from diffusion.train.config import Config
@@ -79,11 +79,13 @@ def build_parallelism(cfg: Config) -> dict | None:
         options = dict(reshard_after_forward=fsdp.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
                        mixed_precision=fsdp.mixed_precision, state_dict_type=fsdp.state_dict_type,
                        activation_checkpointing=cfg.trainer.activation_checkpointing)
+        # sharded: a checkpoint without EMA shards loads into a run with EMA (EMAShards' planner)
+        config = _ShardedEMAFSDP2Config if fsdp.state_dict_type == "sharded" else FSDP2Config
         if replicate is None:
-            return {"fsdp": FSDP2Config(**options)}
+            return {"fsdp": config(**options)}
         if "data_parallel_shard_degree" in {f.name for f in dataclasses.fields(FSDP2Config)}:  # a later Composer
-            return {"fsdp": FSDP2Config(data_parallel_shard_degree=shard, data_parallel_replicate_degree=replicate,
-                                        **options)}
+            return {"fsdp": config(data_parallel_shard_degree=shard, data_parallel_replicate_degree=replicate,
+                                   **options)}
         return {"fsdp": _HybridFSDP2Config(replicate, shard, **options)}
     degrees = {} if replicate is None else {"data_parallel_replicate_degree": replicate,
                                             "data_parallel_shard_degree": shard}
@@ -120,7 +122,22 @@ def mesh_degrees(cfg: Config, world_size: int, local_world_size: int) -> tuple[i
     return replicate, shard
 
 
-class _HybridFSDP2Config(FSDP2Config):
+class _ShardedEMAFSDP2Config(FSDP2Config):
+    """FSDP2 with sharded checkpoints: Composer loads them with this planner, torch's own but for the EMA's
+    shards (:class:`~diffusion.train.algorithms.ema.EMAShards`), which a checkpoint of before the EMA
+    started, or of a run without EMA, does not hold."""
+
+    @property
+    def load_planner(self):
+        from diffusion.train.algorithms.ema import optional_shards_load_planner
+        return optional_shards_load_planner()
+
+    @load_planner.setter
+    def load_planner(self, value):  # a Composer whose config sets the field: ours stands
+        pass
+
+
+class _HybridFSDP2Config(_ShardedEMAFSDP2Config):
     """Composer 0.32's FSDP2Config with a (replicate, shard) mesh: Composer builds its device mesh from these two
     degrees (fixed to one flat mesh there, and a ``device_mesh`` passed in is replaced by it)."""
 
@@ -499,6 +516,12 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         algorithms.append(LoggedGradientClipping(t.grad_clip_norm, t.grad_norm_log_interval))  # logs the pre-clip norm
 
     callbacks = components.build_components("callbacks", cfg.callbacks) + list(extra_callbacks)
+    if t.fsdp is not None and t.fsdp.version == 2 and t.fsdp.state_dict_type == "sharded":
+        averages = {type(a).__qualname__: a for a in algorithms if type(a) is EMA}
+        for a in algorithms:  # post-hoc EMA's profiles
+            averages.update(a.shard_groups() if hasattr(a, "shard_groups") else {})
+        if averages:  # each rank writes its own EMA shards, beside the weights'
+            callbacks.append(EMAShards(averages, model))
     if t.compile and t.fsdp is not None and t.fsdp.version == 1:
         callbacks.insert(0, DropGradientsBeforeEval())
     if model.text_encoder is not None and not any(isinstance(c, TextEncoderShare) for c in callbacks):

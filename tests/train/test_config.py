@@ -159,6 +159,9 @@ def test_fsdp_version_is_the_configs_choice_not_the_environments(monkeypatch):
     assert isinstance(two["fsdp"], FSDP2Config) and two["fsdp"].reshard_after_forward is False
     full = build_parallelism(load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=FULL_SHARD"]))
     assert full["fsdp"].reshard_after_forward is True
+    # sharded checkpoints load with the planner that lets a checkpoint without EMA shards load (ema.EMAShards)
+    sharded = build_parallelism(load_config(TINY, ["trainer.fsdp={version: 2, state_dict_type: sharded}"]))["fsdp"]
+    assert type(sharded.load_planner).__name__ == "OptionalShardsLoadPlanner" and full["fsdp"].load_planner is None
     with pytest.raises(ConfigError, match="NO_SHARD has no FSDP2 equivalent"):
         load_config(TINY, ["trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=NO_SHARD"])
     with pytest.raises(ConfigError, match="auto fails under FSDP2"):

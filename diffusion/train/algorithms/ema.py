@@ -32,8 +32,15 @@ always under SHARD_GRAD_OP, for the root unit under FULL_SHARD. Left alone, the 
 forward would reuse the gathered EMA (and the eval, the gathered training weights). So every swap
 first drops what FSDP has gathered (FSDP1: each unit's handle is resharded, freeing the unsharded flat
 parameter; FSDP2: ``FSDPModule.reshard()``); the next forward gathers the shards as they are now.
-Sharded checkpoints (``state_dict_type: sharded``) with FSDP1 are refused at fit start: the EMA is
-saved as full tensors only.
+Sharded checkpoints (``state_dict_type: sharded``) under FSDP2: each rank writes its own EMA shards
+beside the weights' and no rank gathers the EMA. Composer pickles ``state["algorithms"]`` into one entry
+(rank 0's), so the shards go through a companion callback, :class:`EMAShards`, whose state Composer
+flattens per key: ``state.callbacks.EMAShards.EMA.<parameter name>``, DTensors that torch's distributed
+checkpoint writes per rank and re-shards on load. The algorithm's own entry keeps the update count and
+start. A sharded checkpoint without those entries (written before the EMA started, or by a run without
+EMA) loads as before (:func:`optional_shards_load_planner`, which Composer loads sharded checkpoints
+with). FSDP1's local shards are flat slices, not DTensors: sharded checkpoints with FSDP1 are refused at
+fit start (and when the config is read).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import os
 from typing import Any
 
 import torch
-from composer.core import Algorithm, Event, State, Time, TimeUnit
+from composer.core import Algorithm, Callback, Event, State, Time, TimeUnit
 from composer.loggers import Logger
 
 # Wrapper modules insert these components into parameter names; the saved names drop them.
@@ -237,6 +244,8 @@ class EMA(Algorithm):
         self._params: list[torch.Tensor] = []  # local views of the live weights
         self._ema: list[torch.Tensor] | None = None  # local EMA shards, parallel to _params; None before start
         self._pending: dict[str, Any] | None = None  # loaded before the model was ready
+        self._shards_beside = False  # FSDP2 sharded checkpoints: the shards are EMAShards' state, not ours
+        self._loaded_shards: dict[str, torch.Tensor] | None = None  # what EMAShards loaded, until _restore
         self._swapped: list[torch.Tensor] | None = None  # training weights while the EMA is swapped in
 
     def __repr__(self) -> str:
@@ -309,7 +318,7 @@ class EMA(Algorithm):
             return
         if self._ema is not None and self._model is not None:
             # The model was re-wrapped (e.g. DDP/FSDP after INIT): keep the average, re-point the views.
-            self._pending = self._pending or self._state(every_rank=True)
+            self._pending = self._pending or self._state(every_rank=True, local=self._sharded_checkpoints)
         self._model, self._sharded_checkpoints = model, sharded
         params = trainable_parameters(model)
         if any("_flat_param" in n for n in params):
@@ -320,6 +329,7 @@ class EMA(Algorithm):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._restore(pending)
+        self._loaded_shards = None  # loaded for a checkpoint without an EMA state of ours: let it go
 
     def _maybe_start(self, state: State) -> None:
         if self.started:
@@ -384,14 +394,21 @@ class EMA(Algorithm):
         """What a checkpoint holds. Under FSDP2 with full checkpoints (written by rank 0 alone) only rank 0 keeps
         the gathered EMA: each tensor is gathered in turn by every rank (a collective) and the other ranks
         let it go at once, so no other rank holds a whole copy of the EMA in host memory (at 12B, 48 GB a
-        rank in fp32). Their ``ema_params`` hold empty tensors under the same names."""
+        rank in fp32). Their ``ema_params`` hold empty tensors under the same names. With sharded
+        checkpoints under FSDP2 ``ema_params`` is empty and ``ema_params_beside`` true: :class:`EMAShards`
+        holds the shards."""
+        if self._shards_beside and self._sharded_checkpoints and self._model is not None \
+                and not _uses_fsdp1(self._model):
+            state = self._state(every_rank=False, params=False)
+            state["ema_params_beside"] = True
+            return state
         return self._state(every_rank=False)
 
-    def _state(self, every_rank: bool) -> dict[str, Any]:
+    def _state(self, every_rank: bool, local: bool = False, params: bool = True) -> dict[str, Any]:
         state = super().state_dict()
         state.update(num_updates=self.num_updates, smoothing=self.smoothing, start=str(self.start),
                      started_at_batch=self.started_at_batch, update_interval=self.update_interval,
-                     warmup=self.warmup, ema_params=self._ema_params(every_rank))
+                     warmup=self.warmup, ema_params=self._ema_params(every_rank, local) if params else {})
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
@@ -403,6 +420,13 @@ class EMA(Algorithm):
     def _restore(self, state: dict[str, Any]) -> None:
         self.num_updates = int(state.get("num_updates", 0))
         saved = state.get("ema_params") or {}
+        loaded, self._loaded_shards = self._loaded_shards, None
+        if state.get("ema_params_beside"):  # a sharded checkpoint: the shards were loaded by EMAShards
+            started = state.get("started_at_batch") is not None
+            saved = (loaded or {}) if started else {}
+            if started and not saved:
+                raise KeyError("the sharded checkpoint's EMA state says the EMA had started, but no EMA shards "
+                               "(state.callbacks.EMAShards) were loaded with it")
         if not saved:
             self._ema = None  # the checkpoint was written before the EMA started
             self.started_at_batch = None
@@ -426,7 +450,9 @@ class EMA(Algorithm):
     def _local_part(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         local = _local(param)
         if hasattr(saved, "to_local"):
-            saved = saved.to_local()
+            saved = saved.to_local().detach()
+            if saved.shape == local.shape and saved.device == local.device and saved.dtype == local.dtype:
+                return saved  # loaded into a tensor of its own (EMAShards' template): no second copy
         elif hasattr(param, "device_mesh") and saved.shape == param.shape:  # full tensor, FSDP2 shard wanted
             from torch.distributed.tensor import distribute_tensor
             saved = distribute_tensor(saved.to(local.device), param.device_mesh, param.placements).to_local()
@@ -435,9 +461,10 @@ class EMA(Algorithm):
                              f"of local shape {tuple(local.shape)}")
         return saved.detach().to(device=local.device, dtype=local.dtype).clone()
 
-    def _ema_params(self, every_rank: bool = True) -> dict[str, torch.Tensor]:
-        """Full tensors by name (gathered once here under FSDP), or DTensors for sharded checkpoints; under
-        FSDP2, unless ``every_rank``, full tensors on global rank 0 only (empty ones elsewhere)."""
+    def _ema_params(self, every_rank: bool = True, local: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors by name (gathered once here under FSDP), or with ``local`` (FSDP2) the local shards as
+        DTensors, nothing gathered; under FSDP2, unless ``every_rank``, full tensors on global rank 0 only
+        (empty ones elsewhere)."""
         if not self.started:
             return {}
         from composer.utils import dist
@@ -453,7 +480,7 @@ class EMA(Algorithm):
                 from torch.distributed.tensor import DTensor
                 full = DTensor.from_local(ema, param.device_mesh, param.placements, shape=param.shape,
                                           stride=param.stride())
-                if self._sharded_checkpoints:
+                if local:
                     out[name] = full
                 else:
                     gathered = full.full_tensor()  # a collective: every rank gathers, rank 0 keeps it
@@ -487,3 +514,57 @@ class EMA(Algorithm):
         drop_gathered_parameters(self._model)
         torch._foreach_copy_(self._params, backup)
         return shards
+
+
+class EMAShards(Callback):
+    """The EMA's shards in FSDP2 sharded checkpoints (see the module docstring): Composer checkpoints a
+    callback's state per key, so every rank writes its own shards, where it pickles an algorithm's state
+    whole. ``averages`` maps a group name (the entries' ``state.callbacks.EMAShards.<group>.``) to its
+    :class:`EMA`; ``model`` is the trainer's model, whose parameters give the shapes to load into before
+    the EMA has bound to it (Composer loads a checkpoint before the fit starts)."""
+
+    def __init__(self, averages: dict[str, EMA], model: torch.nn.Module):
+        self.averages, self.model = dict(averages), model
+        for ema in self.averages.values():
+            ema._shards_beside = True
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for group, ema in self.averages.items():
+            if ema._model is None:  # Composer asks what to load into: a shard like each parameter's
+                out[group] = {n: torch.empty_like(p, requires_grad=False)
+                              for n, p in trainable_parameters(self.model).items()}
+            elif ema.started:  # a save: the local shards as DTensors, nothing gathered
+                out[group] = ema._ema_params(local=True)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The EMA restores from them at its fit start if its own state says they were saved.
+        for group, ema in self.averages.items():
+            ema._loaded_shards = dict(state.get(group) or {})
+
+
+def _shards_prefix() -> str:
+    return f"state.callbacks.{EMAShards.__qualname__}."
+
+
+def optional_shards_load_planner():
+    """Torch's default load planner, except that a group of :class:`EMAShards` entries absent from the
+    checkpoint as a whole (a checkpoint of before the EMA started, or of a run without EMA) is not loaded
+    rather than refused; a group the checkpoint holds only in part is still refused, by torch."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class OptionalShardsLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            prefix, saved = _shards_prefix(), self.metadata.state_dict_metadata
+            groups: dict[str, list[str]] = {}
+            for key in self.state_dict:
+                if key.startswith(prefix):
+                    groups.setdefault(key[len(prefix):].split(".", 1)[0], []).append(key)
+            for keys in groups.values():
+                if not any(k in saved for k in keys):
+                    for k in keys:
+                        del self.state_dict[k]
+            return super().create_local_plan()
+
+    return OptionalShardsLoadPlanner()

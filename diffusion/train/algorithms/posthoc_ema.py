@@ -28,7 +28,9 @@ residual so a width out of reach is visible.
 State: each profile is an :class:`~diffusion.train.algorithms.ema.EMA` whose decay is ``beta_t``: the
 same shard-local fused update, FSDP gather for snapshots (FSDP1 with full state dicts through
 ``summon_full_params``, FSDP2 through ``full_tensor``) and exact checkpoint/resume of its average and
-update count (Composer stores it under ``state["algorithms"]`` as ``PostHocEMA``). FSDP1 with sharded
+update count (Composer stores it under ``state["algorithms"]`` as ``PostHocEMA``). With FSDP2 sharded
+checkpoints each profile's shards are written by every rank beside the weights', as the EMA's
+(:class:`~diffusion.train.algorithms.ema.EMAShards`, group ``PostHocEMA-<width>``); FSDP1 with sharded
 checkpoints is refused at fit start, as for the EMA. Snapshots are written by global rank 0 into
 ``trainer.save_folder/posthoc/ema-<sigma_rel>-ba<batch>.safetensors`` (weights only, float32, with
 ``sigma_rel``, ``gamma``, ``t``, ``batch`` and the run's identity as its checkpoints record it in the
@@ -246,6 +248,10 @@ class PostHocEMA(Algorithm):
     def __repr__(self) -> str:
         return (f"PostHocEMA(sigma_rels={[p.sigma_rel for p in self.profiles]}, "
                 f"snapshot_every={self.snapshot_every}ba)")
+
+    def shard_groups(self) -> dict[str, EMA]:
+        """Each profile by the group its shards take in FSDP2 sharded checkpoints (``EMAShards``)."""
+        return {f"PostHocEMA-{width_label(p.sigma_rel).replace('.', '_')}": p for p in self.profiles}
 
     def match(self, event: Event, state: State) -> bool:
         return event in (Event.FIT_START, Event.BATCH_END, Event.FIT_END)

@@ -256,15 +256,46 @@ def test_checkpoint_holds_ema_and_resume_is_exact(tmp_path):
     assert_close(resumed.state_dict()["ema_params"], straight.state_dict()["ema_params"])
 
 
-def test_sharded_fsdp_checkpoints_with_ema_are_refused_at_start():
-    # The EMA is checkpointed as full tensors only: refused when the config is read, not at the first save.
+def test_sharded_fsdp1_checkpoints_with_ema_are_refused_at_start_and_fsdp2_ones_accepted():
+    # FSDP1's EMA is checkpointed as full tensors only: refused when the config is read, not at the first save.
+    # FSDP2's is saved sharded beside the weights (tests/train/test_fsdp_mmdit.py resumes it exactly).
     tiny = os.path.join(YAMLS, "tiny-cpu.yaml")
-    with pytest.raises(ConfigError, match=r"trainer\.fsdp\.state_dict_type=sharded does not work with algorithms\.ema"):
+    with pytest.raises(ConfigError, match=r"trainer\.fsdp\.state_dict_type=sharded with algorithms\.ema needs "
+                                          r"trainer\.fsdp\.version=2"):
         load_config(tiny, ["trainer.fsdp={state_dict_type: sharded}"])
+    load_config(tiny, ["trainer.fsdp={state_dict_type: sharded, version: 2}"])
     load_config(tiny, ["trainer.fsdp={state_dict_type: sharded}", "algorithms.ema=null"])
     load_config(tiny, ["trainer.fsdp={state_dict_type: full}"])
     cfg = load_config(os.path.join(YAMLS, "sd2-base-512.yaml"))  # phase 2: EMA, FSDP, full, strict load
     assert "ema" in cfg.algorithms and cfg.trainer.fsdp.state_dict_type == "full" and cfg.trainer.load_strict
+
+
+def test_a_sharded_checkpoint_without_ema_shards_loads_into_a_run_with_ema(tmp_path):
+    """A sharded checkpoint of before the EMA started (or of a run without EMA) holds no EMAShards entries: they
+    are left unloaded (the EMA then starts as configured) where torch's planner refuses the load; a checkpoint
+    holding only some of them is still refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from diffusion.train.algorithms.ema import optional_shards_load_planner
+    dcp.save({"state": {"model": {"w": torch.ones(3)}, "callbacks": {"EMAShards": {"EMA": {"a": torch.ones(2)}}}}},
+             checkpoint_id=tmp_path / "with")
+    dcp.save({"state": {"model": {"w": torch.ones(3)}}}, checkpoint_id=tmp_path / "without")
+
+    def template():
+        return {"state": {"model": {"w": torch.zeros(3)},
+                          "callbacks": {"EMAShards": {"EMA": {"a": torch.zeros(2), "b": torch.zeros(1)}}}}}
+    with pytest.raises(CheckpointException, match="Missing key"):  # torch's own planner
+        dcp.load(template(), checkpoint_id=tmp_path / "without")
+    loaded = template()
+    dcp.load(loaded, checkpoint_id=tmp_path / "without", planner=optional_shards_load_planner())
+    assert torch.equal(loaded["state"]["model"]["w"], torch.ones(3))
+    with pytest.raises(CheckpointException, match=r"Missing key.*EMAShards\.EMA\.b"):  # a group held in part
+        dcp.load(template(), checkpoint_id=tmp_path / "with", planner=optional_shards_load_planner())
+    loaded = template()
+    del loaded["state"]["callbacks"]["EMAShards"]["EMA"]["b"]
+    dcp.load(loaded, checkpoint_id=tmp_path / "with", planner=optional_shards_load_planner())
+    assert torch.equal(loaded["state"]["callbacks"]["EMAShards"]["EMA"]["a"], torch.ones(2))
 
 
 def test_swaps_without_fsdp_drop_nothing():

@@ -134,9 +134,10 @@ def test_bad_keys_are_one_line_naming_them(tmp_path):
         fit(PostHocEMA(), 1)  # no save folder, no folder
     with pytest.raises(ConfigError, match=r"unknown config key 'algorithms.posthoc_ema.sigma_rel'"):
         load_config("yamls/tiny-mmdit-flow-cpu.yaml", ["algorithms.posthoc_ema={sigma_rel: 0.1}"])
-    with pytest.raises(ConfigError, match=r"state_dict_type=sharded does not work with algorithms.posthoc_ema"):
+    with pytest.raises(ConfigError, match=r"state_dict_type=sharded with algorithms.posthoc_ema needs "
+                                          r"trainer.fsdp.version=2"):  # FSDP1: full tensors only
         load_config("yamls/tiny-mmdit-flow-cpu.yaml", ["algorithms.ema=null", "algorithms.posthoc_ema={}",
-                                                       "trainer.fsdp={version: 2, state_dict_type: sharded}"])
+                                                       "trainer.fsdp={version: 1, state_dict_type: sharded}"])
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +205,11 @@ for variant in json.loads(os.environ["VARIANTS"]):
     if variant.get("resume_from"):  # a run killed after its batch-2 checkpoint, resumed by autoresume
         if dist.get_global_rank() == 0:
             os.makedirs(folder)
-            shutil.copy(os.path.join(root, variant["resume_from"], "ep0-ba2-rank0.pt"), folder)
-            os.symlink("ep0-ba2-rank0.pt", os.path.join(folder, "latest-rank0.pt"))
+            source = os.path.join(root, variant["resume_from"])
+            saved = "ep0-ba2" if os.path.isdir(os.path.join(source, "ep0-ba2")) else "ep0-ba2-rank0.pt"  # sharded
+            (shutil.copytree if saved == "ep0-ba2" else shutil.copy)(os.path.join(source, saved),
+                                                                      os.path.join(folder, saved))
+            os.symlink(saved, os.path.join(folder, "latest-rank0.pt"))
             shutil.copytree(os.path.join(root, variant["resume_from"], "posthoc"), os.path.join(folder, "posthoc"),
                             ignore=lambda d, names: [n for n in names if "-ba2." not in n])  # what it had written
         dist.barrier()
@@ -217,9 +221,10 @@ for variant in json.loads(os.environ["VARIANTS"]):
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mmdit_train_kit, mds, tmp_path):
-    """`composer -n 2`: under FSDP1 (full state dicts: the EMA's gather) and FSDP2 (DTensors), rank 0
-    writes the snapshots of the whole weights one process averages; an FSDP1 run killed after batch 2
-    and resumed (the profiles scattered back into the shards) writes the same snapshots."""
+    """`composer -n 2`: under FSDP1 (full state dicts: the EMA's gather) and FSDP2 (DTensors, sharded
+    checkpoints), rank 0 writes the snapshots of the whole weights one process averages; an FSDP1 run killed
+    after batch 2 and resumed (the profiles scattered back into the shards) writes the same snapshots, and so
+    does an FSDP2 one (each rank's profile shards saved beside its weights' and loaded back)."""
     from safetensors.torch import load_file
     yaml = "yamls/tiny-mmdit-flow-cpu.yaml"
     # Adam with eps = 1, no clipping: the float error of the split stays small (see test_multiprocess.py)
@@ -227,9 +232,11 @@ def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mm
                              "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms.ema=null",
                              "algorithms.posthoc_ema.snapshot_every=2ba", batches=4)
     fsdp1 = ["trainer.fsdp={sharding_strategy: FULL_SHARD}"]
+    fsdp2 = ["trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD, state_dict_type: sharded}"]
     variants = [{"name": "fsdp1", "overrides": fsdp1},
-                {"name": "fsdp2", "overrides": ["trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD}"]},
-                {"name": "fsdp1-resumed", "overrides": fsdp1 + ["trainer.autoresume=true"], "resume_from": "fsdp1"}]
+                {"name": "fsdp2", "overrides": fsdp2},
+                {"name": "fsdp1-resumed", "overrides": fsdp1 + ["trainer.autoresume=true"], "resume_from": "fsdp1"},
+                {"name": "fsdp2-resumed", "overrides": fsdp2 + ["trainer.autoresume=true"], "resume_from": "fsdp2"}]
     import json
     from train_fixtures import launch_composer
     result = launch_composer(tmp_path / "harness.py", HARNESS, [yaml, *common],
@@ -239,7 +246,12 @@ def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mm
     fit_in_process(load_config(yaml, common + [f"trainer.save_folder={one}"]))
     names = sorted(os.listdir(one / "posthoc"))
     assert names == sorted(phe.snapshot_name(w, b) for w in (0.05, 0.1) for b in (2, 4))
-    for variant in ("fsdp1", "fsdp2", "fsdp1-resumed"):
+    from diffusion.models.safe_checkpoint import read_index  # each rank wrote its profiles' shards
+    index = read_index(tmp_path / "fsdp2" / "ep0-ba2").state_dict_metadata
+    for group in ("PostHocEMA-0_050", "PostHocEMA-0_100"):
+        chunks = [len(v.chunks) for k, v in index.items() if k.startswith(f"state.callbacks.EMAShards.{group}.")]
+        assert len(chunks) > 50 and max(chunks) == 2, group
+    for variant in ("fsdp1", "fsdp2", "fsdp1-resumed", "fsdp2-resumed"):
         assert sorted(os.listdir(tmp_path / variant / "posthoc")) == names, variant
         for name in names:
             expected, got = load_file(one / "posthoc" / name), load_file(tmp_path / variant / "posthoc" / name)
