@@ -11,7 +11,8 @@
 - **Resume.** With autoresume, :func:`recover` looks at the folder first: unfinished ``.partial-`` files
   are removed, a checkpoint cut short (written before atomic saves, or by other tools) is set aside
   as ``<name>.incomplete``, and ``latest-rank0.pt`` is pointed at the last complete checkpoint; each
-  step is one line on stderr.
+  step is one line on stderr. A remote (``s3://``) folder's ``latest-rank0.pt.symlink`` is pointed at the
+  newest checkpoint uploaded (:func:`point_remote_latest`: Composer moves it late, so a kill leaves it behind).
 - **One run per folder.** :class:`SaveFolderLock` holds ``.run.lock`` in the (local) folder: an advisory
   ``flock`` the kernel drops when the process dies, and the holder's pid, host and command. A second
   run is refused at start naming the folder and the live run. A lock left by a dead process on this
@@ -31,6 +32,7 @@ import fcntl
 import json
 import os
 import pickle
+import posixpath
 import re
 import socket
 import sys
@@ -216,6 +218,56 @@ def recover(folder: str, start_fresh: bool = False) -> list[str]:
         notices.append(f"removed {latest}: it pointed to no complete checkpoint and there is none; "
                        f"training starts from the beginning (trainer.start_fresh)")
     return notices
+
+
+def point_remote_latest(save_folder: str, run_name: str | None) -> list[str]:
+    """Point a remote save folder's ``latest-rank0.pt.symlink`` at its newest checkpoint; returns the notices.
+
+    Composer 0.32 uploads that object (what autoresume follows) only after a checkpoint's upload is confirmed:
+    a process polls for the object every 30 s, and the pointer goes up at the first batch end after that
+    (or at ``fit()``'s end). A run killed in between (any node, any time in that window) leaves the pointer
+    at the checkpoint before, or none: the next launch starts over and its first upload stops on the
+    object already there ("overwrite was set to False"). An object store shows an object only once its
+    upload completed, so every ``ep{E}-ba{B}-rank0.pt`` listed is whole: the pointer is moved to the
+    newest one when it names an older one, none, or one that is gone. Sharded checkpoints (folders, which
+    are complete only with every rank's shard) are left to Composer's pointer."""
+    import tempfile
+
+    from composer.utils import format_name_with_dist, parse_uri
+    from composer.utils.file_helpers import (BACKEND_TO_OBJECT_STORE_FACTORY, create_symlink_file,
+                                             extract_path_from_symlink)
+    backend, bucket, path = parse_uri(format_name_with_dist(save_folder, run_name or ""))
+    if backend not in BACKEND_TO_OBJECT_STORE_FACTORY:
+        return []  # dbfs, wandb ...: Composer's own
+    prefix = path.strip("/") + "/" if path.strip("/") else ""
+    pointer = prefix + LATEST + ".symlink"
+    try:
+        store = BACKEND_TO_OBJECT_STORE_FACTORY[backend](bucket, path)
+        found = {}
+        for key in store.list_objects(prefix):
+            match = _CHECKPOINT.match(key[len(prefix):])
+            if match:
+                found[int(match.group(2))] = key
+        if not found:
+            return []
+        try:
+            named = extract_path_from_symlink(pointer, store).strip()
+        except FileNotFoundError:
+            named = None
+        newest = found[max(found)]
+        sharded = _SHARDED.match(posixpath.basename(named or ""))
+        if named == newest or (sharded and int(sharded.group(2)) >= max(found)):
+            return []  # up to date, or a newer sharded checkpoint's folder: Composer's
+        with tempfile.TemporaryDirectory() as temporary:
+            link = os.path.join(temporary, "latest.symlink")
+            create_symlink_file(newest, link)
+            store.upload_object(pointer, link)
+    except Exception as e:  # storage trouble: Composer's own autoresume reads what is there and says why
+        return [f"could not check {save_folder} for a checkpoint newer than its {LATEST} pointer "
+                f"({type(e).__name__}: {e})"]
+    was = f"named {named}" if named in found.values() else ("named the missing " + named if named else "was missing")
+    return [f"{backend}://{bucket}/{pointer} now names {newest}, the newest checkpoint uploaded whole (it {was}: "
+            f"the run stopped before Composer moved it)"]
 
 
 def _point(link: str, name: str) -> None:
@@ -418,6 +470,8 @@ def claim(save_folder: str | None, run_name: str | None, autoresume: bool, start
             notices = lock.acquire()
             if autoresume:
                 notices += recover(folder, start_fresh)
+            if autoresume and "://" in save_folder:  # before any node's autoresume reads the pointer
+                notices += point_remote_latest(save_folder, run_name)
             for message in notices:
                 note(message)
         except UserError as e:

@@ -79,6 +79,37 @@ def test_the_run_name_in_the_folder_is_filled_in_as_composer_does(s3):
     assert keys(client, bucket) == ["my-run/ckpt/ep0-ba2-rank0.pt"]
 
 
+def test_autoresume_points_the_remote_latest_at_the_newest_checkpoint_uploaded(s3, monkeypatch):
+    """A run killed before Composer moved ``latest-rank0.pt.symlink`` (it does so some 30 s after an upload
+    completes) left it naming an older checkpoint, or none: at the next start it is moved to the newest
+    ``ep*-ba*-rank0.pt`` listed (whole: an object shows only once uploaded), never back from a newer one."""
+    from composer.utils.file_helpers import BACKEND_TO_OBJECT_STORE_FACTORY
+    from composer.utils.object_store import S3ObjectStore
+
+    from diffusion.train.save_folder import point_remote_latest
+    client, bucket = s3
+    store = S3ObjectStore(bucket=bucket)  # Composer's, built once here (a second a client on a busy machine)
+    monkeypatch.setitem(BACKEND_TO_OBJECT_STORE_FACTORY, "s3", lambda name, path: store if name == bucket else None)
+    folder, pointer = f"s3://{bucket}/{{run_name}}/ckpt", "my-run/ckpt/latest-rank0.pt.symlink"
+
+    def named():
+        return client.get_object(Bucket=bucket, Key=pointer)["Body"].read().decode()
+
+    assert point_remote_latest(folder, "my-run") == [] and keys(client, bucket) == []  # a first run: nothing
+    for name in ("ep0-ba2-rank0.pt", "ep0-ba4-rank0.pt", "ep0-ba10/__0_0.distcp", "ep0-ba6-rank0.pt.incomplete"):
+        client.put_object(Bucket=bucket, Key=f"my-run/ckpt/{name}", Body=b"x")
+    client.put_object(Bucket=bucket, Key="my-run/ep0-ba8-rank0.pt", Body=b"x")  # another folder's
+    notices = point_remote_latest(folder, "my-run")
+    assert named() == "my-run/ckpt/ep0-ba4-rank0.pt"
+    assert notices == [f"s3://{bucket}/{pointer} now names my-run/ckpt/ep0-ba4-rank0.pt, the newest checkpoint "
+                       f"uploaded whole (it was missing: the run stopped before Composer moved it)"]
+    assert point_remote_latest(folder, "my-run") == []  # up to date: left as it is
+    client.put_object(Bucket=bucket, Key=pointer, Body=b"my-run/ckpt/ep0-ba2-rank0.pt")  # an older one
+    assert point_remote_latest(folder, "my-run") and named() == "my-run/ckpt/ep0-ba4-rank0.pt"
+    client.put_object(Bucket=bucket, Key=pointer, Body=b"my-run/ckpt/ep0-ba10")  # a newer sharded one: Composer's
+    assert point_remote_latest(folder, "my-run") == [] and named() == "my-run/ckpt/ep0-ba10"
+
+
 def test_only_remote_folders_with_a_positive_count_are_pruned():
     assert remote_pruner("s3://bucket/run", 3)[0].keep == 3
     assert remote_pruner("s3://bucket/run", -1) == remote_pruner("s3://bucket/run", 0) == []
