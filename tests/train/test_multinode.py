@@ -1,10 +1,10 @@
 """Two "nodes" on one machine: ``composer --world_size 2 --node_rank 0|1 -n 1`` (gloo, the tiny flow MMDiT),
 one launched with the README's command-line form, the other with its environment-variable form. A run
 on a save folder both nodes see (as NFS), each node in its own working directory, is killed (SIGKILL to
-every process of both nodes) and relaunched, and a run on s3:// (moto's server) is stopped and relaunched;
-each ends with the weights one
-process trains straight (streaming's ``num_canonical_nodes`` pinned, so the node count does not set the
-sample order); a node-local save folder is refused in one line. Each node has its own ``TMPDIR``; its own
+every process of both nodes), relaunched, and ends with the weights one process trains straight
+(streaming's ``num_canonical_nodes`` pinned, so the node count does not set the sample order); a run on
+s3:// (moto's server) resumes from a checkpoint Composer never pointed ``latest`` at; a node-local save
+folder is refused in one line. Each node has its own ``TMPDIR``; its own
 ``/dev/shm`` needs a mount namespace, which the suite does not have, so both nodes share the machine's.
 """
 
@@ -33,7 +33,7 @@ YAML = os.path.join(ROOT, "yamls", "tiny-mmdit-flow-cpu.yaml")
 # before it: with "kill", by SIGKILL to the whole node (its launcher, rank and their children), as a lost node
 # leaves the save folder (so it is the last run of its launch), else by an exception.
 HARNESS = '''
-import gc, json, os, signal, sys
+import gc, json, os, signal, sys, time
 
 
 def main():  # imports in here: Composer's S3 uploader spawns processes, which import this file's top
@@ -66,6 +66,7 @@ def main():  # imports in here: Composer's S3 uploader spawns processes, which i
                 raise Stopped()
             save_records()
             dist.barrier()  # every rank has recorded before any node goes
+            time.sleep(0.5)  # and has the barrier's last message (a peer gone mid-collective is an error)
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     base = sys.argv[1:]
@@ -175,9 +176,9 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     or directory"). On s3:// (moto's server) they resume from a checkpoint whose ``latest`` pointer Composer
     never uploaded: it does so only some 30 s after an upload completes (a 30 s poll, then the next batch
     end) or at the run's end, so a run killed in between left none (this run's checkpoint object, uploaded
-    as such a run leaves it) and the next launch started over, its first upload stopping on the object
-    already there; autoresume now points it at the newest checkpoint uploaded. A save folder each node has
-    its own of is refused in one line before anything trains."""
+    as such a run leaves it) and the next launch started over, its first upload failing on the object
+    already there ("overwrite was set to False"); autoresume now points it at the newest checkpoint
+    uploaded. A save folder each node has its own of is refused in one line before anything trains."""
     client, bucket, s3_env = s3_bucket
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=64)
     other = shutil.copytree(mds, tmp_path / "mds-copy")  # the refused run's dataset (never closed)
@@ -209,9 +210,9 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     assert not (tmp_path / "node1" / "ckpt").exists()  # node 1 wrote nothing, node 0 no checkpoint
     assert not [n for n in os.listdir(tmp_path / "node0" / "ckpt") if n.endswith(".pt")]
     assert re.search(r"taking over the lock of pid \d+ on \S+, which exited without removing it", results[0][1])
+    assert all(r["s3"]["resumed_from"] == 2 and r["s3"]["stopped"] == 3 for r in ranks), [r["s3"] for r in ranks]
     assert (f"s3://{bucket}/run/latest-rank0.pt.symlink now names run/ep0-ba2-rank0.pt, the newest checkpoint "
             f"uploaded whole (it was missing: the run stopped before Composer moved it)") in results[0][1]
-    assert all(r["s3"]["resumed_from"] == 2 and r["s3"]["stopped"] == 3 for r in ranks), [r["s3"] for r in ranks]
 
     straight, _ = fit_in_process(load_config(args[0], args[1:]))  # one process, 4 batches, no stop
     for rank in ranks:
