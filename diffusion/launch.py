@@ -70,23 +70,24 @@ def main_with(path: str, overrides: list[str]):
     cfg = load_config(path, overrides)
     # torch, Composer and Ray load once the config holds: --help and a config error answer in a second
     from composer.utils import dist
+    if cfg.data.train.source == "stream":
+        # the driver trains nothing itself: Ctrl-C is Python's KeyboardInterrupt again, not the sys.exit(130)
+        # of Composer's engine (imported just now), which Ray's waits swallowed (rc 1, no word)
+        with contextlib.suppress(ValueError):  # not the main thread: no handler to set
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     workers = _size_pools(cfg)
     if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
         print(f"# config: {path} {' '.join(overrides)}", flush=True)
         print(cpus.describe(workers), flush=True)
     if cfg.data.train.source == "stream":
         from diffusion.stream import ray_workers
-        # the driver trains nothing itself: Ctrl-C is Python's KeyboardInterrupt again, not the sys.exit(130)
-        # of Composer's engine (imported with the workers' code), which Ray's waits swallowed (rc 1, no word)
-        with contextlib.suppress(ValueError):  # not the main thread: no handler to set
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             result = ray_workers.run_online(cfg)
         except (KeyboardInterrupt, SystemExit) as e:
             if isinstance(e, SystemExit) and e.code != 128 + signal.SIGINT:
                 raise
             resumable = cfg.trainer.autoresume and cfg.trainer.save_folder
-            raise KeyboardInterrupt("during training; " + (
+            raise KeyboardInterrupt(ray_workers.interrupted_at() + "; " + (
                 "re-run the same command to resume from its last checkpoint" if resumable else
                 "trainer.autoresume is off, so a re-run starts from the beginning")) from None
         ray_workers.report(result)

@@ -48,6 +48,7 @@ RECAPTION_CPUS = 0.25  # a CPU captioning actor's share: with the other pools it
 CURATE_CPUS = 0.25  # a CPU --embed actor's share, likewise
 CURATE_GPUS = 0.25  # a GPU --embed actor's share (a CLIP tower beside the VAE)
 SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
+MIN_TASK_CPUS = 0.1  # a read or write task's least share; less on some node is refused (check_placement)
 
 
 @dataclasses.dataclass
@@ -65,10 +66,22 @@ class PoolPlan:
     num_curators: int = 0  # --embed's pool (none without it)
     cpus_per_curator: float = 0.0
     gpus_per_curator: float = 0.0
+    cpus_per_task: float = 1.0  # a read or write task's share: what some node keeps free beside the actors
 
 
-def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
-    """Actor pools sized from the cluster, always leaving CPU for the read and write tasks.
+def task_cpus(left: float, nodes: int) -> float:
+    """The CPU share a read or write task asks for, given the ``left`` CPUs the actors leave free over
+    ``nodes`` nodes: a whole one where that fits on some node whatever the layout, else an even share.
+    However Ray spreads the actors, some node keeps at least ``left / nodes`` free (two 1-CPU nodes with
+    a half-CPU actor each keep half a CPU each: a task wanting a whole one never starts, a silent hang)."""
+    share = math.floor(100 * left / max(1, nodes)) / 100
+    return max(min(1.0, share), MIN_TASK_CPUS)
+
+
+def plan_pools(resources: dict, cfg: ConvertConfig, nodes: int = 1) -> PoolPlan:
+    """Actor pools sized from the cluster (``resources`` in all, over ``nodes`` nodes), always leaving CPU
+    for the read and write tasks; those ask for a whole CPU, or the share some node is sure to keep
+    (:func:`task_cpus`) where the cluster is many small nodes.
 
     A pool holding every CPU starves the read tasks and Ray Data stalls, so ~10% (at least one CPU)
     stays free; on a 2-CPU machine that means one transformer and one encoder at half a CPU each.
@@ -77,6 +90,7 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
     captioner; on one GPU a captioner and an encoder share it, half each), else a quarter CPU each.
     """
     cpus, gpus = float(resources.get("CPU", 1)), float(resources.get("GPU", 0))
+    node_cpus = cpus / max(1, nodes)  # a node's CPUs, the cluster's nodes taken as alike
     free = max(cpus - max(1.0, 0.1 * cpus), 0.5)
     gpu_each = cfg.encoder_gpus if cfg.encoder_gpus is not None else (1.0 if gpus else 0.0)
     captioners, cap_cpus, cap_gpus = 0, 0.0, 0.0
@@ -103,16 +117,65 @@ def plan_pools(resources: dict, cfg: ConvertConfig) -> PoolPlan:
         encoders = cfg.num_encoders or max(1, int(gpus // gpu_each))
         enc_cpus = min(1.0, free / (2 * encoders))
         batch = GPU_BATCH.get(max(cfg.resolutions), 120 if max(cfg.resolutions) < 512 else 40)
-    else:  # CPU encoding is the bottleneck: give it half of what is free
-        encoders = cfg.num_encoders or max(1, int(free // 8))
+    else:  # CPU encoding is the bottleneck: give it half of what is free, in actors a node can hold
+        encoders = cfg.num_encoders or max(1, int(free // 8), math.ceil(free / node_cpus - 1e-9) if nodes > 1 else 1)
         enc_cpus = free / 2 / encoders
         batch = CPU_BATCH
+    others = encoders * enc_cpus + captioners * cap_cpus + curators * cur_cpus
     tr_cpus = cfg.cpus_per_transformer or min(1.0, (free - encoders * enc_cpus))
+    if nodes > 1 and not cfg.cpus_per_transformer:  # on a node beside the largest other actor and its share
+        tr_cpus = min(tr_cpus, node_cpus - max(enc_cpus, cap_cpus, cur_cpus, others / nodes))
     tr_cpus = max(tr_cpus, 0.125 if curators else 0.25)
     transformers = cfg.num_transformers or max(1, int((free - encoders * enc_cpus) // tr_cpus))
+    held = transformers * tr_cpus + others
     return PoolPlan(transformers, tr_cpus, encoders, enc_cpus, gpu_each, cfg.encoder_batch_size or batch,
                     captioners, cap_cpus, cap_gpus, cfg.recaption_batch_size if captioners else 0,
-                    curators, cur_cpus, cur_gpus)
+                    curators, cur_cpus, cur_gpus, task_cpus(cpus - held, nodes))
+
+
+def node_resources(ray) -> list[dict]:
+    """Each live node's resources (``{"CPU": n, "GPU": n, ...}``)."""
+    return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def cpu_nodes(nodes: list[dict]) -> int:
+    """How many of ``nodes`` have CPUs (where the actors and tasks can go)."""
+    return max(1, sum(1 for n in nodes if float(n.get("CPU", 0)) > 0))
+
+
+def check_placement(nodes: list[dict], plan: PoolPlan, what_to_change: str, who: str = "the conversion",
+                    held: tuple = ()) -> None:
+    """Refuse, in one line naming the resource and ``what_to_change``, a plan Ray cannot place on the
+    cluster's ``nodes`` (each node's ``{"CPU": n, "GPU": n}``): every actor (``held``: more, as
+    ``(name, cpus, gpus)``, placed first) must fit some node, and a node must keep a read task's share
+    free. Ray would place what fits and wait for the rest without a word. Actors are placed largest
+    first, each on the node with the most room that holds it, as Ray's default scheduling spreads them
+    once a node is half used."""
+    demands = list(held)
+    demands += [("transformer", plan.cpus_per_transformer, 0.0)] * plan.num_transformers
+    demands += [("encoder", plan.cpus_per_encoder, plan.gpus_per_encoder)] * plan.num_encoders
+    demands += [("recaptioner", plan.cpus_per_recaptioner, plan.gpus_per_recaptioner)] * plan.num_recaptioners
+    demands += [("curator", plan.cpus_per_curator, plan.gpus_per_curator)] * plan.num_curators
+    free = [[float(n.get("CPU", 0)), float(n.get("GPU", 0))] for n in nodes]
+    for name, cpu, gpu in sorted(demands, key=lambda d: (-d[2], -d[1])):
+        fits = [room for room in free if room[0] >= cpu - 1e-9 and room[1] >= gpu - 1e-9]
+        if not fits:
+            rooms = ", ".join(f"{c:g} CPU/{g:g} GPU" for c, g in free)
+            raise ConfigError(
+                f"{who} cannot place a {name} ({cpu:g} CPU, {gpu:g} GPU) on this cluster: its nodes have "
+                f"{rooms} left after the actors placed before it; {what_to_change}")
+        room = max(fits, key=lambda r: (r[1] - gpu, r[0] - cpu))
+        room[0] -= cpu
+        room[1] -= gpu
+    if not any(c >= plan.cpus_per_task - 1e-9 for c, _ in free):
+        rooms = ", ".join(f"{c:g}" for c, _ in free)
+        raise ConfigError(
+            f"{who} cannot place its read tasks: each needs {plan.cpus_per_task:g} CPU on one node, and once "
+            f"the actors are placed the nodes have {rooms} CPU left; {what_to_change}")
+
+
+CONVERT_PLACEMENT = ("give the nodes more CPUs (ray start --num-cpus) or pin smaller pools (--num-transformers, "
+                     "--cpus-per-transformer, --num-encoders, --encoder-gpus)")
 
 
 class _DatasetInfoWriter:
@@ -178,7 +241,7 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
         blocklist = load_blocklists(cfg.exclude)
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
                          max_scans=cfg.max_scans)
-    ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit,
+    ds = read_raw(cfg.input, cfg.raw_columns(), skip_keys=skip_keys, limit=cfg.limit, num_cpus=plan.cpus_per_task,
                   rejects_dir=os.path.join(out, REJECTS_DIR),
                   duplicates=(functools.partial(later_copies, duplicates_dir) if duplicates_dir else
                               functools.partial(removed_keys, removed_dir, reason=REASONS[cfg.dedupe]) if removed_dir
@@ -414,7 +477,9 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict,
     # part, hence the training order. Both hold blocks back until their predecessors are done.
     if cfg.limit is not None or cfg.deterministic:
         ctx.execution_options.preserve_order = True
-    plan = plan_pools(ray.cluster_resources(), cfg)
+    nodes = node_resources(ray)
+    plan = plan_pools(ray.cluster_resources(), cfg, cpu_nodes(nodes))
+    check_placement(nodes, plan, CONVERT_PLACEMENT)
     duplicates = removed = None
     blocklist = None
     if cfg.exclude:
@@ -432,7 +497,8 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict,
         progress = ConversionProgress(out, total=lambda: input_rows(input_files(cfg.input, columns), columns),
                                       limit=cfg.limit)
     with _storage_errors_in_one_line(cfg), progress:
-        build_pipeline(cfg, out, written | set(rejected), plan, duplicates, removed, blocklist).write_datasink(sink)
+        build_pipeline(cfg, out, written | set(rejected), plan, duplicates, removed, blocklist).write_datasink(
+            sink, ray_remote_args={"num_cpus": plan.cpus_per_task})
     if not sink.completed:  # nothing left to write: still (re)build the index and dataset.json
         sink.finalize()
 

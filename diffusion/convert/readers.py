@@ -183,8 +183,9 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
              rejects_dir: str | None = None, failed_inputs_dir: str | None = None,
-             duplicates: Callable[[str], frozenset] | None = None, blocklist=None):
-    """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file.
+             duplicates: Callable[[str], frozenset] | None = None, blocklist=None, num_cpus: float | None = None):
+    """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file, each asking for
+    ``num_cpus`` (None: Ray's whole CPU).
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
     decoded; ``limit`` caps the rows read (counted before skipping, so a re-run with the same limit
@@ -203,10 +204,12 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     skip = frozenset(skip_keys)
     taken = keys_taken_by_earlier_files(formats, names, columns)
     files = list(formats)
+    cpus = {} if num_cpus is None else {"num_cpus": num_cpus}
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
         return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken,
-                                         duplicates, blocklist), batch_size=1, batch_format="numpy", zero_copy_batch=True)
+                                         duplicates, blocklist), batch_size=1, batch_format="numpy", zero_copy_batch=True,
+                              **cpus)
     ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
-                                   duplicates, blocklist), batch_size=1, batch_format="numpy")
-    return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip)
+                                   duplicates, blocklist), batch_size=1, batch_format="numpy", **cpus)
+    return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip, **cpus)

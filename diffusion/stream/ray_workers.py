@@ -17,10 +17,13 @@ pools from what the training workers leave free, starts the stream and the worke
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import logging
 import os
+import re
+import signal
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -30,7 +33,8 @@ from composer.loggers import Logger
 from diffusion import schema
 from diffusion.cluster import init_ray
 from diffusion.train.config import Config
-from diffusion.convert.pipeline import check_text_length
+from diffusion.convert import pipeline
+from diffusion.convert.pipeline import check_text_length, cpu_nodes, node_resources
 from diffusion.errors import ConfigError
 from diffusion.loader.batches import CaptionDropout, ToModelBatch
 from diffusion.stream.stream_source import build_stream, count_rejects, plan_online_pools, stream_info
@@ -197,7 +201,23 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    trainer = TorchTrainer(
+    class InterruptibleTrainer(TorchTrainer):
+        """Ctrl-C runs Ray Train's own handler (it aborts the workers, then exits with status 1 and no
+        word), then ends ``fit`` with KeyboardInterrupt, so the command says where it stopped."""
+
+        def _register_sigint_handler(self, controller):
+            super()._register_sigint_handler(controller)
+            rays = signal.getsignal(signal.SIGINT)
+
+            def interrupt(signum, frame):
+                with contextlib.suppress(SystemExit):
+                    rays(signum, frame)
+                raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, interrupt)
+
+    previous = signal.getsignal(signal.SIGINT)
+    trainer = InterruptibleTrainer(
         train_worker,
         train_loop_config={"plan": plan},
         scaling_config=placement.scaling_config(),
@@ -205,7 +225,11 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
                              failure_config=FailureConfig(max_failures=max_failures)),
         datasets={TRAIN_SPLIT: dataset},
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:  # Ray Train's handler would outlive the run
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+            signal.signal(signal.SIGINT, previous)
     if result.error is not None:
         raise result.error
     return result
@@ -284,51 +308,50 @@ def with_absolute_paths(cfg: Config) -> Config:
     return cfg
 
 
-READ_CPUS = 1.0  # what a Ray Data read task asks for (its default num_cpus)
+ONLINE_PLACEMENT = ("lower data.online.num_train_workers or train_cpus/train_gpus, or pin the pools "
+                    "(data.online.num_transformers, num_encoders)")
 
 
 def check_placement(nodes: list[dict], pools, cfg: Config) -> None:
-    """Refuse, in one line naming the resource, a plan whose actors cannot all be placed on the cluster's
-    ``nodes`` (each node's ``{"CPU": n, "GPU": n}``) with a whole CPU left on some node for the read tasks:
-    Ray would place what fits and wait for the rest without a word (a read task wanting a CPU on two
-    nodes with 0.75 and 0.25 left hung for 20 minutes). Actors are placed largest first, each on the node
-    with the most room that holds it, as Ray's default scheduling spreads them once a node is half used."""
+    """Refuse, in one line naming the resource, a plan whose training workers and actors cannot all be
+    placed on the cluster's ``nodes`` with a read task's share left on some node
+    (:func:`diffusion.convert.pipeline.check_placement`): Ray would wait without a word (a read task
+    wanting a whole CPU on two nodes with 0.5 left each hung for 20 minutes)."""
     o = cfg.data.online
-    demands = [("training worker", o.train_cpus, o.train_gpus)] * o.num_train_workers
-    demands += [("transformer", pools.cpus_per_transformer, 0.0)] * pools.num_transformers
-    demands += [("encoder", pools.cpus_per_encoder, pools.gpus_per_encoder)] * pools.num_encoders
-    demands += [("recaptioner", pools.cpus_per_recaptioner, pools.gpus_per_recaptioner)] * pools.num_recaptioners
-    demands += [("curator", pools.cpus_per_curator, pools.gpus_per_curator)] * pools.num_curators
-    free = [[float(n.get("CPU", 0)), float(n.get("GPU", 0))] for n in nodes]
-    for what, cpu, gpu in sorted(demands, key=lambda d: (-d[2], -d[1])):
-        fits = [room for room in free if room[0] >= cpu - 1e-9 and room[1] >= gpu - 1e-9]
-        if not fits:
-            rooms = ", ".join(f"{c:g} CPU/{g:g} GPU" for c, g in free)
-            raise ConfigError(
-                f"online mode cannot place a {what} ({cpu:g} CPU, {gpu:g} GPU) on this cluster: its nodes have "
-                f"{rooms} left after the actors placed before it; lower data.online.num_train_workers or "
-                f"train_cpus/train_gpus, or pin the pools (data.online.num_transformers, num_encoders)")
-        room = max(fits, key=lambda r: (r[1] - gpu, r[0] - cpu))
-        room[0] -= cpu
-        room[1] -= gpu
-    if not any(c >= READ_CPUS - 1e-9 for c, _ in free):
-        rooms = ", ".join(f"{c:g}" for c, _ in free)
-        raise ConfigError(
-            f"online mode cannot place its read tasks: each needs {READ_CPUS:g} whole CPU on one node, and once "
-            f"the training workers and pools are placed the nodes have {rooms} CPU left; lower "
-            f"data.online.train_cpus or num_train_workers, or pin the pools (data.online.num_transformers, "
-            f"num_encoders)")
-
-
-def node_resources(ray) -> list[dict]:
-    """Each live node's CPUs and GPUs."""
-    return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    pipeline.check_placement(nodes, pools, ONLINE_PLACEMENT, who="online mode",
+                             held=[("training worker", o.train_cpus, o.train_gpus)] * o.num_train_workers)
 
 
 def placement(cfg: Config) -> TrainPlacement:
     o = cfg.data.online
     return TrainPlacement(num_workers=o.num_train_workers, use_gpu=o.train_gpus > 0, cpus_per_worker=o.train_cpus,
                           gpus_per_worker=o.train_gpus or 1.0, accelerator_type=o.train_accelerator_type)
+
+
+_BATCH = re.compile(r"\bbatch (\d+)")  # where a progress line says training is
+last_progress: dict = {}  # "batch": the batch the last forwarded progress line named (for Ctrl-C's line)
+
+
+def print_progress_lines(data: dict) -> None:
+    """Ray's printer of forwarded worker output (``data["lines"]``), here: the progress lines, bare, and
+    the batch the last one names (:func:`interrupted_at`)."""
+    from diffusion.train.callbacks.progress import LINE_PREFIX
+    if data.get("is_err"):
+        return
+    for line in data.get("lines", ()):
+        if line.startswith(LINE_PREFIX):
+            print(line, flush=True)
+            seen = _BATCH.search(line)
+            if seen:
+                last_progress["batch"] = int(seen.group(1))
+
+
+def interrupted_at() -> str:
+    """Where Ctrl-C stopped an online run, as the driver saw it: ``at batch N`` from the workers' last
+    progress line, else ``before its first batch`` (none printed yet: Ray starting, the plan, the workers
+    building their trainers)."""
+    batch = last_progress.get("batch")
+    return f"at batch {batch}" if batch is not None else "before its first batch"
 
 
 def _init_ray_with_progress():
@@ -342,7 +365,6 @@ def _init_ray_with_progress():
     """
     import ray
 
-    from diffusion.train.callbacks.progress import LINE_PREFIX
     if ray.is_initialized():
         return init_ray(None)  # joins nothing; quiets Ray Data's console as for a new start
     try:  # where Ray 2.60 hands forwarded worker output to printers (ray.init(log_to_driver=True) adds one)
@@ -353,12 +375,6 @@ def _init_ray_with_progress():
         dispatcher = None  # another Ray: no forwarding at all rather than all of it
     init_ray(os.environ.get("RAY_ADDRESS"), log_to_driver=dispatcher is not None)
     if dispatcher is not None:
-        def print_progress_lines(data: dict) -> None:
-            if data.get("is_err"):
-                return
-            for line in data.get("lines", ()):
-                if line.startswith(LINE_PREFIX):
-                    print(line, flush=True)
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", print_progress_lines)
     return ray
@@ -388,14 +404,16 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
                     "will start training over instead of resuming")
     run_name = t.run_name or DEFAULT_RUN_NAME
     work_dir = os.path.join(o.work_dir, run_name)
+    last_progress.clear()
     ray = _init_ray_with_progress()
 
-    pools = plan_online_pools(ray.cluster_resources(), cfg)
-    check_placement(node_resources(ray), pools, cfg)
-    log.info("online pools: %d transformer(s) x %.2f CPU; %d encoder(s) x %.2f CPU, %.2f GPU, batch %d; "
-             "%d train worker(s) x %.2f CPU, %.2f GPU", pools.num_transformers, pools.cpus_per_transformer,
-             pools.num_encoders, pools.cpus_per_encoder, pools.gpus_per_encoder, pools.encoder_batch,
-             o.num_train_workers, o.train_cpus, o.train_gpus)
+    nodes = node_resources(ray)
+    pools = plan_online_pools(ray.cluster_resources(), cfg, cpu_nodes(nodes))
+    check_placement(nodes, pools, cfg)
+    print(f"online pools: {pools.num_transformers} transformer(s) x {pools.cpus_per_transformer:g} CPU; "
+          f"{pools.num_encoders} encoder(s) x {pools.cpus_per_encoder:g} CPU, {pools.gpus_per_encoder:g} GPU, batch "
+          f"{pools.encoder_batch}; {o.num_train_workers} train worker(s) x {o.train_cpus:g} CPU, {o.train_gpus:g} GPU; "
+          f"read tasks {pools.cpus_per_task:g} CPU; {len(nodes)} node(s)", flush=True)
     info, empty_text_embeds = stream_info(cfg)
     plan = WorkerPlan(
         make_trainer=OnlineTrainer(cfg, info, empty_text_embeds),

@@ -19,6 +19,7 @@ from diffusion import schema
 from diffusion.convert import encoders
 from diffusion.convert.pipeline import ConvertConfig, PoolPlan, build_pipeline, plan_pools
 from diffusion.convert.summary import done_keys
+from diffusion.errors import ConfigError
 
 
 def stream_text(cfg: Config) -> str:
@@ -42,15 +43,16 @@ def data_resources(cluster: dict, cfg: Config) -> dict:
             "GPU": float(cluster.get("GPU", 0)) - o.num_train_workers * o.train_gpus}
 
 
-def plan_online_pools(cluster: dict, cfg: Config) -> PoolPlan:
-    """Transform and encoder pools sized by the converter's planner, from the non-training resources."""
+def plan_online_pools(cluster: dict, cfg: Config, nodes: int = 1) -> PoolPlan:
+    """Transform and encoder pools sized by the converter's planner, from the non-training resources of
+    the ``cluster`` (over ``nodes`` nodes)."""
     left = data_resources(cluster, cfg)
     if left["CPU"] <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"the training workers ({cfg.data.online.num_train_workers} x {cfg.data.online.train_cpus} CPU) hold "
             f"all {cluster.get('CPU', 0)} CPUs of the cluster: nothing is left to read and transform the data "
             f"(lower data.online.train_cpus or num_train_workers)")
-    return plan_pools(left, convert_config(cfg, ""))
+    return plan_pools(left, convert_config(cfg, ""), nodes)
 
 
 def build_stream(cfg: Config, plan: PoolPlan, work_dir: str):

@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import io
 import json
@@ -58,6 +59,29 @@ def test_two_cpus_leave_room_for_read_tasks():
     plan = plan_pools({"CPU": 2.0}, ConvertConfig(input="x", output="y", model="m"))
     assert plan.num_transformers == 1 and plan.num_encoders == 1 and plan.gpus_per_encoder == 0
     assert plan.num_transformers * plan.cpus_per_transformer + plan.cpus_per_encoder <= 1.0
+    assert plan.cpus_per_task == 1.0  # one box: a read task keeps Ray's whole CPU
+
+
+def test_two_one_cpu_nodes_give_read_tasks_the_half_cpu_each_node_keeps():
+    """Two 1-CPU nodes total two CPUs, but Ray spreads the half-CPU actors one a node: a read task wanting
+    a whole CPU never started (the conversion hung). Planned for two nodes, read and write tasks ask for
+    what some node keeps however the actors land; a plan that still cannot be placed is one line."""
+    from diffusion.convert.pipeline import CONVERT_PLACEMENT, check_placement
+    from diffusion.errors import ConfigError
+    cfg = ConvertConfig(input="x", output="y", model="m")
+    one_box, two_nodes = plan_pools({"CPU": 2.0}, cfg), plan_pools({"CPU": 2.0}, cfg, nodes=2)
+    assert two_nodes.cpus_per_task == 0.5
+    assert dataclasses.replace(two_nodes, cpus_per_task=1.0) == one_box  # the same pools
+    for layout in ([{"CPU": 1.0}, {"CPU": 1.0}], [{"CPU": 2.0}]):
+        check_placement(layout, two_nodes, CONVERT_PLACEMENT)
+    with pytest.raises(ConfigError, match=r"^the conversion cannot place its read tasks: each needs 1 CPU on one "
+                                          r"node, and once the actors are placed the nodes have 0.5, 0.5 CPU left; "
+                                          r"give the nodes more CPUs \(ray start --num-cpus\)"):
+        check_placement([{"CPU": 1.0}, {"CPU": 1.0}], one_box, CONVERT_PLACEMENT)
+    pinned = plan_pools({"CPU": 2.0}, dataclasses.replace(cfg, cpus_per_transformer=2.0), nodes=2)
+    with pytest.raises(ConfigError, match=r"^the conversion cannot place a transformer \(2 CPU, 0 GPU\) on this "
+                                          r"cluster: its nodes have 1 CPU/0 GPU, 1 CPU/0 GPU left"):
+        check_placement([{"CPU": 1.0}, {"CPU": 1.0}], pinned, CONVERT_PLACEMENT)
 
 
 def test_gpus_get_one_encoder_each_and_flags_override():

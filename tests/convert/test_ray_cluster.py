@@ -4,11 +4,14 @@ authentication on (the head finds ``~/.ray/auth_token``, as after any earlier lo
 converter joins it through ``RAY_ADDRESS`` alone and writes the samples (keys) a local run writes."""
 
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -41,7 +44,7 @@ def _node_ports() -> list[str]:
 
 @pytest.fixture
 def two_node_cluster(tmp_path):
-    """(RAY_ADDRESS, environment) of a head and a worker node, 2 CPUs each, stopped (both) even when the
+    """(RAY_ADDRESS, environment) of a head and a worker node, 1 CPU each, stopped (both) even when the
     test is interrupted. HOME is the test's own, holding a Ray token, so the head turns token auth on."""
     from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
     home = tmp_path / "home"
@@ -52,7 +55,9 @@ def two_node_cluster(tmp_path):
     temp_dirs = [tempfile.mkdtemp(prefix="rayh"), tempfile.mkdtemp(prefix="rayw")]  # short: socket paths
     [port] = _free_ports(1)
     address = f"{_node_ip()}:{port}"
-    common = ["--num-cpus=2", "--disable-usage-stats"]  # 1 a node: the read tasks found no whole CPU free (a hang)
+    # 1 CPU a node: the half-CPU actors land one a node, and a read task wanting a whole CPU hung (planned
+    # for the nodes now, the read tasks ask for the half CPU each node keeps)
+    common = ["--num-cpus=1", "--disable-usage-stats"]
     try:
         for i, role in enumerate((["--head", f"--port={port}"], [f"--address={address}"])):
             started = subprocess.run([RAY, "start", *role, *common, *_node_ports(), f"--temp-dir={temp_dirs[i]}"],
@@ -106,6 +111,33 @@ def test_conversion_on_a_two_node_cluster_writes_the_keys_a_local_run_writes(
     assert "InvalidAuthToken" not in result.stderr
     local_out, _ = converted
     assert _keys(out) == _keys(local_out)
+
+    # Online mode on the same cluster plans its pools for the two small nodes (it hung silently for 20
+    # minutes), and Ctrl-C while it starts ends with the README's interrupt line and status 130 (it ended
+    # with rc 1 and no word): the real signal, sent once the plan is printed, as Ray Train starts.
+    online = subprocess.Popen(
+        [sys.executable, "-m", "diffusion.online", os.path.join(ROOT, "yamls", "tiny-online-cpu.yaml"),
+         f"model.ref={tiny_kit}", f"data.online.input={sample_data}", f"data.online.work_dir={tmp_path / 'work'}",
+         f"trainer.save_folder={tmp_path / 'ckpt'}", "data.train.batch_size=8"],
+        cwd=ROOT, env=dict(env, RAY_ADDRESS=address, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+        stderr=(tmp_path / "online.err").open("w"), text=True)
+    try:
+        lines = []
+        for line in online.stdout:
+            lines.append(line)
+            if line.startswith("online pools:"):
+                break
+        assert lines and lines[-1].startswith("online pools:"), "".join(lines) + (tmp_path / "online.err").read_text()
+        assert lines[-1].rstrip().endswith("read tasks 0.5 CPU; 2 node(s)"), lines[-1]
+        time.sleep(3)
+        online.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        online.communicate(timeout=180)
+    finally:
+        online.kill()
+    err = (tmp_path / "online.err").read_text()
+    assert online.returncode == 130, err[-3000:]
+    assert re.fullmatch(r"online: interrupted (before its first batch|at batch \d+); re-run the same command to "
+                        r"resume from its last checkpoint", err.strip().splitlines()[-1]), err[-3000:]
 
 
 def test_ray_start_and_join_failures_are_one_line():

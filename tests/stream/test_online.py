@@ -76,7 +76,7 @@ def test_gpu_cluster_splits_gpus_between_trainers_and_encoders():
 
 def test_training_all_cpus_is_refused_with_the_reason():
     cfg = load_config(TINY, ["data.online.input=x", "data.online.train_cpus=1.0"])
-    with pytest.raises(ValueError, match="nothing is left to read"):
+    with pytest.raises(ConfigError, match="nothing is left to read"):  # the user's to fix: one line, no traceback
         plan_online_pools({"CPU": 2.0}, cfg)
 
 
@@ -164,6 +164,32 @@ def test_fault_injector_stays_quiet_off_its_batch_and_after_it_fired(tmp_path):
     state.timestamp.batch = 4
     FaultInjector(at_batch=4, marker=str(marker), rank=0).batch_end(state, None)  # already fired: nothing
     assert marker.read_text() == "already"
+
+
+@pytest.mark.parametrize("stop, progress, said", [
+    (SystemExit(130), "[progress] batch 3/6 (50.0%)  loss 0.9000", "at batch 3; re-run the same command to resume "
+                                                                   "from its last checkpoint"),
+    (KeyboardInterrupt(), None, "before its first batch; re-run the same command to resume from its last checkpoint")])
+def test_ctrl_c_in_online_mode_says_where_it_stopped(stop, progress, said, tmp_path, monkeypatch, capsys):
+    """Ctrl-C reaches the driver as KeyboardInterrupt, or as the sys.exit(130) of Composer's engine where
+    its handler ran: either ends with the README's interrupt line and status 130 (it ended with rc 1 and
+    no word), at the batch of the workers' last progress line. The real signal: test_ray_cluster.py."""
+    from diffusion import cli, online
+    from diffusion.stream import ray_workers
+
+    def interrupted(cfg):
+        if progress:  # a worker's progress line, as Ray forwards it to the driver's printer
+            ray_workers.print_progress_lines({"lines": ["(RayTrainWorker) other output", progress]})
+        raise stop
+    monkeypatch.setattr(ray_workers, "run_online", interrupted)
+    monkeypatch.setattr(ray_workers, "last_progress", {})
+    with pytest.raises(SystemExit) as ended:
+        cli.run(online.main, "online", [os.path.join(ROOT, "yamls", "tiny-online-cpu.yaml"),
+                                        f"trainer.save_folder={tmp_path}"])
+    assert ended.value.code == 130
+    printed = capsys.readouterr()
+    assert printed.err.strip().splitlines()[-1] == f"online: interrupted {said}"
+    assert (progress or "") in printed.out and "other output" not in printed.out
 
 
 # ---- end to end on the local Ray, slow -------------------------------------------------------------

@@ -21,12 +21,16 @@ def test_a_plan_without_a_whole_cpu_for_the_reads_is_refused_and_one_that_fits_p
     pools = plan_online_pools({"CPU": 2.0}, cfg)  # what one 2-CPU box and two 1-CPU nodes both total
     check_placement([{"CPU": 2.0}], pools, cfg)  # one box: the read task has its CPU
     with pytest.raises(ConfigError) as refused:
-        check_placement([{"CPU": 1.0}, {"CPU": 1.0}], pools, cfg)
+        check_placement([{"CPU": 1.0}, {"CPU": 1.0}], pools, cfg)  # one box's plan on two small nodes
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith("online mode cannot place its read tasks: each needs 1 whole CPU on one node"), message
-    assert "the nodes have 0.5, 0.5 CPU left" in message and "data.online.train_cpus" in message
+    assert message.startswith("online mode cannot place its read tasks: each needs 1 CPU on one node"), message
+    assert "the nodes have 0.5, 0.5 CPU left" in message and "data.online.num_train_workers or train_cpus" in message
     check_placement([{"CPU": 2.0}, {"CPU": 1.0}], pools, cfg)
+    # planned for the two 1-CPU nodes: the read tasks ask for the half CPU each node keeps, and it places
+    two_nodes = plan_online_pools({"CPU": 2.0}, cfg, nodes=2)
+    assert two_nodes.cpus_per_task == 0.5 and two_nodes.num_encoders == pools.num_encoders
+    check_placement([{"CPU": 1.0}, {"CPU": 1.0}], two_nodes, cfg)
 
 
 def test_an_actor_no_node_can_hold_is_named():
