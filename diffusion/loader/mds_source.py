@@ -13,8 +13,12 @@ empty-caption embedding, for a different, reproducible subset of sample keys eve
 
 Reading is zero-copy where it can be: a sample's arrays are views into the memory-mapped shard, and
 the only copy is the one collation makes into the batch (streaming's own path copies a sample three
-times on the way). Shards streaming does not hold as fixed-shape MDS arrays, or a dataset with a
-cache limit (whose eviction must see every access), take streaming's path.
+times on the way). Shards streaming does not hold as fixed-shape MDS arrays take streaming's path.
+Under a cache limit (``data.train.cache_limit``) the mapped read keeps streaming's bookkeeping as its
+own read does: each read touches the shard's access time (streaming evicts the least recently used),
+a shard evicted meanwhile is prepared again, and a map of an evicted shard is dropped (a mapped file
+keeps its disk blocks after it is deleted): at once by the process that evicts it, by any other
+process of the node at its next read.
 
 Every shard is checked against index.json before a sample of it is returned, on either path: at
 construction, that each shard is there and each file present has the size the index records; once
@@ -37,6 +41,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -57,7 +62,7 @@ from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_em
 from diffusion.loader.captions import CaptionChoice, CaptionColumns
 from diffusion.loader.shared_memory import one_registration_at_a_time
 from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
-                                           pick_hash, shared_flags, size_problem)
+                                           pick_hash, shared_evictions, shared_flags, size_problem)
 
 
 class _ShardLayout:
@@ -171,6 +176,10 @@ class LatentDataset(StreamingDataset):
                             for pair in shard.file_pairs for info in pair if info is not None]
                 stream.validate_hash = pick_hash(set.intersection(*recorded)) if recorded else None
         self._verified = shared_flags(self)
+        # under a cache limit: each shard's evictions on this node, then all of them (a map of a shard
+        # made before its latest eviction is of a deleted file), and the total this process last saw
+        self._evictions = shared_evictions(self) if self.cache_limit else None
+        self._evictions_seen = 0
         self._check_files()
 
     def __getstate__(self):  # memory maps and locks stay in the process that made them
@@ -373,7 +382,7 @@ class LatentDataset(StreamingDataset):
     def _layout(self, shard_id: int) -> _ShardLayout | None:
         if shard_id not in self._layouts:
             shard, layout = self.shards[shard_id], None
-            if isinstance(shard, MDSReader) and self.cache_limit is None:
+            if isinstance(shard, MDSReader):
                 try:
                     layout = _ShardLayout(shard, self._wanted)
                 except ValueError:
@@ -382,21 +391,65 @@ class LatentDataset(StreamingDataset):
         return self._layouts[shard_id]
 
     def _mapped(self, shard_id: int, layout: _ShardLayout):
+        if self._evictions is not None:
+            return self._mapped_in_cache(shard_id, layout)
         data = self._maps.get(shard_id)
         if data is None:
-            info = self.shards[shard_id].raw_data
-            with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded or decompressed yet
-                problem = size_problem(os.fstat(f.fileno()).st_size, info)
-                if problem:
-                    raise self._fail(self._corrupt(shard_id, info, problem))
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._verify(shard_id, data)
+            data = self._map(shard_id, layout)
             self._maps[shard_id] = data
             if len(self._maps) > self.max_open_shards:
                 self._maps.popitem(last=False)  # closed once no batch views it any more
         else:
             self._maps.move_to_end(shard_id)
         return data
+
+    def _map(self, shard_id: int, layout: _ShardLayout):
+        info = self.shards[shard_id].raw_data
+        with open(layout.path, "rb") as f:  # FileNotFoundError: not downloaded or decompressed yet
+            problem = size_problem(os.fstat(f.fileno()).st_size, info)
+            if problem:
+                raise self._fail(self._corrupt(shard_id, info, problem))
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._verify(shard_id, data)
+        return data
+
+    # ---- under a cache limit: maps as (map, the shard's evictions when it was made) ----------------------
+
+    def _mapped_in_cache(self, shard_id: int, layout: _ShardLayout):
+        self._shard_access_times[shard_id] = time.time_ns()  # a read, as streaming's get_item records it
+        counts = self._eviction_counts()
+        total = int(counts[self.num_shards])
+        with self._lock("maps"):
+            if total != self._evictions_seen:  # another process evicted: drop maps of deleted files
+                self._evictions_seen = total
+                for stale in [s for s, (_, seen) in self._maps.items() if counts[s] != seen]:
+                    del self._maps[stale]
+            entry = self._maps.get(shard_id)
+            if entry is not None:
+                self._maps.move_to_end(shard_id)
+                return entry[0]
+        seen = int(counts[shard_id])  # before opening: an eviction after it is seen as one
+        data = self._map(shard_id, layout)
+        with self._lock("maps"):
+            self._maps[shard_id] = data, seen
+            if len(self._maps) > self.max_open_shards:
+                self._maps.popitem(last=False)
+        return data
+
+    def _eviction_counts(self) -> np.ndarray:
+        counts = self._evictions
+        return counts if isinstance(counts, np.ndarray) else counts.numpy()  # per process / shared
+
+    def _evict_shard(self, shard_id: int) -> None:
+        # Streaming's eviction (under its cache lock, in whichever process of the node needs the room),
+        # counted once the files are gone, and this process's map of the shard dropped at once.
+        super()._evict_shard(shard_id)
+        if self._evictions is not None:
+            counts = self._eviction_counts()
+            counts[shard_id] += 1
+            counts[self.num_shards] += 1
+            with self._lock("maps"):
+                self._maps.pop(shard_id, None)  # unmapped once no sample views it any more
 
     def _open(self, shard_id: int, layout: _ShardLayout):
         """The shard's raw file, mapped and checked; None if it is not there even after preparing it."""
@@ -555,8 +608,10 @@ SHM_DIR = "/dev/shm"
 def shared_memory_needed(dataset) -> int:
     """Bytes of ``/dev/shm`` streaming takes for ``dataset`` on each node: the epoch's sample order (int64 per
     sample of the epoch, every rank's share, written by the node's first rank at the epoch's start) and the
-    per-shard state and access-time arrays; the small locks and barriers are left out."""
-    return 8 * int(dataset.epoch_size) + 9 * int(dataset.num_shards)
+    per-shard state and access-time arrays (and, under a cache limit, eviction counts); the small locks and
+    barriers are left out."""
+    per_shard = 17 if getattr(dataset, "cache_limit", None) else 9
+    return 8 * int(dataset.epoch_size) + per_shard * int(dataset.num_shards)
 
 
 def check_shared_memory(loader_cfg, dataset) -> None:

@@ -33,6 +33,7 @@ from diffusion.loader.dataset_info import one_line
 # comes after these (sha1 and md5 are 4-10x slower than xxh64).
 HASH_PREFERENCE = ("xxh3_64", "xxh128", "xxh3_128", "xxh64", "xxh32")
 _VERIFIED_SHM = "verified_shards"  # per node: 1 once a shard's raw files were checked
+_EVICTIONS_SHM = "evicted_shards"  # per node, under a cache limit: evictions of each shard, then of all
 
 
 def pick_hash(recorded) -> str | None:
@@ -112,14 +113,24 @@ class CheckedStream(Stream):
 def shared_flags(dataset: StreamingDataset) -> Any:
     """One byte per shard, shared by every process of the node reading this dataset (per process when a
     stale segment of another size is in the way); cleared by the local leader."""
+    return _shared_zeros(dataset, _VERIFIED_SHM, dataset.num_shards, np.uint8)
+
+
+def shared_evictions(dataset: StreamingDataset) -> Any:
+    """How many times each shard was evicted from the node's cache, then (at ``num_shards``) all evictions:
+    a count per shard, shared like :func:`shared_flags`."""
+    return _shared_zeros(dataset, _EVICTIONS_SHM, dataset.num_shards + 1, np.uint64)
+
+
+def _shared_zeros(dataset: StreamingDataset, name: str, size: int, dtype) -> Any:
     try:
-        flags = SharedArray(dataset.num_shards, np.uint8, _get_path(dataset._shm_prefix_int, _VERIFIED_SHM))
-        flags.numpy()  # a stale, smaller segment: TypeError
+        array = SharedArray(size, dtype, _get_path(dataset._shm_prefix_int, name))
+        array.numpy()  # a stale, smaller segment: TypeError
     except (TypeError, ValueError, OSError):
-        flags = np.zeros(dataset.num_shards, np.uint8)
+        array = np.zeros(size, dtype)
     if dataset._unique_rank_world.is_local_leader:
-        flags[:] = 0  # a segment another dataset of this process left behind (the same prefix) is stale
-    return flags
+        array[:] = 0  # a segment another dataset of this process left behind (the same prefix) is stale
+    return array
 
 
 def needs_decompression_cache(path: str) -> bool:

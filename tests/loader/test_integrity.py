@@ -3,6 +3,8 @@ one line naming the file, and never returns a wrong sample before it does."""
 
 import functools
 import json
+import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -220,8 +222,9 @@ def test_a_worker_process_error_is_one_line_naming_the_file(pristine, stored, di
 
 
 @pytest.mark.parametrize("kind", ["none", "zstd"])
-def test_streamings_path_is_checked_too(pristine, stored, dim, tmp_path, kind):
-    # A cache limit makes every read take streaming's own path.
+def test_streamings_path_is_checked_too(pristine, stored, dim, tmp_path, kind, monkeypatch):
+    # Every read through streaming's own path, as for shards it does not hold as fixed-shape arrays.
+    monkeypatch.setattr(mds_source.LatentDataset, "_layout", lambda self, shard_id: None)
     mds = _copy(pristine, kind, tmp_path)
     path = _shard_file(mds, raw=True)
     if kind == "zstd":  # decompress first, so the raw file exists to damage
@@ -268,6 +271,77 @@ def test_a_shard_damaged_at_the_remote_fails_when_downloaded(pristine, stored, d
     assert i == PER_SHARD  # the first sample of shard 1
     message = str(e.value)
     assert f"{cache}/shard.00001.mds.zstd of dataset {remote} " in message and "downloaded again" in message
+    del dataset
+
+
+def _cache_bytes(cache, sizes):
+    """Bytes the cache directory holds on disk: its files, and those deleted from it that this process
+    still maps (a mapped file keeps its blocks until it is unmapped), by ``sizes`` (basename: bytes)."""
+    held = 0
+    for d, _, files in os.walk(cache):
+        for name in files:
+            try:
+                held += os.path.getsize(os.path.join(d, name))
+            except FileNotFoundError:  # evicted meanwhile
+                pass
+    deleted = {}  # inode: basename
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(cache + "/") and fields[5].rstrip().endswith(" (deleted)"):
+                deleted[fields[4]] = os.path.basename(fields[5].rstrip()[:-len(" (deleted)")])
+    return held + sum(sizes[name] for name in deleted.values()), len(deleted)
+
+
+def _shard_name(shard):
+    return f"shard.{shard:05d}.mds"
+
+
+def _mapped(array):
+    while isinstance(array, (np.ndarray, memoryview)):
+        array = array.base if isinstance(array, np.ndarray) else array.obj
+    return isinstance(array, mmap.mmap)
+
+
+def test_a_cache_limit_keeps_the_mapped_read_and_the_disk_under_it(pristine, stored, tmp_path):
+    # A local directory as the "remote", read through a cache that holds four of its five shards: every
+    # epoch evicts shards and downloads them again. Reads stay zero-copy views of the mapped shard, return
+    # what streaming decodes, and the cache (files mapped after their deletion included) stays under the limit.
+    remote, cache = pristine["none"], str(tmp_path / "cache")
+    sizes = {s["raw_data"]["basename"]: s["raw_data"]["bytes"] for s in _index(remote)["shards"]}
+    limit = 4 * max(sizes.values()) + os.path.getsize(os.path.join(remote, "index.json"))
+    dataset = mds_source.LatentDataset(remote=remote, local=cache, resolution=64, batch_size=4, cache_limit=limit,
+                                       predownload=4)
+    moments = schema.vae_moments_column(64)
+    # Least recently read goes first: shard 0, read again after 1-3 were downloaded, outlives shard 1.
+    for index in (0, PER_SHARD, 2 * PER_SHARD, 3 * PER_SHARD, 1, 4 * PER_SHARD):
+        np.testing.assert_array_equal(dataset[index][moments], stored[index][moments])
+    assert sorted(f for f in os.listdir(cache) if f in sizes) == [_shard_name(s) for s in (0, 2, 3, 4)]
+    for epoch in range(2):
+        read = []
+        for sample in dataset:
+            index = sample[schema.BATCH_SAMPLE_INDEX]
+            np.testing.assert_array_equal(sample[moments], stored[index][moments])
+            np.testing.assert_array_equal(sample[schema.TEXT_EMBEDS], stored[index][schema.TEXT_EMBEDS])
+            assert sample[schema.KEY] == stored[index][schema.KEY]
+            assert _mapped(sample[moments]) and _mapped(sample[schema.TEXT_EMBEDS]), "not the zero-copy read"
+            held, _ = _cache_bytes(cache, sizes)
+            assert held <= limit, f"epoch {epoch}, sample {index}: the cache holds {held} bytes, limit {limit}"
+            read.append(index)
+        assert sorted(read) == list(range(N))
+        assert len([f for f in os.listdir(cache) if f in sizes]) <= 4  # some were evicted
+    del sample
+    # Another process of the node evicts a shard this one maps: its map is dropped at this one's next read.
+    dataset[0]
+    assert _cache_bytes(cache, sizes)[1] == 0
+    child = multiprocessing.get_context("fork").Process(target=dataset.evict_shard, args=(0,))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert _cache_bytes(cache, sizes)[1] == 1  # shard 0 is gone from the cache but still mapped here
+    np.testing.assert_array_equal(dataset[N - 1][moments], stored[N - 1][moments])
+    assert _cache_bytes(cache, sizes)[1] == 0
+    np.testing.assert_array_equal(dataset[0][moments], stored[0][moments])  # downloaded again
     del dataset
 
 
