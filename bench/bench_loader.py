@@ -18,6 +18,12 @@ every shard (xxh3_64, the fastest the converter records) as a run's first epoch 
 nothing (the check is once per node). The passes of the three loaders are interleaved and each figure is the median over passes (a
 shared machine's load drifts); CPU time (process, all threads) is reported beside wall-clock
 samples/s, since the hashing runs partly in streaming's prefetch thread, beside the reading thread.
+
+Two more rows read the dataset as a remote through a local cache under ``data.train.cache_limit`` (streaming's
+LRU limit; one that holds the whole dataset, so after the warm-up pass nothing is evicted and the rows time the
+read path alone): ours as training runs it (zero-copy reads of the mapped shards, which keep streaming's
+eviction bookkeeping), and the same loader forced through streaming's copy path, what a cache limit cost
+before the mapped read kept that bookkeeping. Both with hash checks off: compare them with the "off" row.
 """
 
 from __future__ import annotations
@@ -74,11 +80,21 @@ class _PlainSamples:
 
 
 # streaming's path; ours as training runs it (the per-sample draws made) without and with shard hash
-# checks; ours with checks but without the draws (what this bench timed before issue 25)
-MODES = ("baseline", "off", "on", "nodraws")
+# checks; ours with checks but without the draws (what this bench timed before issue 25); ours (checks off)
+# through a cache under a limit, mapped, and forced through streaming's copy path
+MODES = ("baseline", "off", "on", "nodraws", "limit", "limit_copy")
+CACHED = ("limit", "limit_copy")
 
 
-def _loader(directory: str, resolution: int, batch_size: int, mode: str):
+def cache_limit(directory: str) -> int:
+    """A cache limit that holds the whole dataset (and streaming's minimum: four of its largest shard)."""
+    with open(os.path.join(directory, "index.json")) as f:
+        shards = json.load(f)["shards"]
+    sizes = [s["raw_data"]["bytes"] + (s["zip_data"] or {}).get("bytes", 0) for s in shards]
+    return max(sum(sizes), 4 * max(sizes)) + os.path.getsize(os.path.join(directory, "index.json")) + (1 << 20)
+
+
+def _loader(directory: str, resolution: int, batch_size: int, mode: str, cache: str | None = None):
     from streaming import StreamingDataLoader, StreamingDataset
 
     from diffusion.loader.batches import CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
@@ -88,8 +104,12 @@ def _loader(directory: str, resolution: int, batch_size: int, mode: str):
         collate_fn = _PlainSamples(schema.vae_moments_column(resolution))
     else:
         empty = np.load(os.path.join(directory, schema.EMPTY_TEXT_EMBEDS))
-        dataset = LatentDataset(remote=None, local=directory, resolution=resolution, batch_size=batch_size,
-                                shuffle=True, shuffle_seed=0, verify_hashes=mode != "off")
+        where = ({"remote": directory, "local": cache, "cache_limit": cache_limit(directory)} if mode in CACHED
+                 else {"remote": None, "local": directory})
+        dataset = LatentDataset(**where, resolution=resolution, batch_size=batch_size,
+                                shuffle=True, shuffle_seed=0, verify_hashes=mode not in ("off", *CACHED))
+        if mode == "limit_copy":  # every shard through streaming's copy path
+            dataset._layouts = {shard_id: None for shard_id in range(dataset.num_shards)}
         # as the trainer builds it for the SD2 recipe: each sample's posterior draw, noise, offset and
         # timestep draw (diffusion.train.trainer.noise_draws)
         noise = None if mode == "nodraws" else NoiseDraws(seed=0)
@@ -98,7 +118,7 @@ def _loader(directory: str, resolution: int, batch_size: int, mode: str):
 
 
 def measure(directory: str, resolution: int, batch_size: int, passes: int,
-            baseline_passes: int) -> dict[str, list[tuple[float, float, int]]]:
+            baseline_passes: int, cache_root: str) -> dict[str, list[tuple[float, float, int]]]:
     """(samples/s, CPU microseconds per sample, samples) of each pass of each of MODES: ``passes`` rounds
     of one pass per loader (the baseline in the first ``baseline_passes`` only), each pass reading every
     sample once and checking every shard again, after a warm-up pass."""
@@ -107,7 +127,10 @@ def measure(directory: str, resolution: int, batch_size: int, passes: int,
     for _ in _loader(directory, resolution, batch_size, "off"):  # warm-up: page cache
         pass
     runs = {mode: [] for mode in MODES}  # (samples/s, CPU us/sample, samples) per pass
-    loaders = {mode: _loader(directory, resolution, batch_size, mode) for mode in MODES}
+    loaders = {mode: _loader(directory, resolution, batch_size, mode, os.path.join(cache_root, mode)) for mode in MODES}
+    for mode in CACHED:  # warm-up: download every shard into the cache
+        for _ in loaders[mode]:
+            pass
     for p in range(passes):
         order = MODES if p < baseline_passes else MODES[1:]
         for mode in order[p % len(order):] + order[:p % len(order)]:  # interleaved, each first in turn
@@ -147,12 +170,12 @@ def main(argv=None):
         with open(os.path.join(directory, "index.json")) as f:
             algo = pick_hash(json.load(f)["shards"][0]["raw_data"]["hashes"]) or "no hash recorded"
         runs = measure(directory, resolution, args.batch_size, args.passes,
-                       max(1, min(args.baseline_passes, args.passes)))
+                       max(1, min(args.baseline_passes, args.passes)), tmp)
     rates = {mode: tuple(float(np.median(column)) for column in zip(*r)) for mode, r in runs.items()}
     best = {mode: (max(r[0] for r in runs[mode]), min(r[1] for r in runs[mode])) for mode in ("off", "on")}
     need = CONSUMPTION_PER_GPU.get(resolution, CONSUMPTION_PER_GPU[256])
     per_node = need * args.gpus_per_node
-    base, off, on, nodraws = (rates[mode][0] for mode in MODES)
+    base, off, on, nodraws, limit, limit_copy = (rates[mode][0] for mode in MODES)
     print(f"data: {args.dir or 'synthetic'} ({info.count} samples, {resolution}px, D={info.text_dim}; checked with "
           f"{algo}), "
           f"batch {args.batch_size}, medians of {args.passes} passes of {rates['on'][2]:.0f} samples "
@@ -160,7 +183,8 @@ def main(argv=None):
     print(f"{'loader':<36} {'samples/s/core':>15} {'CPU us/sample':>14} {'need/GPU':>9} {'x per GPU':>10} "
           f"{'cores/node':>11}")
     names = {"baseline": "streaming's path (baseline)", "off": "training's loader, hash checks off",
-             "on": "training's loader, hash checks on", "nodraws": "checks on, no per-sample draws"}
+             "on": "training's loader, hash checks on", "nodraws": "checks on, no per-sample draws",
+             "limit": "off, cache limit, mapped", "limit_copy": "off, cache limit, streaming's copy"}
     for mode in MODES:
         r, cpu, _ = rates[mode]
         print(f"{names[mode]:<36} {r:>15,.0f} {cpu:>14,.1f} {need:>9.1f} {r / need:>10.1f} {per_node / r:>11.2f}")
@@ -172,6 +196,9 @@ def main(argv=None):
     print(f"the per-sample draws (posterior draw, noise, offset, timestep) cost "
           f"{rates['on'][1] - rates['nodraws'][1]:,.1f} CPU us/sample, {100 * (1 - on / nodraws):.1f}% of loader "
           f"throughput (medians)")
+    print(f"under a cache limit (checks off): mapped {limit / off:.2f}x the uncached read, streaming's copy path "
+          f"{limit_copy / off:.2f}x; mapped / copy {limit / limit_copy:.2f}x throughput, "
+          f"{rates['limit_copy'][1] / rates['limit'][1]:.2f}x less CPU time (medians)")
     print(f"headline: one loader core feeds {on / need:.1f}x the {resolution}px consumption of one A100 "
           f"(reference claims >= 30x)")
     return on

@@ -180,12 +180,13 @@ class LatentDataset(StreamingDataset):
         # made before its latest eviction is of a deleted file), and the total this process last saw
         self._evictions = shared_evictions(self) if self.cache_limit else None
         self._evictions_seen = 0
+        self._views = None  # this process's (pid, access times, eviction counts, lock of _maps)
         self._check_files()
 
     def __getstate__(self):  # memory maps and locks stay in the process that made them
         state = self.__dict__.copy()
         state["_maps"] = collections.OrderedDict()
-        state["_locks"], state["_failure"] = {}, None
+        state["_locks"], state["_failure"], state["_views"] = {}, None, None
         return state
 
     def _resume_incr_epoch(self) -> tuple[int, int]:
@@ -415,11 +416,25 @@ class LatentDataset(StreamingDataset):
 
     # ---- under a cache limit: maps as (map, the shard's evictions when it was made) ----------------------
 
+    def _cache_views(self):
+        """(pid, streaming's shard access times, the eviction counts, the lock of ``_maps``) of this process,
+        the arrays as numpy views of the node's shared memory, made once per process."""
+        views = self._views
+        if views is None or views[0] != os.getpid():
+            with self._lock("views"):
+                views = self._views
+                if views is None or views[0] != os.getpid():
+                    counts = self._evictions  # shared, or this process's where a stale segment was in the way
+                    views = self._views = (os.getpid(), self._shard_access_times.numpy(),
+                                           counts if isinstance(counts, np.ndarray) else counts.numpy(),
+                                           threading.Lock())
+        return views
+
     def _mapped_in_cache(self, shard_id: int, layout: _ShardLayout):
-        self._shard_access_times[shard_id] = time.time_ns()  # a read, as streaming's get_item records it
-        counts = self._eviction_counts()
+        _, access_times, counts, lock = self._cache_views()
+        access_times[shard_id] = time.time_ns()  # a read, as streaming's get_item records it
         total = int(counts[self.num_shards])
-        with self._lock("maps"):
+        with lock:
             if total != self._evictions_seen:  # another process evicted: drop maps of deleted files
                 self._evictions_seen = total
                 for stale in [s for s, (_, seen) in self._maps.items() if counts[s] != seen]:
@@ -430,25 +445,21 @@ class LatentDataset(StreamingDataset):
                 return entry[0]
         seen = int(counts[shard_id])  # before opening: an eviction after it is seen as one
         data = self._map(shard_id, layout)
-        with self._lock("maps"):
+        with lock:
             self._maps[shard_id] = data, seen
             if len(self._maps) > self.max_open_shards:
                 self._maps.popitem(last=False)
         return data
-
-    def _eviction_counts(self) -> np.ndarray:
-        counts = self._evictions
-        return counts if isinstance(counts, np.ndarray) else counts.numpy()  # per process / shared
 
     def _evict_shard(self, shard_id: int) -> None:
         # Streaming's eviction (under its cache lock, in whichever process of the node needs the room),
         # counted once the files are gone, and this process's map of the shard dropped at once.
         super()._evict_shard(shard_id)
         if self._evictions is not None:
-            counts = self._eviction_counts()
+            _, _, counts, lock = self._cache_views()
             counts[shard_id] += 1
             counts[self.num_shards] += 1
-            with self._lock("maps"):
+            with lock:
                 self._maps.pop(shard_id, None)  # unmapped once no sample views it any more
 
     def _open(self, shard_id: int, layout: _ShardLayout):
