@@ -68,23 +68,25 @@ def two_node_cluster(tmp_path):
     finally:
         # `ray stop` stops every Ray process of this user on the machine: stop this cluster's own nodes
         # only, by the pids their temp dirs record
+        _stop_nodes(temp_dirs)  # both at once: one wait for the slowest process, not one a node
         for temp in temp_dirs:
-            _stop_node(temp)
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def _stop_node(temp_dir: str) -> None:
-    import signal
+def _stop_nodes(temp_dirs: list[str]) -> None:
     import psutil
     mine = {os.getpid()}
+
+    def of_nodes(process) -> bool:
+        return process.pid not in mine and any(temp in part for temp in temp_dirs
+                                               for part in process.info["cmdline"] or ())
     for process in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if process.pid not in mine and any(temp_dir in part for part in process.info["cmdline"] or ()):
+            if of_nodes(process):
                 process.send_signal(signal.SIGTERM)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    _, alive = psutil.wait_procs([p for p in psutil.process_iter(["cmdline"]) if p.pid not in mine
-                                  and any(temp_dir in part for part in (p.info["cmdline"] or ()))], timeout=10)
+    _, alive = psutil.wait_procs([p for p in psutil.process_iter(["cmdline"]) if of_nodes(p)], timeout=10)
     for process in alive:
         try:
             process.kill()
