@@ -43,6 +43,7 @@ HEAD_COLUMNS = {"aesthetic": "aesthetic_score", "nsfw": "nsfw", "watermark": "wa
 SCORES = (CLIP_SCORE, *HEAD_COLUMNS.values())
 CURATED_COLUMNS = (*SCORES, EMBEDS)  # what the encode stage carries through to the sink
 STAGE_SECONDS = "_curate_seconds"
+REUSED_SECONDS = "_curate_reused_seconds"  # rows whose scores came from --dedupe near/semantic's first pass
 # Per score column: (low, high, bins) of its histogram in the parts' stats; values outside fall in the end bins.
 HISTOGRAMS = {CLIP_SCORE: (-0.2, 0.6, 16), "aesthetic_score": (0.0, 10.0, 20), "nsfw": (0.0, 1.0, 10),
               "watermark": (0.0, 1.0, 10)}
@@ -298,22 +299,40 @@ def perceptual_vectors(crops: list[np.ndarray]) -> np.ndarray:
 class Curator:
     """Ray ``map_batches`` callable: the transform's output in; the same columns plus the scores (and
     ``clip_embeds`` with ``store_embeddings``) out, rows failing ``where`` (on the scores) dropped and
-    recorded in ``rejects_dir`` under their rule."""
+    recorded in ``rejects_dir`` under their rule.
+
+    ``reuse``: a first pass's ``curated.parquet`` (:func:`diffusion.convert.neardup.first_pass_scores`):
+    a batch whose keys are all in it takes their scores and embeddings from it, the values the model
+    gave for the same crop and caption, and the model is loaded only for a batch that is not (its
+    timing is recorded apart, as ``curate_reused``)."""
 
     def __init__(self, embed: str | None, resolution: int, heads: dict | None = None, where: str | None = None,
                  rejects_dir: str | None = None, store_embeddings: bool = False, device=None,
-                 cpu_threads: int | None = None, record_timing: bool = False):
+                 cpu_threads: int | None = None, record_timing: bool = False, reuse: str | None = None):
+        self.resolution, self.where, self.rejects_dir = int(resolution), where, rejects_dir
+        self.store_embeddings, self.record_timing = store_embeddings, record_timing
+        self.reuse = None
+        self._model = (embed, heads, device, cpu_threads)
+        if reuse:  # torch and the model are loaded only for a batch the first pass did not score
+            from diffusion.convert.neardup import FirstPassScores
+            self.reuse = FirstPassScores(reuse)
+        else:
+            self._load()
+
+    def _load(self) -> None:
         import torch
+        embed, heads, device, cpu_threads = self._model
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.embedder = ClipEmbedder(embed, device) if embed else None
         width = self.embedder.width if self.embedder else None
         self.heads = {kind: Head(path, kind, width) for kind, path in (heads or {}).items() if path}
-        self.resolution, self.where, self.rejects_dir = int(resolution), where, rejects_dir
-        self.store_embeddings, self.record_timing = store_embeddings, record_timing
+        self._model = None
 
     def scores(self, crops: list[np.ndarray], captions) -> tuple[dict, np.ndarray]:
         """({score column: (B,) float32}, (B, D) image embeddings) of one batch."""
+        if self._model is not None:  # reuse mode, a batch its first pass did not score
+            self._load()
         images = self.embedder.images(crops)
         texts = self.embedder.texts(captions)
         scores = {CLIP_SCORE: (images * texts).sum(axis=1).astype(np.float32)}
@@ -323,21 +342,29 @@ class Curator:
 
     def __call__(self, batch: dict) -> dict:
         from diffusion import schema
-        from diffusion.convert.recaption import crops_of
         start = time.perf_counter()
         keys = [str(k) for k in batch[schema.KEY]]
-        scores, images = self.scores(crops_of(batch, self.resolution), batch[schema.CAPTION])
+        found = self.reuse.get(keys) if self.reuse is not None else None
+        if found is not None:
+            scores, embeds = found
+        else:
+            from diffusion.convert.recaption import crops_of
+            scores, images = self.scores(crops_of(batch, self.resolution), batch[schema.CAPTION])
+            embeds = images.astype(np.float16) if self.store_embeddings else None
         out = dict(batch)
         out.update(scores)
         if self.store_embeddings:
-            out[EMBEDS] = images.astype(np.float16)
+            out[EMBEDS] = embeds
         if self.where:
             keep = failing_rows(self.where, scores, keys, self.rejects_dir)
             if not keep.all():
                 out = {c: np.asarray(v)[keep] for c, v in out.items()}
         if self.record_timing:
             n = len(out[schema.KEY])
-            out[STAGE_SECONDS] = np.full(n, (time.perf_counter() - start) / max(len(keys), 1))
+            share = np.full(n, (time.perf_counter() - start) / max(len(keys), 1))
+            out[STAGE_SECONDS] = np.zeros(n) if found is not None else share
+            if self.reuse is not None:  # both columns in every batch of this stage: its blocks share a schema
+                out[REUSED_SECONDS] = share if found is not None else np.zeros(n)
         return out
 
 

@@ -13,7 +13,8 @@ conversion, never by holding n x n similarities:
 1. **embed** (a Ray job, one actor pool over the input files): each file's rows are read as the
    conversion reads them (``--where`` on the input's columns, bad rows, repeated keys and ``--exclude``
    dropped), decoded and cropped by the transform's own code, and their vectors (and with ``--embed``
-   the scores, and whether the rows pass ``--where``'s rules on scores) written as parquet;
+   every score, the image embedding where ``--store-embeddings`` keeps it, and whether the rows pass
+   ``--where``'s rules on scores) written as parquet;
 2. **decide** (:func:`duplicate_groups`, in the driver): the passing rows' vectors are clustered with
    scikit-learn's ``MiniBatchKMeans`` (about :data:`CLUSTER_ROWS` rows a cluster, fitted on a sample of
    at most :data:`FIT_SAMPLE` rows and assigned chunk by chunk); within a cluster, rows are ranked by the
@@ -23,7 +24,10 @@ conversion, never by holding n x n similarities:
    that k-means puts in different clusters are not compared (SemDeDup's trade: near-duplicates are
    close, so they almost always share a cluster);
 3. **convert**: the removed keys are written per input file, and the conversion's read tasks drop
-   them before decoding, recorded as ``near_duplicate`` / ``semantic_duplicate``.
+   them before decoding, recorded as ``near_duplicate`` / ``semantic_duplicate``. With ``--embed`` (square
+   crops) the conversion's curation stage does not run the model again: it reads each kept row's scores
+   (and embedding) from ``curated.parquet`` (:class:`FirstPassScores`), the first pass's values for the
+   same crop and the same cleaned caption, so the stored columns are the ones the model gives.
 
 The decision is a function of the input and the settings only (files in order, rows in file order,
 k-means seeded): a re-run, or a run resumed after a kill at any point, makes the same one, and
@@ -118,16 +122,19 @@ class _EmbedFiles:
 
     def __init__(self, formats: dict, names: dict, columns, taken: dict, resolution: int, checks,
                  mode: str, embed: str | None, heads: dict, where: str | None, blocklist=None,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, store_embeddings: bool = False):
         self.formats, self.names, self.columns, self.taken = formats, names, columns, taken
         # the transform's own decode, checks and crop, without its tokenizer (this pass reads no tokens):
         # without --embed, an actor that never imports torch or transformers
         self.resolution, self.checks = int(resolution), checks
-        self.curator = None
+        self.curator, self.scored = None, ()
         if embed:
-            from diffusion.convert.curate import Curator
+            from diffusion.convert.curate import CLIP_SCORE, HEAD_COLUMNS, Curator
             self.curator = Curator(embed, resolution, heads, cpu_threads=cpu_threads)
+            self.scored = (CLIP_SCORE, *(HEAD_COLUMNS[kind] for kind in self.curator.heads))
         self.mode, self.where, self.blocklist = mode, where, blocklist
+        # the embedding, for the conversion to store without running the model (semantic: it is "vec")
+        self.embeds = bool(embed) and store_embeddings and mode != "semantic"
 
     def _crops(self, batch: dict):
         from diffusion import schema
@@ -138,13 +145,13 @@ class _EmbedFiles:
         for i, (key, caption, data) in enumerate(zip(batch[schema.RAW_KEY], batch[schema.RAW_CAPTION],
                                                      batch[schema.RAW_IMAGE])):
             try:
-                clean_caption(caption)  # as the transform: a row it would reject takes no part
+                caption = clean_caption(caption)  # as the transform: a row it would reject takes no part
                 crops.append(center_square_crops(decode_image(data, res, self.checks)[0], [res])[res])
             except Rejected:
                 continue
             keys.append(str(key))
             positions.append(i)
-            captions.append(caption)
+            captions.append(caption)  # the cleaned text, as the conversion's curation stage reads it
         return keys, crops, positions, captions
 
     def __call__(self, batch: dict):
@@ -158,7 +165,8 @@ class _EmbedFiles:
         for uri, order in zip(batch["path"], batch["order"]):
             uri, position = str(uri), 0
             name = self.names[uri]
-            out = {"key": [], "order": [], "pos": [], "score": [], "passes": [], "vec": []}
+            out = {"key": [], "order": [], "pos": [], "score": [], "passes": [], "vec": [], "embed": []}
+            out.update({c: [] for c in self.scored})
             try:
                 for rows in iter_file_batches(uri, self.formats[uri], self.columns, name, None, self.taken):
                     if self.blocklist is not None:
@@ -175,6 +183,10 @@ class _EmbedFiles:
                     if self.curator is not None:
                         scores, images = self.curator.scores(crops, captions)
                         score = scores[CLIP_SCORE]
+                        for c in self.scored:
+                            out[c].append(np.asarray(scores[c], np.float32))
+                        if self.embeds:
+                            out["embed"] += [np.asarray(v, np.float16).tobytes() for v in images]
                         if self.where:
                             passes = failing_rows(self.where, scores, keys, None)
                     vectors = images if self.mode == "semantic" else perceptual_vectors(crops)
@@ -187,10 +199,15 @@ class _EmbedFiles:
                     position += len(rows[schema.RAW_KEY])
             except errors:
                 pass  # the conversion records the file as failed; its rows read before the damage count
-            yield pa.table({"key": pa.array(out["key"], pa.string()), "file": [file_id(name)] * len(out["key"]),
-                            "order": pa.array(out["order"], pa.int64()), "pos": pa.array(out["pos"], pa.int64()),
-                            "score": pa.array(out["score"], pa.float32()), "passes": pa.array(out["passes"], pa.bool_()),
-                            "vec": pa.array(out["vec"], pa.binary())})
+            table = {"key": pa.array(out["key"], pa.string()), "file": [file_id(name)] * len(out["key"]),
+                     "order": pa.array(out["order"], pa.int64()), "pos": pa.array(out["pos"], pa.int64()),
+                     "score": pa.array(out["score"], pa.float32()), "passes": pa.array(out["passes"], pa.bool_()),
+                     "vec": pa.array(out["vec"], pa.binary())}
+            for c in self.scored:  # every score as the stage computes it (float32), for the conversion to reuse
+                table[c] = pa.array(np.concatenate(out[c]) if out[c] else np.zeros(0, np.float32), pa.float32())
+            if self.embeds:
+                table["embed"] = pa.array(out["embed"], pa.binary())
+            yield pa.table(table)
 
 
 def _fingerprint(formats: dict, columns, settings: dict) -> str:
@@ -236,10 +253,12 @@ def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
         fn_constructor_kwargs=dict(formats=formats, names=names, columns=columns, taken=taken,
                                    resolution=max(cfg.resolutions), checks=checks, mode=cfg.dedupe, embed=cfg.embed,
                                    heads=cfg.heads(), where=settings["where"], blocklist=blocklist,
-                                   cpu_threads=None if gpus else 1),
+                                   cpu_threads=None if gpus else 1, store_embeddings=cfg.store_embeddings),
         compute=ActorPoolStrategy(size=actors), num_cpus=1, **({"num_gpus": 1} if gpus else {}))
     vectors.write_parquet(os.path.join(tmp, "vectors"))
     decide(tmp, cfg.dedupe, cfg.threshold())
+    if cfg.embed:
+        write_first_pass_scores(tmp, cfg.dedupe)
     with open(os.path.join(tmp, _DONE), "w") as f:
         f.write("")
     os.rename(tmp, final)
@@ -304,6 +323,99 @@ def decide(folder: str, mode: str, threshold: float, seed: int = 0) -> dict:
     with open(os.path.join(folder, "decision.json"), "w") as f:
         json.dump({"mode": mode, "threshold": threshold, **counts}, f)
     return counts
+
+
+SCORES_FILE = "curated.parquet"  # in a first pass's folder (--embed): each row's scores, sorted by key
+SCORES_GROUP = 65536  # rows per row group: the unit FirstPassScores reads
+
+
+def write_first_pass_scores(folder: str, mode: str) -> None:
+    """``curated.parquet`` of a first pass with ``--embed``: key, every score (float32) and, where stored,
+    the embedding (float16 bytes), sorted by key in row groups of :data:`SCORES_GROUP` whose first keys
+    the file's metadata lists (:class:`FirstPassScores` finds a key's group by them)."""
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+    from diffusion.convert.curate import SCORES
+    dataset = pads.dataset(os.path.join(folder, "vectors"), format="parquet")
+    names = dataset.schema.names
+    columns = ["key", *(c for c in SCORES if c in names)]
+    embed = "vec" if mode == "semantic" else "embed" if "embed" in names else None
+    table = dataset.to_table(columns=columns + ([embed] if embed else []))
+    if embed:
+        table = table.rename_columns(columns + ["embed"])
+    table = table.sort_by("key")
+    firsts = [table.column("key")[i].as_py() for i in range(0, table.num_rows, SCORES_GROUP)]
+    width = len(table.column("embed")[0].as_py()) // 2 if embed and table.num_rows else 0
+    table = table.replace_schema_metadata({"first_keys": json.dumps(firsts), "width": str(width)})
+    path = os.path.join(folder, SCORES_FILE)
+    pq.write_table(table, path, row_group_size=SCORES_GROUP)
+    meta = pq.ParquetFile(path).metadata
+    if [meta.row_group(i).num_rows for i in range(meta.num_row_groups)][:-1] != [SCORES_GROUP] * (len(firsts) - 1):
+        os.remove(path)  # groups not where the index says: the conversion runs the model instead
+
+
+def first_pass_scores(folder: str | None, cfg) -> str | None:
+    """The ``curated.parquet`` the conversion's curation stage may read instead of running the model, or
+    None: no first pass, no ``--embed``, buckets (the stage scores each row's bucket crop, the first pass
+    its centre square), or a pass written before the file existed (or without the embeddings to store)."""
+    if not folder or cfg.embed is None or cfg.buckets:
+        return None
+    path = os.path.join(folder, SCORES_FILE)
+    if not os.path.isfile(path):
+        return None
+    import pyarrow.parquet as pq
+    names = pq.read_schema(path).names
+    if any(c not in names for c in cfg.computed_columns()) or (cfg.store_embeddings and "embed" not in names):
+        return None
+    return path
+
+
+class FirstPassScores:
+    """Each row's scores (and embedding) from a first pass's ``curated.parquet``, by key: a key's row
+    group is found by the groups' first keys, and the last few groups read are kept (rows arrive in
+    input-file order, so a batch's keys mostly fall in few groups)."""
+
+    CACHED_GROUPS = 8
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+        self.file = pq.ParquetFile(path)
+        self.firsts = json.loads(self.file.schema_arrow.metadata[b"first_keys"])
+        self.columns = [c for c in self.file.schema_arrow.names if c != "key"]
+        self.width = int(self.file.schema_arrow.metadata.get(b"width", b"0"))
+        self.groups: dict[int, tuple[dict, dict]] = {}
+
+    def _group(self, i: int) -> tuple[dict, dict]:
+        if i not in self.groups:
+            if len(self.groups) >= self.CACHED_GROUPS:
+                self.groups.pop(next(iter(self.groups)))
+            table = self.file.read_row_group(i)
+            rows = {k: j for j, k in enumerate(table.column("key").to_pylist())}
+            self.groups[i] = (rows, {c: table.column(c).to_pylist() if c == "embed" else
+                                     table.column(c).to_numpy() for c in self.columns})
+        return self.groups[i]
+
+    def get(self, keys: list[str]) -> tuple[dict, np.ndarray | None] | None:
+        """({score column: (B,) float32}, (B, D) float16 embeddings or None) of ``keys``, or None where a
+        key is not in the file."""
+        import bisect
+        found = {c: [] for c in self.columns}
+        for key in keys:
+            i = bisect.bisect_right(self.firsts, key) - 1
+            if i < 0:
+                return None
+            rows, values = self._group(i)
+            j = rows.get(key)
+            if j is None:
+                return None
+            for c in self.columns:
+                found[c].append(values[c][j])
+        embeds = None
+        if "embed" in found:
+            raw = found.pop("embed")
+            embeds = (np.stack([np.frombuffer(b, np.float16) for b in raw]) if raw else
+                      np.zeros((0, self.width), np.float16))
+        return {c: np.asarray(v, np.float32) for c, v in found.items()}, embeds
 
 
 def removed_keys(folder: str | None, name: str, reason: str) -> dict[str, str]:

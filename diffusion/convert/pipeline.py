@@ -34,7 +34,7 @@ from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, commit
 from diffusion.convert.progress import ConversionProgress, input_rows
 from diffusion.convert.readers import check_inputs, input_files, read_raw
 from diffusion.convert.dedupe import find_duplicates, later_copies
-from diffusion.convert.neardup import REASONS, find_near_duplicates, removed_keys, visualize_duplicates
+from diffusion.convert.neardup import REASONS, find_near_duplicates, first_pass_scores, removed_keys, visualize_duplicates
 from diffusion.convert.where_check import check_where
 from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
@@ -270,7 +270,9 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
                                        where=cfg.split_where()[1] if cfg.where else None,
                                        rejects_dir=os.path.join(out, REJECTS_DIR),
                                        store_embeddings=cfg.store_embeddings, record_timing=True,
-                                       cpu_threads=None if plan.gpus_per_curator else 1),
+                                       cpu_threads=None if plan.gpus_per_curator else 1,
+                                       # --dedupe near/semantic's first pass scored these rows: no second model pass
+                                       reuse=first_pass_scores(removed_dir, cfg)),
             compute=ActorPoolStrategy(size=plan.num_curators), num_cpus=plan.cpus_per_curator,
             **({"num_gpus": plan.gpus_per_curator} if plan.gpus_per_curator else {}))
     encoder_options = dict(compute=ActorPoolStrategy(size=plan.num_encoders), num_cpus=plan.cpus_per_encoder)

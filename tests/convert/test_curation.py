@@ -251,3 +251,50 @@ def test_semantic_decision_keeps_the_best_of_each_group_across_clusters_determin
         loser = min(pair, key=lambda i: priority[i])
         assert removed[loser] and not removed[max(pair, key=lambda i: priority[i])]
         assert partner[loser] == max(pair, key=lambda i: priority[i])
+
+
+def test_conversion_reuses_the_first_pass_scores_instead_of_a_second_model_pass(curated, clip_kit):
+    """--dedupe near with --embed: the first pass kept every score (and the embedding) per key, and the
+    conversion's curation stage read them instead of running the model again (its time is recorded as
+    curate_reused, none as curate); the stored columns are what the model gives for the same crop and
+    caption, in the same dtypes. A batch with a key the first pass did not score runs the model."""
+    out, first, summary, rows, truth, by_key, where, blocked = curated
+    assert summary.stage_seconds.get("curate_reused_seconds", 0) > 0
+    assert summary.stage_seconds.get("curate_seconds", 0) == 0
+    assert "images/s per curate_reused worker" in summary.table()
+    from diffusion.convert.curate import Curator
+    from diffusion.convert.neardup import CURATE_DIR, SCORES_FILE
+    from diffusion.convert.transforms import clean_caption
+    samples = _samples(out)
+    by_row = {r["key"]: r for r in rows}
+    _, images, curator = _crop_scores([by_row[s[schema.KEY]] for s in samples], clip_kit)
+    model, _ = curator.scores(_crops([by_row[s[schema.KEY]] for s in samples]),
+                              [clean_caption(by_row[s[schema.KEY]]["caption"]) for s in samples])
+    for i, s in enumerate(samples):
+        for column in ("clip_score", "aesthetic_score", "nsfw", "watermark"):
+            assert isinstance(s[column], (np.float32, float))
+            assert s[column] == pytest.approx(float(model[column][i]), abs=1e-6), column
+        assert s["clip_embeds"].dtype == np.float16
+        assert np.abs(s["clip_embeds"].astype(np.float32) - images[i].astype(np.float16).astype(np.float32)).max() < 1e-3
+    (folder,) = [os.path.join(out, CURATE_DIR, d) for d in os.listdir(os.path.join(out, CURATE_DIR))]
+    keys = [s[schema.KEY] for s in samples[:3]]
+    heads = {k: os.path.join(clip_kit, "heads", f"{k}.safetensors") for k in ("aesthetic", "nsfw", "watermark")}
+    reuse = Curator(clip_kit, 64, heads, store_embeddings=True, record_timing=True,
+                    reuse=os.path.join(folder, SCORES_FILE))
+    batch = {schema.KEY: np.array(keys, dtype=object),
+             schema.CAPTION: np.array([clean_caption(by_row[k]["caption"]) for k in keys], dtype=object),
+             schema.image_column(64): np.stack(_crops([by_row[k] for k in keys]))}
+    reused = reuse(batch)
+    assert reuse.reuse is not None and not hasattr(reuse, "embedder")  # no model loaded
+    for i, s in enumerate(samples[:3]):
+        assert reused["clip_score"][i] == s["clip_score"] and (reused["clip_embeds"][i] == s["clip_embeds"]).all()
+    batch[schema.KEY] = np.array(keys[:2] + ["not-in-the-first-pass"], dtype=object)
+    ran = reuse(batch)
+    assert reuse.embedder is not None and ran["_curate_seconds"].sum() > 0
+    assert ran["_curate_reused_seconds"].sum() == 0 and reused["_curate_seconds"].sum() == 0
+    assert ran["clip_score"][0] == pytest.approx(float(reused["clip_score"][0]), abs=1e-6)
+
+
+def _crops(rows):
+    from diffusion.convert.transforms import ImageChecks, center_square_crops, decode_image
+    return [center_square_crops(decode_image(r["jpg"], 64, ImageChecks())[0], [64])[64] for r in rows]
