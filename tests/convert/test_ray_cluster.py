@@ -105,18 +105,15 @@ def test_conversion_on_a_two_node_cluster_writes_the_keys_a_local_run_writes(
         two_node_cluster, converted, sample_data, tiny_kit, tmp_path):
     address, env = two_node_cluster
     out = tmp_path / "cluster-out"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--input", sample_data,
-                             "--output", str(out), "--model", tiny_kit, "--resolutions", "32", "64",
-                             "--deterministic"],
-                            cwd=ROOT, env=dict(env, RAY_ADDRESS=address), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "InvalidAuthToken" not in result.stderr
-    local_out, _ = converted
-    assert _keys(out) == _keys(local_out)
-
-    # Online mode on the same cluster plans its pools for the two small nodes (it hung silently for 20
-    # minutes), and Ctrl-C while it starts ends with the README's interrupt line and status 130 (it ended
-    # with rc 1 and no word): the real signal, sent once the plan is printed, as Ray Train starts.
+    conversion = subprocess.Popen([sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--input",
+                                   sample_data, "--output", str(out), "--model", tiny_kit, "--resolutions", "32", "64",
+                                   "--deterministic"],
+                                  cwd=ROOT, env=dict(env, RAY_ADDRESS=address), stdout=subprocess.DEVNULL,
+                                  stderr=(tmp_path / "convert.err").open("w"))
+    # Meanwhile (it imports while the conversion runs): online mode on the same cluster plans its pools for the
+    # two small nodes (it hung silently for 20 minutes), and Ctrl-C while it starts ends with the README's
+    # interrupt line and status 130 (it ended with rc 1 and no word): the real signal, sent once the plan is
+    # printed, as Ray Train starts.
     online = subprocess.Popen(
         [sys.executable, "-m", "diffusion.online", os.path.join(ROOT, "yamls", "tiny-online-cpu.yaml"),
          f"model.ref={tiny_kit}", f"data.online.input={sample_data}", f"data.online.work_dir={tmp_path / 'work'}",
@@ -134,12 +131,20 @@ def test_conversion_on_a_two_node_cluster_writes_the_keys_a_local_run_writes(
         time.sleep(3)
         online.send_signal(signal.SIGINT)  # what Ctrl-C sends
         online.communicate(timeout=180)
+        conversion.wait(timeout=600)
     finally:
         online.kill()
+        conversion.kill()
     err = (tmp_path / "online.err").read_text()
     assert online.returncode == 130, err[-3000:]
     assert re.fullmatch(r"online: interrupted (before its first batch|at batch \d+); re-run the same command to "
                         r"resume from its last checkpoint", err.strip().splitlines()[-1]), err[-3000:]
+
+    err = (tmp_path / "convert.err").read_text()
+    assert conversion.returncode == 0, err[-3000:]
+    assert "InvalidAuthToken" not in err
+    local_out, _ = converted
+    assert _keys(out) == _keys(local_out)
 
 
 def test_ray_start_and_join_failures_are_one_line():
