@@ -18,7 +18,8 @@ Under a cache limit (``data.train.cache_limit``) the mapped read keeps streaming
 own read does: each read touches the shard's access time (streaming evicts the least recently used),
 a shard evicted meanwhile is prepared again, and a map of an evicted shard is dropped (a mapped file
 keeps its disk blocks after it is deleted): at once by the process that evicts it, by any other
-process of the node at its next read.
+process of the node at its next read or shard preparation (so a worker that waits holds its maps of
+shards evicted meanwhile until then: the disk can pass the limit by those).
 
 Every shard is checked against index.json before a sample of it is returned, on either path: at
 construction, that each shard is there and each file present has the size the index records; once
@@ -354,6 +355,10 @@ class LatentDataset(StreamingDataset):
                 self._verify(shard_id, wait=blocking)
             except FileNotFoundError:
                 pass  # still compressed, or evicted since: checked when opened
+        if self._evictions is not None:  # the prefetch thread too, while the reading thread waits
+            _, _, counts, lock = self._cache_views()
+            with lock:
+                self._drop_evicted(counts)
 
     def on_exception(self, future) -> None:
         # Streaming re-raises a prefetch thread's error in this callback, where no one sees it, and the
@@ -430,15 +435,20 @@ class LatentDataset(StreamingDataset):
                                            threading.Lock())
         return views
 
+    def _drop_evicted(self, counts: np.ndarray) -> None:
+        """Drop the maps of shards evicted since they were made (another process evicted them); under the
+        maps' lock."""
+        total = int(counts[self.num_shards])
+        if total != self._evictions_seen:
+            self._evictions_seen = total
+            for stale in [s for s, (_, seen) in self._maps.items() if counts[s] != seen]:
+                del self._maps[stale]  # unmapped once no sample views it any more
+
     def _mapped_in_cache(self, shard_id: int, layout: _ShardLayout):
         _, access_times, counts, lock = self._cache_views()
         access_times[shard_id] = time.time_ns()  # a read, as streaming's get_item records it
-        total = int(counts[self.num_shards])
         with lock:
-            if total != self._evictions_seen:  # another process evicted: drop maps of deleted files
-                self._evictions_seen = total
-                for stale in [s for s, (_, seen) in self._maps.items() if counts[s] != seen]:
-                    del self._maps[stale]
+            self._drop_evicted(counts)
             entry = self._maps.get(shard_id)
             if entry is not None:
                 self._maps.move_to_end(shard_id)
