@@ -195,3 +195,27 @@ def test_a_t5_is_unmasked_by_default_under_the_mmdit_as_sd3_trains_it():
     assert text_mask_of(ModelConfig(), t5, "UNet2DConditionModel")
     assert text_mask_of(ModelConfig(text_mask=True), t5, "SD3Transformer2DModel")
     assert not text_mask_of(ModelConfig(), clip, "SD3Transformer2DModel")
+
+
+def test_the_adapter_is_found_through_fsdp1_checkpoint_compile_and_ddp_wrappers():
+    """The sampler (the image logger's grid, generate) looks the adapter up from the module it is handed; under
+    FSDP1 (the SD2 YAMLs) that is FSDP's wrapper, with checkpointing and compile inside it (it used to fail at
+    the first grid: "model.denoiser='FullyShardedDataParallel': no adapter for it")."""
+    from diffusers import SD3Transformer2DModel
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from diffusion.models import denoisers
+
+    class Wrapper(torch.nn.Module):  # FSDP1 keeps the wrapped module in _fsdp_wrapped_module, DDP in module
+        def __init__(self, name, inner):
+            super().__init__()
+            setattr(self, name, inner)
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                      caption_projection_dim=16, pooled_projection_dim=16)
+    mmdit = denoisers.adapter("SD3Transformer2DModel")
+    assert denoisers.adapter_for(Wrapper("_fsdp_wrapped_module", checkpoint_wrapper(torch.compile(model)))) is mmdit
+    assert denoisers.adapter_for(Wrapper("module", model)) is mmdit
+    with pytest.raises(ValueError, match="model.denoiser='Wrapper': no adapter for it"):
+        denoisers.adapter_for(Wrapper("module", torch.nn.Linear(1, 1)))

@@ -114,11 +114,13 @@ def unet_blocks(kit: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the launch's own limit: the aot_eager variants take 4-5 min each on a loaded 2-core box
 def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a_resume(train_kit, tmp_path):
     """FSDP1 and FSDP2 with ``trainer.compile``, an eval set whose last batch is partial, EMA (its own eval)
     and (FSDP2) a microbatch size with a remainder: every block compiled whole, no graph breaks, no graph
     compiled after the first eval, the eager run's weights and EMA; FSDP1 refuses to accumulate
-    microbatches compiled; with per-block activation checkpointing (FSDP2) the eager weights too; a
+    microbatches compiled; with per-block activation checkpointing (FSDP2; FSDP1 with the image logger's guided
+    batch at each eval's batch, nothing compiled after the first eval) the eager weights too; a
     compiled run stopped at batch 2 and resumed ends as the straight one. The logged pre-clip norm is the
     whole gradient's. With SD2-base's block structure (38 blocks) the graphs of the train and eval shapes
     exceed the old cache limit (one entry per block: the first eval died with FailOnRecompileLimitHit),
@@ -151,6 +153,13 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
     variants.append({"name": "fsdp2-checkpointed", "fsdp": 2, "overrides": [
         "trainer.fsdp={sharding_strategy: FULL_SHARD, version: 2}", micro[2], *guards_only,
         "trainer.activation_checkpointing=true"]})
+    # FSDP1 with checkpointed blocks compiled inside, and the image logger's guided batch (another shape and
+    # grad mode) sampled at each eval's batch
+    images = tmp_path / "images"
+    variants.append({"name": "fsdp1-checkpointed", "fsdp": 1, "overrides": [
+        fsdp1, micro[1], *guards_only, "trainer.activation_checkpointing=true",
+        f"callbacks.image_logger={{prompts: [a red circle], interval: 2ba, steps: 2, guidance_scale: 3.0, "
+        f"model_ref: {tiny_kit}, save_folder: {images}}}"]})  # the VAE and text encoder: the fitted kit's
     variants += [{"name": "stopped", "fsdp": 1, "overrides": [fsdp1, micro[1], *guards_only, "trainer.max_duration=2ba",
                                                              f"trainer.save_folder={saved}", "trainer.save_interval=2ba"]},
                  {"name": "resumed", "fsdp": 1, "overrides": [fsdp1, micro[1], *guards_only,
@@ -183,6 +192,13 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
     assert unwrapped.keys() == eager["final"].keys()
     for name, weight in eager["final"].items():
         torch.testing.assert_close(unwrapped[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    eager1 = torch.load(tmp_path / "fsdp1-eager-rank0.pt", weights_only=False)
+    checkpointed1 = torch.load(tmp_path / "fsdp1-checkpointed-rank0.pt", weights_only=False)
+    assert checkpointed1["checkpointed"] == blocks and checkpointed1["breaks"] == 0, checkpointed1["breaks"]
+    assert len(checkpointed1["at_eval"]) == 4 and len(set(checkpointed1["at_eval"])) == 1, checkpointed1["at_eval"]
+    assert len([n for n in os.listdir(images) if n.endswith(".png")]) >= 2  # a grid at batch 2 and at 4
+    for name, weight in eager1["final"].items():
+        torch.testing.assert_close(checkpointed1["final"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
     # the logged norm is the whole gradient's before clipping (clipped at 0.05: it did clip), on every rank
     for name in ("fsdp1-eager", "fsdp2-eager", "fsdp1-compiled", "fsdp2-compiled"):
         ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]

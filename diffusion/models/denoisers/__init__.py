@@ -36,13 +36,21 @@ def adapter(class_name: str) -> DenoiserAdapter:
     return found[class_name]
 
 
+# Where a wrapper keeps the module it wraps: FSDP1, activation checkpointing, torch.compile, DDP.
+_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "module")
+
+
 def adapter_for(module) -> DenoiserAdapter:
     """The adapter of a denoiser module, also once FSDP2 has wrapped it (its class is then a subclass
-    named ``FSDP<class>``): the first class in its ancestry with an adapter."""
+    named ``FSDP<class>``: the first class in its ancestry with an adapter) or FSDP1, activation
+    checkpointing, torch.compile or DDP has (the module inside the wrapper)."""
     found = _registry()
-    for cls in type(module).__mro__:
-        if cls.__name__ in found:
-            return found[cls.__name__]
+    inner = module
+    while inner is not None:
+        for cls in type(inner).__mro__:
+            if cls.__name__ in found:
+                return found[cls.__name__]
+        inner = next((getattr(inner, name) for name in _WRAPPED if getattr(inner, name, None) is not None), None)
     return adapter(type(module).__name__)  # one line naming it
 
 

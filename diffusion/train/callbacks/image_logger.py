@@ -76,10 +76,12 @@ class ImageLogger(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._due is not None and self._due(state, Event.BATCH_END):
+            _drop_fsdp1_gradients(state)
             self.log_grid(state, logger)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         if self._due is not None and self._due(state, Event.EPOCH_END):
+            _drop_fsdp1_gradients(state)
             self.log_grid(state, logger)
 
     def log_grid(self, state: State, logger: Logger):
@@ -139,6 +141,19 @@ class ImageLogger(Callback):
                 # Not swapped here; but during eval the EMA algorithm has swapped it in itself.
                 return contextlib.nullcontext(), lambda: getattr(algorithm, "_swapped", None) is not None
         return contextlib.nullcontext(), lambda: False
+
+
+def _drop_fsdp1_gradients(state) -> None:
+    """Under FSDP1 the step's gradients are let go before a grid drawn between steps (at an eval they are gone
+    already: :class:`diffusion.train.trainer.DropGradientsBeforeEval`). FSDP1 keeps each flat parameter's sharded
+    gradient beside the gathered weight, and a compiled block, compiled again for the grid's guided batch,
+    refuses such a tensor (``attempting to assign a gradient of size ...``). The optimizer has stepped and the
+    next batch sets them to None anyway; a callback after this one that reads them at the same batch end (an
+    optimizer monitor) finds none at the batches a grid is drawn."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in state.model.modules()):
+        for optimizer in state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
 
 def _sharded(model) -> bool:
