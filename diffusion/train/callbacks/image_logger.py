@@ -23,7 +23,7 @@ from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
 
 from diffusion.sample import grid
-from diffusion.train.algorithms.ema import EMA
+from diffusion.train.algorithms.ema import EMA, _uses_fsdp1
 from diffusion.models import sampling
 
 
@@ -150,8 +150,7 @@ def _drop_fsdp1_gradients(state) -> None:
     refuses such a tensor (``attempting to assign a gradient of size ...``). The optimizer has stepped and the
     next batch sets them to None anyway; a callback after this one that reads them at the same batch end (an
     optimizer monitor) finds none at the batches a grid is drawn."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    if any(isinstance(m, FullyShardedDataParallel) for m in state.model.modules()):
+    if _uses_fsdp1(state.model):
         for optimizer in state.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
