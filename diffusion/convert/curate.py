@@ -314,7 +314,6 @@ class Curator:
         self.reuse = None
         self._model = (embed, heads, device, cpu_threads)
         if reuse:  # torch and the model are loaded only for a batch the first pass did not score
-            from diffusion.convert.neardup import FirstPassScores
             self.reuse = FirstPassScores(reuse)
         else:
             self._load()
@@ -407,3 +406,51 @@ def curation_columns(computed, width: int | None, store_embeddings: bool) -> dic
     if store_embeddings:
         columns[EMBEDS] = f"ndarray:float16:{int(width)}"
     return columns
+
+
+class FirstPassScores:
+    """Each row's scores (and embedding) from a first pass's ``curated.parquet``, by key: a key's row
+    group is found by the groups' first keys, and the last few groups read are kept (rows arrive in
+    input-file order, so a batch's keys mostly fall in few groups)."""
+
+    CACHED_GROUPS = 8
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+        self.file = pq.ParquetFile(path)
+        self.firsts = json.loads(self.file.schema_arrow.metadata[b"first_keys"])
+        self.columns = [c for c in self.file.schema_arrow.names if c != "key"]
+        self.width = int(self.file.schema_arrow.metadata.get(b"width", b"0"))
+        self.groups: dict[int, tuple[dict, dict]] = {}
+
+    def _group(self, i: int) -> tuple[dict, dict]:
+        if i not in self.groups:
+            if len(self.groups) >= self.CACHED_GROUPS:
+                self.groups.pop(next(iter(self.groups)))
+            table = self.file.read_row_group(i)
+            rows = {k: j for j, k in enumerate(table.column("key").to_pylist())}
+            self.groups[i] = (rows, {c: table.column(c).to_pylist() if c == "embed" else
+                                     table.column(c).to_numpy() for c in self.columns})
+        return self.groups[i]
+
+    def get(self, keys: list[str]) -> tuple[dict, np.ndarray | None] | None:
+        """({score column: (B,) float32}, (B, D) float16 embeddings or None) of ``keys``, or None where a
+        key is not in the file."""
+        import bisect
+        found = {c: [] for c in self.columns}
+        for key in keys:
+            i = bisect.bisect_right(self.firsts, key) - 1
+            if i < 0:
+                return None
+            rows, values = self._group(i)
+            j = rows.get(key)
+            if j is None:
+                return None
+            for c in self.columns:
+                found[c].append(values[c][j])
+        embeds = None
+        if "embed" in found:
+            raw = found.pop("embed")
+            embeds = (np.stack([np.frombuffer(b, np.float16) for b in raw]) if raw else
+                      np.zeros((0, self.width), np.float16))
+        return {c: np.asarray(v, np.float32) for c, v in found.items()}, embeds

@@ -26,7 +26,7 @@ conversion, never by holding n x n similarities:
 3. **convert**: the removed keys are written per input file, and the conversion's read tasks drop
    them before decoding, recorded as ``near_duplicate`` / ``semantic_duplicate``. With ``--embed`` (square
    crops) the conversion's curation stage does not run the model again: it reads each kept row's scores
-   (and embedding) from ``curated.parquet`` (:class:`FirstPassScores`), the first pass's values for the
+   (and embedding) from ``curated.parquet`` (:class:`diffusion.convert.curate.FirstPassScores`), the first pass's values for the
    same crop and the same cleaned caption, so the stored columns are the ones the model gives.
 
 The decision is a function of the input and the settings only (files in order, rows in file order,
@@ -332,7 +332,7 @@ SCORES_GROUP = 65536  # rows per row group: the unit FirstPassScores reads
 def write_first_pass_scores(folder: str, mode: str) -> None:
     """``curated.parquet`` of a first pass with ``--embed``: key, every score (float32) and, where stored,
     the embedding (float16 bytes), sorted by key in row groups of :data:`SCORES_GROUP` whose first keys
-    the file's metadata lists (:class:`FirstPassScores` finds a key's group by them)."""
+    the file's metadata lists (:class:`diffusion.convert.curate.FirstPassScores` finds a key's group by them)."""
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
     from diffusion.convert.curate import SCORES
@@ -368,54 +368,6 @@ def first_pass_scores(folder: str | None, cfg) -> str | None:
     if any(c not in names for c in cfg.computed_columns()) or (cfg.store_embeddings and "embed" not in names):
         return None
     return path
-
-
-class FirstPassScores:
-    """Each row's scores (and embedding) from a first pass's ``curated.parquet``, by key: a key's row
-    group is found by the groups' first keys, and the last few groups read are kept (rows arrive in
-    input-file order, so a batch's keys mostly fall in few groups)."""
-
-    CACHED_GROUPS = 8
-
-    def __init__(self, path: str):
-        import pyarrow.parquet as pq
-        self.file = pq.ParquetFile(path)
-        self.firsts = json.loads(self.file.schema_arrow.metadata[b"first_keys"])
-        self.columns = [c for c in self.file.schema_arrow.names if c != "key"]
-        self.width = int(self.file.schema_arrow.metadata.get(b"width", b"0"))
-        self.groups: dict[int, tuple[dict, dict]] = {}
-
-    def _group(self, i: int) -> tuple[dict, dict]:
-        if i not in self.groups:
-            if len(self.groups) >= self.CACHED_GROUPS:
-                self.groups.pop(next(iter(self.groups)))
-            table = self.file.read_row_group(i)
-            rows = {k: j for j, k in enumerate(table.column("key").to_pylist())}
-            self.groups[i] = (rows, {c: table.column(c).to_pylist() if c == "embed" else
-                                     table.column(c).to_numpy() for c in self.columns})
-        return self.groups[i]
-
-    def get(self, keys: list[str]) -> tuple[dict, np.ndarray | None] | None:
-        """({score column: (B,) float32}, (B, D) float16 embeddings or None) of ``keys``, or None where a
-        key is not in the file."""
-        import bisect
-        found = {c: [] for c in self.columns}
-        for key in keys:
-            i = bisect.bisect_right(self.firsts, key) - 1
-            if i < 0:
-                return None
-            rows, values = self._group(i)
-            j = rows.get(key)
-            if j is None:
-                return None
-            for c in self.columns:
-                found[c].append(values[c][j])
-        embeds = None
-        if "embed" in found:
-            raw = found.pop("embed")
-            embeds = (np.stack([np.frombuffer(b, np.float16) for b in raw]) if raw else
-                      np.zeros((0, self.width), np.float16))
-        return {c: np.asarray(v, np.float32) for c, v in found.items()}, embeds
 
 
 def removed_keys(folder: str | None, name: str, reason: str) -> dict[str, str]:
