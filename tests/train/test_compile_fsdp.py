@@ -115,7 +115,7 @@ def unet_blocks(kit: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # the launch's own limit: the aot_eager variants take 4-5 min each on a loaded 2-core box
-def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a_resume(train_kit, tmp_path):
+def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a_resume(train_kit, tiny_kit, tmp_path):
     """FSDP1 and FSDP2 with ``trainer.compile``, an eval set whose last batch is partial, EMA (its own eval)
     and (FSDP2) a microbatch size with a remainder: every block compiled whole, no graph breaks, no graph
     compiled after the first eval, the eager run's weights and EMA; FSDP1 refuses to accumulate
