@@ -21,6 +21,14 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # own start, and one started in a quiet moment spins beside the other worker's next test: the demo's training
 # ran at 2.4 batches/s in CI against ~10 alone.) tests/test_cpus.py clears it where it tests that choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# For the same reason each worker's processes get its share of the CPUs as torch threads (one each on 2 CPUs
+# and 2 workers), as a user's OMP_NUM_THREADS would: two threads per process beside the other worker's tests
+# cost the demo's training ~20% more CPU-s per batch and ~20% more wall time (at load ~6: 150 batches in 64-70 s
+# and 55-59 CPU-s on one thread, 81-87 s and 68-74 CPU-s on two; the same losses). A single pytest process
+# (no xdist) leaves the threads to diffusion.cpus, as a run would.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1 and "OMP_NUM_THREADS" not in os.environ:
+    from diffusion.cpus import usable_cpus
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
