@@ -20,6 +20,8 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
@@ -393,6 +395,97 @@ def stream_to_batch(cfg: Config, info, empty_text_embeds) -> ToModelBatch:
                         empty_pooled=None if ids else info.empty_pooled())  # Flux's CLIP beside T5
 
 
+# ---- a finished run, re-run: told from the driver, before Ray starts ---------------------------------
+
+FINISHED_RECORD = "finished-run.json"  # in the run's work dir: the checkpoint a finished run ended on
+_COMPOSER_CHECKPOINT = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")  # Composer's default save_filename, rank 0
+
+
+def _config_digest(cfg: Config) -> str | None:
+    """The run's config (paths absolute), ``trainer.max_duration`` left out, as a digest; None if it
+    cannot be written down."""
+    try:
+        plain = dataclasses.asdict(cfg)
+        plain["trainer"]["max_duration"] = None
+        return hashlib.sha256(json.dumps(plain, sort_keys=True, default=repr).encode()).hexdigest()
+    except Exception:  # not written down: the run starts as usual
+        return None
+
+
+def _latest_file(cfg: Config) -> tuple[str, int] | None:
+    """The local checkpoint file autoresume would load and its batch (from Composer's default name), when
+    no later complete checkpoint sits beside it (autoresume's recovery would move ``latest`` there); else
+    None: a remote or sharded save folder, another layout, no checkpoint."""
+    t = cfg.trainer
+    if not (t.autoresume and t.save_folder and "://" not in t.save_folder):
+        return None
+    from diffusion.train import save_folder
+    from diffusion.train.trainer import checkpoint_path
+    latest = checkpoint_path(cfg)
+    if latest is None or not os.path.isfile(latest):
+        return None
+    folder, name = os.path.split(latest)
+    named = _COMPOSER_CHECKPOINT.match(name)
+    if named is None or not save_folder.is_complete(latest):
+        return None
+    batch = int(named.group(2))
+    for other in os.listdir(folder):
+        later = _COMPOSER_CHECKPOINT.match(other)
+        if later and int(later.group(2)) > batch:
+            return None
+    return latest, batch
+
+
+def _max_batches(cfg: Config) -> int | None:
+    duration = str(cfg.trainer.max_duration).strip()
+    return int(duration[:-2]) if duration.endswith("ba") and duration[:-2].isdigit() else None
+
+
+def _record_finished(cfg: Config, work_dir: str, batch: int) -> None:
+    """After a run that reached ``max_duration``: which checkpoint (name, size, time) it ended on and under
+    which config, so a re-run of the same command can say so without starting Ray (:func:`already_finished`)."""
+    latest, digest, max_batches = _latest_file(cfg), _config_digest(cfg), _max_batches(cfg)
+    if latest is None or digest is None or max_batches is None or latest[1] != batch or batch < max_batches:
+        return
+    stat = os.stat(latest[0])
+    record = {"checkpoint": latest[0], "batch": batch, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "config": digest}
+    with contextlib.suppress(OSError):
+        os.makedirs(work_dir, exist_ok=True)
+        partial = os.path.join(work_dir, f".partial-{FINISHED_RECORD}")
+        with open(partial, "w") as f:
+            json.dump(record, f)
+        os.replace(partial, os.path.join(work_dir, FINISHED_RECORD))
+
+
+def already_finished(cfg: Config, work_dir: str) -> OnlineResult | None:
+    """What re-running a finished run reports, found without Ray or a checkpoint load: autoresume's latest
+    checkpoint (a local file under Composer's default name, whole, none later beside it) is at or past
+    ``trainer.max_duration`` (in batches), and it is the very file a run of this same config (but for
+    ``max_duration``) recorded when it finished. Anything else is None, and the run starts as usual: its
+    workers load the checkpoint and say what it holds."""
+    max_batches = _max_batches(cfg)
+    if max_batches is None:
+        return None
+    latest = _latest_file(cfg)
+    if latest is None or latest[1] < max_batches:
+        return None
+    try:
+        with open(os.path.join(work_dir, FINISHED_RECORD)) as f:
+            record = json.load(f)
+        stat = os.stat(latest[0])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record != {"checkpoint": latest[0], "batch": latest[1], "size": stat.st_size,
+                                                  "mtime_ns": stat.st_mtime_ns, "config": _config_digest(cfg)}:
+        return None
+    from diffusion.train.trainer import finished_line
+    batch = latest[1]
+    return OnlineResult(batch=batch, resumed_from=batch, rejects=count_rejects(work_dir),
+                        checkpoint_folder=cfg.trainer.save_folder,
+                        finished=finished_line(f"{batch}ba", f"{max_batches}ba"))
+
+
 def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
     """Train from raw data on the current Ray cluster (a local one if none); ``extra_callbacks`` go
     to every worker's trainer (tests pass a fault injector)."""
@@ -404,6 +497,9 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
                     "will start training over instead of resuming")
     run_name = t.run_name or DEFAULT_RUN_NAME
     work_dir = os.path.join(o.work_dir, run_name)
+    finished = already_finished(cfg, work_dir)
+    if finished is not None:
+        return finished
     last_progress.clear()
     ray = _init_ray_with_progress()
 
@@ -426,6 +522,7 @@ def run_online(cfg: Config, extra_callbacks=()) -> OnlineResult:
     rejects = count_rejects(work_dir)
     log.info("online training ended at batch %s; rows rejected: %s", summary.get("batch"),
              ", ".join(f"{k}={v}" for k, v in sorted(rejects.items())) or "none")
+    _record_finished(cfg, work_dir, int(summary.get("batch") or 0))
     known = {f.name for f in dataclasses.fields(OnlineResult)}
     return OnlineResult(rejects=rejects, checkpoint_folder=t.save_folder,
                         **{k: v for k, v in summary.items() if k in known})

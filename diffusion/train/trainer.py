@@ -607,5 +607,10 @@ def finished_message(trainer: Trainer) -> str | None:
     state = trainer.state
     if state.max_duration is None or state.timestamp.get(state.max_duration.unit) < state.max_duration:
         return None
-    return (f"run already finished: the checkpoint is at {state.timestamp.get(state.max_duration.unit)} of "
-            f"trainer.max_duration={state.max_duration}; raise trainer.max_duration to train further")
+    return finished_line(state.timestamp.get(state.max_duration.unit), state.max_duration)
+
+
+def finished_line(at, max_duration) -> str:
+    """What a re-run of a finished run says: its checkpoint is ``at`` (e.g. ``6ba``) of ``max_duration``."""
+    return (f"run already finished: the checkpoint is at {at} of trainer.max_duration={max_duration}; raise "
+            f"trainer.max_duration to train further")

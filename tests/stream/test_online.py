@@ -192,6 +192,70 @@ def test_ctrl_c_in_online_mode_says_where_it_stopped(stop, progress, said, tmp_p
     assert (progress or "") in printed.out and "other output" not in printed.out
 
 
+def finished_save_folder(tmp_path, *extra, batch=6):
+    """A run's config and save folder as a finished online run leaves them: ``latest-rank0.pt`` -> the
+    whole checkpoint of its last batch, and the run's record of it in the work dir."""
+    from diffusion.stream import ray_workers
+    cfg = online_config("kit", tmp_path / "raw", tmp_path, *extra)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save({"state": {}}, folder / f"ep0-ba{batch}-rank0.pt")
+    os.symlink(f"ep0-ba{batch}-rank0.pt", folder / "latest-rank0.pt")
+    work_dir = str(tmp_path / "work" / (cfg.trainer.run_name or ray_workers.DEFAULT_RUN_NAME))
+    ray_workers._record_finished(ray_workers.with_absolute_paths(cfg), work_dir, batch)
+    return cfg, folder, work_dir
+
+
+def test_rerunning_a_finished_run_says_so_without_starting_ray(tmp_path, monkeypatch):
+    """The second run of a finished command reads the save folder's names, not its checkpoint, and says what
+    the workers' trainer would have said (the end-to-end re-run: test_a_killed_worker_...)."""
+    from types import SimpleNamespace
+    from composer.core import Time, Timestamp
+    from diffusion.stream import ray_workers
+    from diffusion.train.trainer import finished_message
+    cfg, _, _ = finished_save_folder(tmp_path)
+
+    def no_ray():
+        raise AssertionError("Ray was started for a finished run")
+    monkeypatch.setattr(ray_workers, "_init_ray_with_progress", no_ray)
+    again = run_online(cfg)
+    trainer = SimpleNamespace(state=SimpleNamespace(max_duration=Time.from_timestring("6ba"), timestamp=Timestamp(batch=6)))
+    assert again.finished == finished_message(trainer) and "at 6ba of trainer.max_duration=6ba" in again.finished
+    assert again.batch == again.resumed_from == 6 and not again.losses and again.rejects == {}
+
+
+@pytest.mark.parametrize("change", ["no record", "max_duration raised", "samples", "other config", "other name",
+                                    "checkpoint rewritten", "later checkpoint beside it", "cut short", "sharded"])
+def test_a_rerun_that_cannot_be_told_finished_from_names_starts_as_usual(change, tmp_path):
+    """Anything but the very checkpoint a finished run of this config recorded, under Composer's default
+    name, whole and the newest: the run starts (its workers load the checkpoint and say what it holds)."""
+    from diffusion.stream.ray_workers import already_finished, with_absolute_paths
+    cfg, folder, work_dir = finished_save_folder(tmp_path)
+    assert already_finished(with_absolute_paths(cfg), work_dir).finished  # as left: told finished
+    checkpoint = folder / "ep0-ba6-rank0.pt"
+    overrides = {"max_duration raised": ["trainer.max_duration=8ba"], "samples": ["trainer.max_duration=48sp"],
+                 "other config": ["optimizer.lr=0.5"]}.get(change, [])
+    if overrides:
+        cfg = online_config("kit", tmp_path / "raw", tmp_path, *overrides)
+    if change == "no record":
+        os.remove(os.path.join(work_dir, "finished-run.json"))
+    elif change == "other name":  # another save_filename: the batch is not in the name
+        os.replace(checkpoint, folder / "final.pt")
+        os.remove(folder / "latest-rank0.pt")
+        os.symlink("final.pt", folder / "latest-rank0.pt")
+    elif change == "checkpoint rewritten":
+        torch.save({"state": {"model": {}}}, checkpoint)
+    elif change == "later checkpoint beside it":  # autoresume's recovery would move latest there
+        torch.save({"state": {}}, folder / "ep0-ba8-rank0.pt")
+    elif change == "cut short":
+        checkpoint.write_bytes(checkpoint.read_bytes()[:100])
+    elif change == "sharded":
+        os.remove(folder / "latest-rank0.pt")
+        (folder / "ep0-ba6").mkdir()
+        os.symlink("ep0-ba6", folder / "latest-rank0.pt")
+    assert already_finished(with_absolute_paths(cfg), work_dir) is None
+
+
 # ---- end to end on the local Ray, slow -------------------------------------------------------------
 
 @pytest.mark.slow
