@@ -13,6 +13,7 @@ import pytest
 from diffusion import schema
 from diffusion.convert.pipeline import run_conversion
 from diffusion.convert.sink import KEYS_RECORD, REJECTS_DIR, committed_parts
+from diffusion.rejects import CAPTION_TOO_LONG, TOO_MANY_SCANS
 
 
 def _scene(rng) -> bytes:
@@ -65,21 +66,30 @@ def _hostile_input(raw, rng) -> None:
     _tar(raw / "x.tar", [(f"t{i}", {".jpg": img[i], ".txt": b"a dot"}) for i in range(3)], cut_in="t2.jpg")
     (raw / "y.parquet").write_bytes(b"")
     (raw / "z.parquet").write_text("not parquet")
+    # Memory and time bombs (issue 24 item 6; their readers' tests are in test_bombs.py), in this conversion
+    # rather than one of their own: a scene, a JPEG of 300 scans (over --max-scans 200) and a 250-character
+    # caption (over --max-caption-chars 200).
+    from hostile_files import scan_bomb
+    pq.write_table(pa.table({"jpg": [img[2], scan_bomb(300, (256, 256)), img[3]],
+                             "caption": ["a scene", "a scan bomb", "long " * 50]}), raw / "e.parquet")
 
 
 @pytest.mark.slow
 def test_hostile_rows_broken_files_and_damaged_records(convert_config, tmp_path, ray_local):
     raw, out = tmp_path / "raw", tmp_path / "mds"
     _hostile_input(raw, np.random.default_rng(0))
-    rejects = {"bad_caption": 4, "empty_caption": 3, "bad_size": 1, "bad_metadata": 1}
+    rejects = {"bad_caption": 4, "empty_caption": 3, "bad_size": 1, "bad_metadata": 1,
+               TOO_MANY_SCANS: 1, CAPTION_TOO_LONG: 1}  # the last two: e.parquet's bombs
     failed = {"x.tar", "y.parquet", "z.parquet"}
+    options = dict(input=str(raw), resolutions=(32,), max_scans=200, max_caption_chars=200)
 
-    summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
-    # a.parquet k0 k6 (the float TIFF), d.parquet 2, w.tar s0 s2, x.tar t0 t1 (before the damage)
-    assert summary.written == 8 and summary.rejects == rejects
+    summary = run_conversion(convert_config(out, **options))
+    # a.parquet k0 k6 (the float TIFF), d.parquet 2, e.parquet 1 (its bombs are rejects), w.tar s0 s2,
+    # x.tar t0 t1 (before the damage)
+    assert summary.written == 9 and summary.rejects == rejects
     assert set(summary.failed_inputs) == failed and "y.parquet" in summary.table()
     info = schema.DatasetInfo.load(str(out))
-    assert (info.count, info.rejects) == (8, rejects)
+    assert (info.count, info.rejects) == (9, rejects)
 
     # Damage the resume records as a disk or a kill would; fix one broken input. The re-run must
     # repair what it finds (damaged parts and reject files are redone) and count the same.
@@ -92,10 +102,11 @@ def test_hostile_rows_broken_files_and_damaged_records(convert_config, tmp_path,
     pq.write_table(pa.table({"caption": ["a fixed file"], "jpg": [_scene(np.random.default_rng(1))]}),
                    raw / "z.parquet")
 
-    again = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
-    assert again.written == 9 and again.rejects == rejects
+    again = run_conversion(convert_config(out, **options))
+    assert again.written == 10 and again.rejects == rejects
     assert set(again.failed_inputs) == failed - {"z.parquet"}  # read to its end: no longer failed
     from streaming import StreamingDataset
     keys = [s[schema.KEY] for s in StreamingDataset(local=str(out), shuffle=False, batch_size=1)]
-    assert len(keys) == len(set(keys)) == 9
+    assert len(keys) == len(set(keys)) == 10
     assert {"k0", "k6", "w.tar/s0", "w.tar/s2", "x.tar/t0", "x.tar/t1", "z.parquet:000000000"} <= set(keys)
+    assert {k for k in keys if k.startswith("e.parquet")} == {"e.parquet:000000000"}  # the scene, not a bomb
