@@ -222,11 +222,25 @@ def test_visualize_writes_crops_beside_decodings(converted):
     assert image.size == (2 * 64, 2 * 64)  # 2 samples: crop | decoding at the largest resolution
 
 
+@pytest.fixture(scope="module")
+def stopped_at_40(convert_config, ray_local, tmp_path_factory):
+    """(output dir, summary) of the "crash": a conversion stopped after 40 rows. The resume tests each
+    resume a copy of it (one conversion fewer: fresh Ray actors and their imports are most of one)."""
+    out = tmp_path_factory.mktemp("stopped") / "mds"
+    return out, run_conversion(convert_config(out, limit=40))
+
+
+def _copy_of(stopped, where):
+    import shutil
+    shutil.copytree(stopped, where)
+    return where
+
+
 @pytest.mark.slow
-def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path, manifest):
+def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path, manifest, stopped_at_40):
     clean = sorted(s[schema.KEY] for s in _read_back(converted[0]))
-    out = tmp_path / "resumed"
-    first = run_conversion(convert_config(out, limit=40))  # the "crash": stopped after 40 rows
+    out = _copy_of(stopped_at_40[0], tmp_path / "resumed")
+    first = stopped_at_40[1]  # the "crash": stopped after 40 rows
     assert 0 < first.written < manifest["good"]
     stale = out / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
     stale.mkdir()
@@ -256,13 +270,14 @@ def test_streamings_merge_index_on_the_output_root_gives_every_sample(converted,
 
 
 @pytest.mark.slow
-def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, convert_config, tmp_path, manifest):
+def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, convert_config, tmp_path, manifest,
+                                                                     stopped_at_40):
     """An output written before the records were .jsonl (killed part-way, and killed again while a
     re-run was renaming its records) finishes like a clean run, keeps what it had, and ends in the
     layout streaming's merge_index reads."""
     from streaming.base.util import merge_index
-    out = tmp_path / "old"
-    first = run_conversion(convert_config(out, limit=40))
+    out = _copy_of(stopped_at_40[0], tmp_path / "old")
+    first = stopped_at_40[1]
     parts = sorted(p.name for p in out.glob("part-*"))
     to_old_layout(out, half_done_part=parts[0])
     assert (out / parts[-1] / "keys.json").exists() and sorted((out / "rejects").glob("*.json"))
@@ -294,11 +309,9 @@ def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sam
     assert _snapshot(out) == before  # dataset.json, index and parts untouched
 
 
-@pytest.mark.slow
-def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_config, tmp_path, ray_local):
-    """Files whose names shared a stem, images differing only in suffix, a key repeated in one file
-    and a key repeated in another file: every row is written once or rejected once, before and after
-    a kill and re-run, and dataset.json counts what a reader sees."""
+def _colliding_input(raw):
+    """Files whose names shared a stem, images differing only in suffix, a key repeated in one file and a
+    key repeated in another file. Returns (distinct rows, duplicate rows, the caption of keyed.parquet's k1)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from diffusion.kit.sample import render_scene
@@ -310,7 +323,6 @@ def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_conf
         image.save(buf, "JPEG")
         return buf.getvalue(), caption
 
-    raw = tmp_path / "raw"
     for name in ("en/part-00000.parquet", "multi/part-00000.parquet", "laion.2023.parquet", "laion.2024.parquet"):
         (raw / name).parent.mkdir(parents=True, exist_ok=True)
         images, captions = zip(*(jpeg() for _ in range(5)))
@@ -322,31 +334,17 @@ def test_colliding_names_and_duplicate_keys_survive_kill_and_resume(convert_conf
     images, captions = zip(*(jpeg() for _ in range(2)))
     pq.write_table(pa.table({"jpg": list(images), "caption": list(captions), "key": ["k1", "k3"]}),
                    raw / "keyed2.parquet")  # k1 is keyed.parquet's: a duplicate here
-    distinct, duplicates = 4 * 5 + 3 + 1, 2
-
-    out = tmp_path / "mds"
-    run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=9))  # the "crash"
-    summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
-    samples = _read_back(out)
-    keys = [s[schema.KEY] for s in samples]
-    assert len(keys) == len(set(keys)) == distinct == summary.written
-    assert {s[schema.KEY]: s[schema.CAPTION] for s in samples}["k1"] == first_k1  # the first file's row
-    assert summary.rejects == {"duplicate_key": duplicates}
-    info = schema.DatasetInfo.load(str(out))
-    assert (info.count, info.rows_in) == (distinct, distinct + duplicates)
+    return 4 * 5 + 3 + 1, 2, first_k1
 
 
-@pytest.mark.slow
-def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_config, tmp_path, ray_local):
-    """en/00000.tar and multi/00000.tar both key their samples 000000000.. in their .json sidecars:
-    each key is written once, with en's image; multi's rows with en's keys are counted duplicate_key
-    rejects, the two whose keys en's rows (not samples: a caption not UTF-8, an empty one) left free
-    are written, before and after a kill and re-run, and "rows in" counts every row."""
+def _tar_runs_keyed_alike(raw):
+    """en/00000.tar and multi/00000.tar, both keying their samples 000000000.. in their .json sidecars;
+    en's 000000003 has a caption not UTF-8 and 000000004 an empty one. Returns {(run, key): caption}."""
     from diffusion.kit.sample import render_scene
     rng = np.random.default_rng(0)
-    raw, captions = tmp_path / "raw", {}
+    captions = {}
     for run in ("en", "multi"):
-        (raw / run).mkdir(parents=True)
+        (raw / run).mkdir(parents=True, exist_ok=True)
         with tarfile.open(raw / run / "00000.tar", "w") as tar:
             for i in range(6):
                 key = f"00000{i:04d}"
@@ -360,14 +358,46 @@ def test_two_img2dataset_tar_runs_keyed_alike_survive_kill_and_resume(convert_co
                     info = tarfile.TarInfo(key + ext)
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
+    return captions
+
+
+@pytest.mark.slow
+def test_colliding_names_duplicate_keys_and_tar_runs_keyed_alike_survive_kill_and_resume(convert_config, tmp_path,
+                                                                                         ray_local):
+    """One input, one kill and re-run (a conversion pair fewer than a test each) for two promises:
+
+    Files whose names shared a stem, images differing only in suffix, a key repeated in one file and a key
+    repeated in another file: every row is written once or rejected once, before and after a kill and
+    re-run, and dataset.json counts what a reader sees.
+
+    en/00000.tar and multi/00000.tar both key their samples 000000000.. in their .json sidecars: each key
+    is written once, with en's image; multi's rows with en's keys are counted duplicate_key rejects, the
+    two whose keys en's rows (not samples: a caption not UTF-8, an empty one) left free are written,
+    before and after a kill and re-run, and "rows in" counts every row."""
+    raw = tmp_path / "raw"
+    distinct, duplicates, first_k1 = _colliding_input(raw)
+    captions = _tar_runs_keyed_alike(raw)
     out = tmp_path / "mds"
-    run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=4, deterministic=True))  # the "crash"
+    # the "crash": in input order en/00000.tar (6 rows), then en/part-00000.parquet and keyed.parquet (9):
+    # stopped before keyed2.parquet and multi/, whose duplicates are of keys the crashed run wrote
+    run_conversion(convert_config(out, input=str(raw), resolutions=(32,), limit=15, deterministic=True))
     summary = run_conversion(convert_config(out, input=str(raw), resolutions=(32,)))
-    written = {s[schema.KEY]: s[schema.CAPTION] for s in _read_back(out)}
+    samples = _read_back(out)
+    keys = [s[schema.KEY] for s in samples]
+    assert len(keys) == len(set(keys))
+    tar_keys = {k for _, k in captions}
+    colliding = [k for k in keys if k not in tar_keys]
+    assert len(colliding) == distinct
+    assert {s[schema.KEY]: s[schema.CAPTION] for s in samples}["k1"] == first_k1  # the first file's row
+    written = {s[schema.KEY]: s[schema.CAPTION] for s in samples if s[schema.KEY] in tar_keys}
     expected = {k: captions["en", k] for k in ("000000000", "000000001", "000000002", "000000005")}
     assert written == {**expected, **{k: captions["multi", k] for k in ("000000003", "000000004")}}
-    assert summary.written == 6 and summary.rejects == {"duplicate_key": 4, "bad_caption": 1, "empty_caption": 1}
-    assert summary.rows_in == 12 == schema.DatasetInfo.load(str(out)).rows_in
+    # the two inputs' counts: colliding's distinct rows and 2 duplicate keys; the tars' 6 samples, 4 duplicate
+    # keys, a caption not UTF-8 and an empty one, of 12 rows
+    assert summary.written == distinct + 6
+    assert summary.rejects == {"duplicate_key": duplicates + 4, "bad_caption": 1, "empty_caption": 1}
+    info = schema.DatasetInfo.load(str(out))
+    assert (info.count, info.rows_in) == (distinct + 6, distinct + duplicates + 12) == (summary.written, summary.rows_in)
 
 
 def _bad_kinds(rows, manifest):
