@@ -286,7 +286,7 @@ def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, s
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_training_completes(tiny_t5_kit, sample_data, ray_local, tmp_path):
+def test_a_killed_worker_is_restarted_and_training_completes(tiny_t5_kit, sample_data, ray_local, tmp_path, capsys):
     # The MMDiT with rectified flow, from model.text=ids of a T5 at 24 tokens: the Ray pipeline runs no
     # text encoder, each worker encodes its batches' ids under their attention masks (and gets its text
     # encoder back when the group restarts), and the MMDiT attends to the captions' tokens only
@@ -304,8 +304,10 @@ def test_a_killed_worker_is_restarted_and_training_completes(tiny_t5_kit, sample
     denoiser, description, _ = load_denoiser(str(tmp_path / "ckpt" / "latest-rank0.pt"))
     assert type(denoiser).__name__ == "SD3Transformer2DModel" and description.objective == "flow"
     assert description.text_mask and description.text_length == 24
+    capsys.readouterr()
     again = run_online(online_config(tiny_t5_kit, sample_data, tmp_path, *mmdit))  # the same command again
     assert again.finished and "already finished" in again.finished and again.batch == 6 and not again.losses
+    assert "online pools" not in capsys.readouterr().out  # told from the save folder: no pools, no workers started
 
 
 
