@@ -398,7 +398,6 @@ def stream_to_batch(cfg: Config, info, empty_text_embeds) -> ToModelBatch:
 # ---- a finished run, re-run: told from the driver, before Ray starts ---------------------------------
 
 FINISHED_RECORD = "finished-run.json"  # in the run's work dir: the checkpoint a finished run ended on
-_COMPOSER_CHECKPOINT = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")  # Composer's default save_filename, rank 0
 
 
 def _config_digest(cfg: Config) -> str | None:
@@ -425,12 +424,12 @@ def _latest_file(cfg: Config) -> tuple[str, int] | None:
     if latest is None or not os.path.isfile(latest):
         return None
     folder, name = os.path.split(latest)
-    named = _COMPOSER_CHECKPOINT.match(name)
+    named = save_folder.CHECKPOINT_FILE.match(name)  # Composer's default save_filename, rank 0
     if named is None or not save_folder.is_complete(latest):
         return None
     batch = int(named.group(2))
     for other in os.listdir(folder):
-        later = _COMPOSER_CHECKPOINT.match(other)
+        later = save_folder.CHECKPOINT_FILE.match(other)
         if later and int(later.group(2)) > batch:
             return None
     return latest, batch

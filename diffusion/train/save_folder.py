@@ -47,7 +47,7 @@ PARTIAL_PREFIX = ".partial-"
 INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".run.lock"
 LATEST = "latest-rank0.pt"
-_CHECKPOINT = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")
+CHECKPOINT_FILE = re.compile(r"^ep(\d+)-ba(\d+)-rank0\.pt$")
 _SHARDED = re.compile(r"^ep(\d+)-ba(\d+)$")  # Composer's sharded_ckpt_prefix_dir
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -175,7 +175,7 @@ def recover(folder: str, start_fresh: bool = False) -> list[str]:
         if name.endswith(INCOMPLETE_SUFFIX):
             set_aside.append(name)
             continue
-        match = _CHECKPOINT.match(name) or _SHARDED.match(name)
+        match = CHECKPOINT_FILE.match(name) or _SHARDED.match(name)
         if not match or os.path.islink(path) or not os.path.exists(path):
             continue
         if os.path.isdir(path) != (_SHARDED.match(name) is not None):
@@ -196,7 +196,7 @@ def recover(folder: str, start_fresh: bool = False) -> list[str]:
         # rename and Composer's symlink update), which Composer would otherwise refuse to save past
         inside = os.path.dirname(os.path.abspath(target)) == os.path.abspath(folder)
         base = os.path.basename(os.path.normpath(target))
-        current = (_CHECKPOINT.match(base) or _SHARDED.match(base)) if inside else None
+        current = (CHECKPOINT_FILE.match(base) or _SHARDED.match(base)) if inside else None
         if newest is None or current is None or int(current.group(2)) >= max(complete)[0]:
             return notices
     if newest is not None:
@@ -245,7 +245,7 @@ def point_remote_latest(save_folder: str, run_name: str | None) -> list[str]:
         store = BACKEND_TO_OBJECT_STORE_FACTORY[backend](bucket, path)
         found = {}
         for key in store.list_objects(prefix):
-            match = _CHECKPOINT.match(key[len(prefix):])
+            match = CHECKPOINT_FILE.match(key[len(prefix):])
             if match:
                 found[int(match.group(2))] = key
         if not found:
