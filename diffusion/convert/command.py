@@ -1,8 +1,9 @@
 """The converter's command, ``python convert/laion_to_mds.py``: :func:`main` parses the flags
 (:class:`~diffusion.convert.config.ConvertConfig`, one per field), then runs the pipeline.
 
-Light on purpose: ``--help`` and a bad flag answer before Ray, torch or any model loads;
-:mod:`diffusion.convert.pipeline` is imported once the flags hold.
+Light on purpose: ``--help``, a bad flag and every check of :mod:`diffusion.convert.preflight` (inputs,
+models, a re-run's settings) answer before Ray, streaming, torch or any model loads;
+:mod:`diffusion.convert.pipeline` is imported once they hold.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def main(argv=None):
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32))
     cli.add_flags(parser, ConvertConfig)
     cfg = cli.from_flags(ConvertConfig, parser.parse_args(argv))
-    from diffusion.convert.pipeline import run_conversion  # Ray, torch and the models: after the flags
-    summary = run_conversion(cfg)
+    from diffusion.convert.preflight import preflight
+    checked = preflight(cfg)  # a wrong input, model or re-run setting: one line, before the heavy imports
+    from diffusion.convert.pipeline import run_conversion  # Ray, streaming, torch and the models: after the checks
+    summary = run_conversion(cfg, checked)
     print(summary.table())
     return summary

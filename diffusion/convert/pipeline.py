@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import shutil
@@ -25,20 +24,22 @@ import numpy as np
 
 from diffusion import schema
 from diffusion.cluster import init_ray
-from diffusion.errors import ConfigError, ModelReferenceError, OutputMismatchError
+from diffusion.errors import ConfigError
 from diffusion.convert.summary import ConversionSummary, bucket_counts, done_keys, summarize
 from diffusion.convert.encoders import LatentTextEncoder, describe_dataset
 from diffusion.convert.config import ConvertConfig
+from diffusion.convert.preflight import (  # noqa: F401 (the checks' old home: still importable here)
+    MAX_T5_TOKENS, SETTINGS_JSON, Preflight, check_output_settings, check_pooled_text, check_text_length, preflight,
+    recorded_settings, text_length_limit)
 from diffusion.convert.sink import (INDEX_JSON, REJECTS_DIR, MDSPartSink, committed_parts, part_roots,
                                      migrate_records, remove_temporary_parts, write_json_atomic)
 from diffusion.convert.progress import ConversionProgress, input_rows
-from diffusion.convert.readers import check_inputs, input_files, read_raw
+from diffusion.convert.readers import input_files, read_raw
 from diffusion.convert.dedupe import find_duplicates, later_copies
 from diffusion.convert.neardup import REASONS, find_near_duplicates, first_pass_scores, removed_keys, visualize_duplicates
-from diffusion.convert.where_check import check_where
 from diffusion.where import parse_where
 from diffusion.convert.transforms import ImageCaptionTransform, ImageChecks
-from diffusion.convert.recaption import Recaptioner, check_captioner
+from diffusion.convert.recaption import Recaptioner
 from diffusion.models import loading
 
 # Encoder batch per largest resolution on a GPU (the reference ran A10Gs at 120 @ 256 and 40 @ 512).
@@ -47,7 +48,6 @@ CPU_BATCH = 8
 RECAPTION_CPUS = 0.25  # a CPU captioning actor's share: with the other pools it still leaves the read tasks a CPU
 CURATE_CPUS = 0.25  # a CPU --embed actor's share, likewise
 CURATE_GPUS = 0.25  # a GPU --embed actor's share (a CLIP tower beside the VAE)
-SETTINGS_JSON = "convert.json"  # in the output: the settings its samples were made with
 MIN_TASK_CPUS = 0.1  # a read or write task's least share; less on some node is refused (check_placement)
 
 
@@ -289,83 +289,19 @@ def build_pipeline(cfg: ConvertConfig, out: str, skip_keys, plan: PoolPlan, dupl
         **encoder_options)
 
 
-def recorded_settings(out: str) -> dict:
-    """The settings an existing output was made with ({} for a new or empty one).
-
-    Outputs written before ``convert.json`` existed are described by their ``dataset.json``.
-    """
-    path = os.path.join(out, SETTINGS_JSON)
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                return {"key_scheme": 1, **json.load(f)}  # written before keys were derived from paths
-        except (ValueError, TypeError) as e:
-            raise OutputMismatchError(
-                f"{path} is damaged ({e}): it records the settings {out} was converted with, so a re-run can "
-                f"check it resumes with the same ones. Restore it, or delete it to resume without that check"
-            ) from None
-    if os.path.exists(os.path.join(out, schema.DATASET_JSON)):
-        try:
-            info = schema.DatasetInfo.load(out)
-        except (ValueError, TypeError) as e:
-            raise OutputMismatchError(f"{os.path.join(out, schema.DATASET_JSON)} is damaged ({e}); delete it and "
-                                      f"re-run: it is rewritten at the end of the conversion") from None
-        model = info.model
-        if os.path.isdir(model):
-            model = os.path.abspath(model)
-        return {"model": model, "resolutions": info.resolutions, "key_scheme": 1, "text_tokens": info.has_tokens,
-                "text_length": info.text_length,
-                **{k: info.extra[k] for k in ("min_size", "max_aspect", "max_pixels") if k in info.extra}}
-    return {}
-
-
-def check_output_settings(out: str, settings: dict) -> None:
-    """Refuse to add to an output made with other settings, before anything in it is touched."""
-    recorded = recorded_settings(out)
-    if recorded:  # recorded before these settings existed: made without them
-        recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
-                    "recaption": None, "text_length": schema.MAX_TOKENS, "text_tokens": False,
-                    "embed": None, "dedupe_threshold": None, "exclude": None, **recorded}
-    differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
-    if differ:
-        what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
-        raise OutputMismatchError(
-            f"{out} was converted with other settings ({what}). A re-run resumes a conversion only with "
-            f"the same settings: repeat them, or write to a new --output.")
-
-
-def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
-    """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts."""
+def run_conversion(cfg: ConvertConfig, checked: Preflight | None = None) -> ConversionSummary:
+    """Convert ``cfg.input`` into MDS at ``cfg.output``; resumes if the output holds earlier parts.
+    ``checked``: :func:`~diffusion.convert.preflight.preflight`'s answer for ``cfg``, where the caller
+    already asked (the command does, before this module's imports)."""
     start = time.perf_counter()
-    check_inputs(cfg.input, cfg.raw_columns())
-    if cfg.where and cfg.raw_columns().where:  # the rules on the input's columns (those on scores: --embed's)
-        check_where(input_files(cfg.input, cfg.raw_columns()), cfg.raw_columns())
-    loading.require_weights(cfg.model, ("vae", *loading.text_components(cfg.model)))
-    pooled_dim = check_pooled_text(cfg)
-    if cfg.recaption is not None:  # found (or fetched) once here, before any actor starts
-        check_captioner(loading.resolve_captioner(cfg.recaption), cfg.recaption)
-    embed_width = None
-    if cfg.embed is not None:  # found (or fetched) once here, and its heads checked against its width
-        from diffusion.convert.curate import Head, check_embedder
-        embed_width = check_embedder(cfg.embed)[1]
-        for kind, path in cfg.heads().items():
-            Head(path, kind, embed_width)
-    text_config = loading.load_text_encoder_config(cfg.model)
-    text_dim = loading.text_encoder_width(text_config)
-    check_text_length(cfg.model, cfg.text_length, text_config)
-    space = loading.latent_space_of(loading.load_vae_config(cfg.model))  # what the columns hold
-    out = cfg.staging_dir()
-    settings = cfg.output_settings()
-    # Token counts (text_tokens) are stored since the text length became a setting; an output begun
-    # before goes on without them, so its parts all have one set of columns.
-    recorded = recorded_settings(out)
-    settings["text_tokens"] = bool(recorded.get("text_tokens", False)) if recorded else True
-    check_output_settings(out, settings)
-    columns = schema.mds_columns(cfg.resolutions, text_dim, space.downsample, cfg.text, captions=cfg.extra_captions(),
-                                 text_length=cfg.text_length, tokens=settings["text_tokens"], latent_space=space,
-                                 pooled_dim=pooled_dim)
+    checked = checked or preflight(cfg)
+    out, settings = checked.out, checked.settings
+    columns = schema.mds_columns(cfg.resolutions, checked.text_dim, checked.space.downsample, cfg.text,
+                                 captions=cfg.extra_captions(), text_length=cfg.text_length,
+                                 tokens=settings["text_tokens"], latent_space=checked.space,
+                                 pooled_dim=checked.pooled_dim)
     from diffusion.convert.curate import curation_columns
-    curated = curation_columns(cfg.computed_columns(), embed_width, cfg.store_embeddings)
+    curated = curation_columns(cfg.computed_columns(), checked.embed_width, cfg.store_embeddings)
     columns.update(curated)
 
     created = not os.path.exists(out)
@@ -378,60 +314,6 @@ def run_conversion(cfg: ConvertConfig) -> ConversionSummary:
         raise
     summary.wall_seconds = time.perf_counter() - start
     return summary
-
-
-def check_pooled_text(cfg: ConvertConfig) -> int | None:
-    """The width of the pooled vector stored beside the embeddings where ``cfg.model`` has Flux's two text
-    encoders (None: one encoder); what they cannot store yet is refused in one line naming the option."""
-    width = loading.pooled_text_width(cfg.model)
-    if width is None:
-        return None
-    two = f"{cfg.model} has two text encoders (Flux's layout: T5's sequence and CLIP's pooled vector)"
-    if cfg.text == schema.TEXT_IDS_ONLY:
-        raise ConfigError(f"--text ids: {two}, and training encodes one text encoder's ids only: convert with "
-                          f"--text embeds (or both)")
-    if cfg.extra_captions():
-        raise ConfigError(f"--captions: {two}, and further captions store no pooled vector yet: convert one caption")
-    return width
-
-
-# Longest text a T5 is given where its tokenizer states no model_max_length: T5's relative positions
-# have no hard end, but its attention holds heads x L^2 floats per caption (T5-XXL: 4.3 GB at 4096).
-MAX_T5_TOKENS = 4096
-_NO_LIMIT = 10 ** 12  # transformers writes model_max_length=1e30 (VERY_LARGE_INTEGER) where none was set
-
-
-def text_length_limit(model: str, text_config: dict) -> tuple[int, str]:
-    """(most tokens ``model``'s text encoder reads, where that number comes from): CLIP's learned
-    positions (``max_position_embeddings``); for a T5, its tokenizer's ``model_max_length`` (the length
-    it was made for), else :data:`MAX_T5_TOKENS`."""
-    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT:
-        limit = text_config.get("max_position_embeddings")
-        return (int(limit), "its max_position_embeddings") if limit else (_NO_LIMIT, "")
-    try:
-        with open(os.path.join(loading.component_path(model, loading.text_slots(model)[1]), "tokenizer_config.json")) as f:
-            stated = json.load(f).get("model_max_length")
-    except (OSError, ValueError, AttributeError, ModelReferenceError):
-        stated = None  # no tokenizer config to read: loading the tokenizer later names the problem
-    if isinstance(stated, (int, float)) and 2 <= stated < _NO_LIMIT:
-        return int(stated), "its tokenizer's model_max_length"
-    return MAX_T5_TOKENS, "the limit for a T5 whose tokenizer states none"
-
-
-def check_text_length(model: str, text_length: int, text_config: dict | None = None,
-                      name: str = "--text-length") -> None:
-    """``text_length`` within what ``model``'s text encoder can read (:func:`text_length_limit`), in one
-    line before Ray starts: CLIP has learned positions for its context only, and a T5's attention grows
-    with the square of the length. ``name`` is the setting as the user wrote it."""
-    text_config = text_config if text_config is not None else loading.load_text_encoder_config(model)
-    limit, source = text_length_limit(model, text_config)
-    if text_length <= limit:
-        return
-    if loading.text_encoder_type(text_config) == loading.CLIP_TEXT:
-        raise ConfigError(f"{name} {text_length}: the text encoder of {model} is CLIP, which reads at most {limit} "
-                          f"tokens; use a T5 text encoder for longer captions")
-    raise ConfigError(f"{name} {text_length}: the text encoder of {model} ({text_config.get('model_type')}) reads at "
-                      f"most {limit} tokens ({source}); give {name} {limit} or less")
 
 
 def _bucket_columns(resolutions, text_dim: int, space: schema.LatentSpace, text: str, captions, text_length: int,
