@@ -73,10 +73,10 @@ def test_a_ten_megabyte_caption_is_a_reject_before_it_is_tokenized(tmp_path):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     rejects = {}
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: what the work costs, whatever the load
     rows = [r[schema.RAW_KEY] for r in iter_rows(tmp_path, RawColumns(max_caption_chars=100),
                                                  on_reject=rejects.update)]
-    assert time.perf_counter() - start < 5
+    assert time.process_time() - start < 5
     assert rows == ["00000.tar/t1", "ok", "accents"]  # 100 characters are kept, however many bytes they take
     assert rejects == {"00000.tar/t0": CAPTION_TOO_LONG, "huge": CAPTION_TOO_LONG}
     assert len([r for r in iter_rows(tmp_path, on_reject=rejects.update)]) == 3  # the default: 8192 characters
@@ -84,11 +84,11 @@ def test_a_ten_megabyte_caption_is_a_reject_before_it_is_tokenized(tmp_path):
 
 def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding():
     bomb = scan_bomb(2000)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: what the work costs, whatever the load
     with pytest.raises(Rejected) as e:
         decode_image(bomb, 64)
     assert e.value.reason == TOO_MANY_SCANS and "2010 scans" in str(e.value)
-    assert time.perf_counter() - start < 0.5  # decoding it takes about a second here, 500 s at 4096 x 4096
+    assert time.process_time() - start < 0.5  # CPU-s; decoding it takes about a second here, 500 s at 4096 x 4096
     image, width, height = decode_image(progressive_jpeg(), 64)  # a progressive JPEG of 10 scans is fine
     assert (width, height) == (1024, 1024)
     with pytest.raises(Rejected):

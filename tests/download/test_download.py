@@ -319,10 +319,10 @@ def test_check_image_refuses_giants_before_decoding():
 
 
 def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding_and_counted(server, tmp_path):
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(FetchError, match="too_many_scans: a JPEG of 2010 scans"):
         check_image(SCAN_BOMB, RULES)
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5  # CPU-s: decoding it would take about 1, whatever the load
     assert check_image(progressive_jpeg(), RULES).width == 1024  # 10 scans: an ordinary progressive JPEG
     server.reset()
     src = _write_input(tmp_path / "in.parquet", [server.url("/scans.jpg"), server.url("/ok.jpg")])
