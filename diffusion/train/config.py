@@ -518,6 +518,24 @@ def _check_streams(name: str, loader: TrainLoaderConfig) -> None:
     _require(dup is None, f"{key} lists {dup} twice: give it once, with a larger proportion or repeat")
 
 
+def _check_unread_settings(m: ModelConfig) -> None:
+    """Refuse, in one line naming it, a key the objective's own other settings leave unread (issue 47 item 7):
+    the logit-normal draw's mean and std under another ``sigma_density``, ``mode_scale`` off the mode draw,
+    ``min_snr_floor`` without min-SNR weighting; and a min-SNR γ that is not positive (it would weight the
+    loss by min(SNR, γ)/SNR ≤ 0)."""
+    f, default = m.flow, FlowConfig()
+    unread = {"logit_mean": "logit_normal", "logit_std": "logit_normal", "mode_scale": "mode"}
+    for key, density in unread.items():
+        _require(f.sigma_density == density or getattr(f, key) == getattr(default, key),
+                 f"model.flow.{key}={getattr(f, key)} is read only with model.flow.sigma_density={density}, and "
+                 f"this run draws sigma by {f.sigma_density}, which would ignore it: remove the key")
+    _require(m.min_snr_gamma is None or m.min_snr_gamma > 0,
+             f"model.min_snr_gamma={m.min_snr_gamma} must be positive (5.0 in the paper), or null for uniform weights")
+    _require(not m.min_snr_floor or m.min_snr_gamma is not None,
+             f"model.min_snr_floor={m.min_snr_floor} is read only with model.min_snr_gamma set (it floors min-SNR's "
+             f"weights), which would ignore it: set model.min_snr_gamma, or remove the key")
+
+
 def _check_model(m: ModelConfig) -> None:
     from diffusion.models import denoisers, objectives
     if m.objective is not None and m.objective not in objectives.names():
@@ -536,6 +554,7 @@ def _check_model(m: ModelConfig) -> None:
                           f"terminal step): set model.prediction_type=v_prediction")
     if trains:  # a key only another objective reads (model.min_snr_gamma under flow ...) is refused, not ignored
         objectives.check_keys(trains, m)  # (trains null: the reference's scheduler decides, at build_model)
+    _check_unread_settings(m)
     _require(m.min_snr_floor >= 0, f"model.min_snr_floor={m.min_snr_floor} must be >= 0")
     if m.zero_terminal_snr and m.min_snr_gamma and not m.min_snr_floor:
         print("note: model.min_snr_gamma with model.zero_terminal_snr gives the terminal step (SNR = 0) loss "

@@ -45,6 +45,26 @@ def test_a_key_the_objective_does_not_read_is_refused_naming_it(objective, overr
         objectives.check_keys("flow", ModelConfig(min_snr_gamma=5.0))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.flow.logit_mean=1.0", "model.flow.logit_mean=1.0 is read only with model.flow.sigma_density=logit_normal"),
+    ("model.flow.mode_scale=0.5", "model.flow.mode_scale=0.5 is read only with model.flow.sigma_density=mode"),
+    ("model.min_snr_floor=0.1", "model.min_snr_floor=0.1 is read only with model.min_snr_gamma set"),
+    ("model.min_snr_gamma=-5.0", "model.min_snr_gamma=-5.0 must be positive")])
+def test_a_setting_the_objectives_other_settings_leave_unread_is_refused(override, message):
+    """Issue 47, item 7 within one objective: the logit-normal draw's mean under a uniform draw, the mode draw's
+    scale under logit-normal, min-SNR's floor without min-SNR were accepted and ignored (a negative gamma
+    weighted the loss below 0)."""
+    yaml = os.path.join(ROOT, "yamls", "tiny-flux-mlperf-cpu.yaml" if "flow" in override else "tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(message)}"):
+        load_config(yaml, [override])
+    # read where the setting that reads it is on
+    fix = {"logit_mean": "model.flow.sigma_density=logit_normal", "mode_scale": "model.flow.sigma_density=mode",
+           "floor": "model.min_snr_gamma=5.0"}
+    reader = next((v for k, v in fix.items() if k in override), None)
+    if reader:
+        load_config(yaml, [override, reader])
+
+
 def test_recipe_numbers():
     p1, p2 = load_config(f"{ROOT}/yamls/sd2-base-256.yaml"), load_config(f"{ROOT}/yamls/sd2-base-512.yaml")
     assert (p1.data.train.batch_size, p1.trainer.max_duration, p1.model.resolution) == (2048, "550000ba", 256)
