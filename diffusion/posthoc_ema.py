@@ -134,6 +134,9 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
         raise InputError(f"{run}: no {LATEST} to take the model from: give --checkpoint (a checkpoint of the run)")
     if os.path.abspath(out) in {os.path.abspath(base), os.path.realpath(base)}:
         raise UserError(f"--out {out} is the run's own checkpoint: write the average to a new file")
+    if os.path.isdir(out):
+        raise UserError(f"--out {out} is a folder: name the checkpoint file to write, e.g. "
+                        f"{os.path.join(out, f'ema-{sigma_rel:g}.pt')}")
     model_state = read_state(base)["model"]
     extra, identity = model_state.get("_extra_state"), snapshots[-1].run
     found = _differences(extra, identity) if isinstance(extra, dict) and identity is not None else []

@@ -67,13 +67,17 @@ def test_the_command_writes_a_checkpoint_generate_and_export_take(run, tmp_path,
     (["--sigma-rel", "0.4"], "--sigma-rel: sigma_rel 0.4 must be a number in (0, 0.2887): a fraction of the run's "
                              "length, e.g. 0.05 or 0.10 (EDM2's range)"),
     (["--sigma-rel", "0.1", "--batch", "4"], "--batch 4: no snapshot at that batch; the run has snapshots at [3, 6]"),
+    (["--sigma-rel", "0.1", "--out", "{tmp}"], "--out {tmp} is a folder: name the checkpoint file to write, e.g. "
+                                               "{tmp}/ema-0.1.pt"),
 ])
 def test_bad_input_is_one_line(run, tmp_path, capsys, args, message):
     from diffusion.posthoc_ema import main
+    args = [a.format(tmp=tmp_path) for a in args]
     with pytest.raises(SystemExit) as exit:
         cli.run(main, "posthoc_ema", ["--run", run, "--out", str(tmp_path / "x.pt"), *args])
     assert exit.value.code == 2
-    assert capsys.readouterr().err.strip() == f"posthoc_ema: error: {message}"
+    assert capsys.readouterr().err.strip() == f"posthoc_ema: error: {message.format(tmp=tmp_path)}"
+    assert os.listdir(tmp_path) == []  # nothing written, not even a partial file
 
 
 def test_a_run_without_snapshots_is_one_line(tmp_path, capsys):
