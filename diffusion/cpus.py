@@ -138,6 +138,7 @@ def override_note() -> str | None:
     given = _override()
     if enabled() and given is not None and given > machine_cpus():
         given = os.environ[ENV].strip()
+        given = given if len(given) <= 20 else f"{given[:8]}...({len(given)} digits)"  # one line, not 5000 digits
         return (f"note: {ENV}={given} is more CPUs than this machine has; planning for its {machine_cpus()} "
                 f"(a Ray cluster you join counts its own)")
     return None

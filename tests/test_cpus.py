@@ -177,6 +177,7 @@ def test_an_override_beyond_the_machine_is_capped_and_says_so(monkeypatch):
     assert plan.num_transformers + plan.num_encoders <= machine
     monkeypatch.setenv(cpus.ENV, "9" * 5000)  # no 5000-digit parse either
     assert cpus.usable_cpus() == machine
+    assert cpus.override_note().startswith("note: DIFFUSION_CPUS=99999999...(5000 digits) is more CPUs than")
     result = _command("pass", {cpus.ENV: "1000000000"})
     assert result.returncode == 0 and result.stderr == (
         f"note: DIFFUSION_CPUS=1000000000 is more CPUs than this machine has; planning for its {machine} "
