@@ -627,6 +627,13 @@ def _check_consistency(cfg: Config) -> None:
              f"optimizer.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     _require(math.isfinite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a small positive number")
     _require(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1)")
+    # a key only the other optimizer reads is refused, not ignored (issue 47 item 7)
+    unread = ("momentum", "nesterov", "ns_coefficients", "ns_eps") if o.name != "muon" else ("fused",)
+    for key in unread:
+        value = getattr(o, key)
+        _require(value == getattr(OptimizerConfig(), key),
+                 f"optimizer.{key}={value!r} is read only by optimizer.name={'adamw' if key == 'fused' else 'muon'}, "
+                 f"and this run trains {o.name}, which would ignore it: remove the key")
     _require(o.name != "muon" or t.fsdp is None or (t.fsdp.version == 1 and t.fsdp.sharding_strategy == "NO_SHARD"),
              f"optimizer.name=muon needs whole weight matrices, which FSDP shards (trainer.fsdp.version="
              f"{t.fsdp.version if t.fsdp else None}, sharding_strategy={t.fsdp.sharding_strategy if t.fsdp else None}): "

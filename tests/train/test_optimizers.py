@@ -5,6 +5,7 @@ train what one process trains."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -144,6 +145,19 @@ def test_muon_under_sharded_fsdp_is_refused_in_one_line(fsdp):
     with pytest.raises(ConfigError, match=r"^optimizer.name=muon needs whole weight matrices.*DDP \(trainer.fsdp=null\)"):
         load_config(YAML, ["optimizer.name=muon", f"trainer.fsdp={fsdp}"])
     load_config(YAML, ["optimizer.name=muon", "trainer.fsdp={sharding_strategy: NO_SHARD}"])
+
+
+@pytest.mark.parametrize("name, override", [("adamw", "optimizer.nesterov=true"), ("adamw", "optimizer.momentum=0.9"),
+                                            ("adamw", "optimizer.ns_coefficients=quintic"),
+                                            ("adamw", "optimizer.ns_eps=1e-5"), ("muon", "optimizer.fused=true")])
+def test_a_key_the_other_optimizer_reads_is_refused_naming_it(name, override):
+    """Issue 47, item 7 for the optimizer: Muon's keys under AdamW (and AdamW's fused under Muon) were accepted
+    and ignored."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=.* is read only by optimizer.name=\w+, and this run "
+                                          rf"trains {name}, which would ignore it"):
+        load_config(YAML, [f"optimizer.name={name}", override])
+    load_config(YAML, [f"optimizer.name={'muon' if name == 'adamw' else 'adamw'}", override])  # read there
 
 
 @pytest.fixture(scope="module")
