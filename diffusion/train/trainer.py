@@ -499,6 +499,10 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         dataset_info.text_column("ids" if text_column == schema.INPUT_IDS else "embeds", [cfg.data.eval])
     if text_column == schema.INPUT_IDS:
         attach_text_encoder(cfg, model, info, empty_text_embeds)
+    elif cfg.model.text_encoder:  # read only from token ids: refused, not ignored (issue 47 item 7)
+        raise ConfigError(f"model.text_encoder={cfg.model.text_encoder} is read only when the run trains from token "
+                          f"ids, and this run reads the stored text embeddings, which would ignore it: remove the "
+                          f"key (or set model.text=ids on a dataset holding ids)")
     # the captions' token counts: attention masks for the denoiser, or for a text encoder that reads them
     # (a given train_dataloader, online mode's stream, carries them itself)
     tokens = model.text_mask or bool(model.text_encoder is not None and model.text_encoder.takes_mask)

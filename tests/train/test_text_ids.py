@@ -14,7 +14,7 @@ from composer.core import Callback
 from diffusion import schema
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
 from diffusion.train.config import load_config
-from diffusion.errors import DatasetMismatchError, ModelReferenceError
+from diffusion.errors import ConfigError, DatasetMismatchError, ModelReferenceError
 from diffusion.train.trainer import build_trainer
 from train_fixtures import close_trainer, fit_in_process, kit_text_dim, tiny_overrides, write_latent_mds
 
@@ -176,6 +176,9 @@ def test_which_text_a_run_reads_is_refused_at_start_where_a_dataset_lacks_it(tra
         build_trainer(_config(train_kit, datasets["ids"], "model.text=embeds"))
     with pytest.raises(DatasetMismatchError, match=r"holds no token ids .* model.text=ids"):
         build_trainer(_config(train_kit, datasets["embeds"], "model.text=ids"))
+    # a text encoder named for a run that reads stored embeddings was ignored (issue 47 item 7): refused
+    with pytest.raises(ConfigError, match=r"^model.text_encoder=.* is read only when the run trains from token ids"):
+        build_trainer(_config(train_kit, datasets["both"], f"model.text_encoder={train_kit}"))
     mix = ["data.train.path=null", f"data.train.streams=[{{path: {datasets['embeds']}}}, {{path: {datasets['ids']}}}]"]
     with pytest.raises(DatasetMismatchError, match=r"holds text embeddings only where .* holds token ids only"):
         build_trainer(_config(train_kit, datasets["embeds"], *mix))
