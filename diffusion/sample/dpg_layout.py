@@ -26,8 +26,12 @@ def read_prompts(directory: str) -> list[tuple[str, str]]:
         raise InputError(f"{directory}: no ID.txt prompt files, as DPG-Bench's dpg_bench/prompts has")
     prompts = []
     for name in names:
-        with open(os.path.join(directory, name), encoding="utf-8") as f:
-            text = " ".join(f.read().split())
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                text = " ".join(f.read().split())
+        except UnicodeDecodeError as e:
+            raise InputError(f"{os.path.join(directory, name)}: not a text prompt (byte {e.start} is not UTF-8 "
+                             f"text)") from None
         if not text:
             raise InputError(f"{os.path.join(directory, name)}: an empty prompt")
         prompts.append((name[:-len(".txt")], text))

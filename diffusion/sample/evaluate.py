@@ -90,7 +90,14 @@ def _file_images(path: str, skipped: collections.Counter):
         skipped[f"{path}: {type(e).__name__}"] += 1
         return
     caption = os.path.splitext(path)[0] + ".txt"
-    prompt = open(caption).read().strip() if os.path.exists(caption) else None
+    try:
+        with open(caption, encoding="utf-8") as f:
+            prompt = f.read().strip()
+    except FileNotFoundError:
+        prompt = None
+    except (OSError, UnicodeDecodeError) as e:
+        skipped[f"{caption}: unreadable caption ({type(e).__name__})"] += 1
+        return
     yield image, prompt
 
 

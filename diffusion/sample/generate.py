@@ -61,8 +61,11 @@ def generate_grid(checkpoint: str, prompts: list[str], out: str, *, images_per_p
 
 def read_prompts(path: str) -> list[str]:
     """Prompts from a text file, one per line; blank lines and lines starting with # are skipped."""
-    with open(path) as f:
-        prompts = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not a text file of prompts (byte {e.start} is not UTF-8 text)") from None
     if not prompts:
         raise InputError(f"{path}: no prompts (one per line expected)")
     return prompts

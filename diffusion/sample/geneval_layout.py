@@ -27,18 +27,22 @@ SAMPLES = "samples"
 def read_metadata(path: str) -> list[dict]:
     """The metadata lines of a JSONL prompts file; each needs ``prompt`` (text) and ``tag``."""
     lines = []
-    with open(path) as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or "tag" not in line:
-                raise InputError(f"{path}:{number}: a metadata line needs \"prompt\" (text) and \"tag\", as "
-                                 f"GenEval's evaluation_metadata.jsonl has")
-            lines.append(line)
+    try:
+        with open(path, encoding="utf-8") as f:
+            texts = f.read().split("\n")  # as iterating the file splits (not at a U+2028 inside a string)
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not a JSONL text file (byte {e.start} is not UTF-8 text)") from None
+    for number, text in enumerate(texts, start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or "tag" not in line:
+            raise InputError(f"{path}:{number}: a metadata line needs \"prompt\" (text) and \"tag\", as "
+                             f"GenEval's evaluation_metadata.jsonl has")
+        lines.append(line)
     if not lines:
         raise InputError(f"{path}: no metadata lines")
     return lines

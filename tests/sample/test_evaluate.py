@@ -100,11 +100,14 @@ def test_inputs_grids_captioned_files_and_parquet_with_bad_rows(tmp_path, sample
     images[0].save(tmp_path / "single.png")
     (tmp_path / "single.txt").write_text("a lone red image\n")
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    images[1].save(tmp_path / "zbinary.png")  # its caption is not text: the image is skipped and counted
+    (tmp_path / "zbinary.txt").write_bytes(b"\x80\xffPK\x03\x04")
     skipped = collections.Counter()
     found = list(evaluate.iter_images(str(tmp_path), skipped))
     assert [p for _, p in found] == ["red one", "blue one", "a lone red image"]
     assert np.array_equal(np.asarray(found[1][0]), np.asarray(images[1]))
-    assert list(skipped) == [f"{tmp_path / 'broken.jpg'}: UnidentifiedImageError"]
+    assert list(skipped) == [f"{tmp_path / 'broken.jpg'}: UnidentifiedImageError",
+                             f"{tmp_path / 'zbinary.txt'}: unreadable caption (UnicodeDecodeError)"]
 
     manifest = json.loads((pathlib.Path(sample_data) / "manifest.json").read_text())
     skipped = collections.Counter()
@@ -269,3 +272,12 @@ def test_dpg_prompts_refuse_more_than_four_images_and_name_an_empty_file(tiny_ki
     (prompts / "4.txt").write_text("  \n")
     with pytest.raises(InputError, match="4.txt: an empty prompt"):
         dpg_layout.read_prompts(str(prompts))
+    # a binary file given as prompts (a checkpoint, an image): one line naming it, for each prompts form
+    from diffusion.sample import generate, geneval_layout
+    (prompts / "4.txt").write_bytes(b"PK\x03\x04\x80\xff")
+    (tmp_path / "p.txt").write_bytes(b"PK\x03\x04\x80\xff")
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "a", "tag": "colors"}\n\x80\xff')
+    for read, path in ((dpg_layout.read_prompts, prompts), (generate.read_prompts, tmp_path / "p.txt"),
+                       (geneval_layout.read_metadata, tmp_path / "p.jsonl")):
+        with pytest.raises(InputError, match=r"p(\.txt|\.jsonl|rompts/4\.txt): not a .*text.* \(byte \d+ is not UTF-8 text\)"):
+            read(str(path))
