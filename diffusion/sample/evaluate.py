@@ -510,6 +510,9 @@ def main(argv=None) -> None:
         _check_inputs([args.inception_weights], "--inception-weights")
     if args.out:
         generate.check_output_file(args.out, None, "--out")
+    if args.save_images and os.path.exists(args.save_images) and not os.path.isdir(args.save_images):
+        raise NotADirectoryError(errno.ENOTDIR, "--save-images is a file; give a folder for the generated images",
+                                 args.save_images)  # before any image is generated, not after
     images, protocol = args.images, None
     if args.checkpoint:
         lines = geneval_layout.read_metadata(args.prompts_file) if args.prompts_file.endswith(".jsonl") else None

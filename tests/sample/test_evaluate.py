@@ -201,9 +201,20 @@ def test_cli_generates_from_a_checkpoint_then_scores(tiny_kit, tiny_clip, sample
     assert again["fid"] == pytest.approx(metrics["fid"], rel=1e-3)
 
 
-def test_cli_needs_images_or_a_checkpoint(tiny_clip):
+def test_cli_needs_images_or_a_checkpoint(tiny_clip, tiny_kit, tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--clip-model", tiny_clip])
+    from diffusion import cli
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    taken = tmp_path / "grid.png"
+    taken.write_bytes(b"an earlier grid")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # refused before the model loads, and the file is left as it was
+        cli.run(evaluate.main, "evaluate", ["--checkpoint", tiny_kit, "--prompts-file", str(tmp_path / "p.txt"),
+                                            "--judge", "--save-images", str(taken), "--steps", "1", "--device", "cpu"])
+    assert capsys.readouterr().err == (f"evaluate: error: {taken}: --save-images is a file; give a folder for the "
+                                       f"generated images\n")
+    assert taken.read_bytes() == b"an earlier grid"
 
 
 def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip, sample_data, tmp_path):
