@@ -31,6 +31,10 @@ class ModelDescription:
     # The denoiser's pooled vector came from the model reference's second text encoder (Flux's CLIP beside T5),
     # not the mean of the text states; False in checkpoints written before.
     pooled_text: bool = False
+    # The value a guidance-distilled denoiser (Flux.1-dev's guidance_embeds) read in its guidance embedding in
+    # training (model.embedded_guidance); sampling feeds it the same. None: no such embedding, or a checkpoint
+    # written before it was recorded (then the training default, 1.0).
+    embedded_guidance: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,6 +89,8 @@ class ModelDescription:
         denoiser = self.adapter.model_class.from_config(self.denoiser_config)
         if self.text_mask:
             self.adapter.enable_text_mask(denoiser)
+        if self.denoiser_config.get("guidance_embeds"):  # sampled at the value it was trained with
+            denoiser.embedded_guidance = 1.0 if self.embedded_guidance is None else float(self.embedded_guidance)
         return denoiser
 
     @property

@@ -115,7 +115,8 @@ class LatentDiffusion(ComposerModel):
                                 objective_params=self.objective.settings(), scaling_factor=self.scaling_factor,
                                 resolution=self.resolution, text_dim=self.text_dim, text_length=self.text_length,
                                 text_mask=self.text_mask, latent_space=self.latent_space.to_dict(),
-                                pooled_text=self.pooled_text)
+                                pooled_text=self.pooled_text,
+                                embedded_guidance=getattr(self.denoiser, "embedded_guidance", None))
 
     # ---- the one place latents are scaled ------------------------------------------------------------
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
@@ -345,7 +346,7 @@ class LatentDiffusion(ComposerModel):
         if loaded.objective != mine.objective:
             raise ConfigError(f"the checkpoint was trained with the {loaded.objective} objective, this run trains "
                               f"{mine.objective}: a phase continues its predecessor's objective")
-        for key in ("scaling_factor",):
+        for key in ("scaling_factor", "embedded_guidance"):
             if getattr(loaded, key) not in (None, getattr(mine, key)):
                 warnings.warn(f"checkpoint {key}={getattr(loaded, key)!r} differs from this run's {getattr(mine, key)!r}")
         if loaded.noise_schedule not in (None, mine.noise_schedule):

@@ -188,22 +188,37 @@ def main(argv=None) -> None:
     two = loading.pooled_text_slots(out) is not None  # every text encoder in its own slot: prompts as strings
     empty = ", " + ", ".join(f"{slot}=None" for slot in adapter.empty_slots) if adapter.empty_slots and not two else ""
     print(f"wrote {os.path.abspath(out)}: load with diffusers.{pipeline_class}.from_pretrained({out!r}{empty})")
+    described = trained_description(args.checkpoint)
+    size = described.resolution if described else None
+    guided = ""  # a guidance-distilled transformer (Flux.1-dev's shape): the pipeline's default 3.5 is not what it read
+    if _config_of(out, adapter).get("guidance_embeds"):
+        value = described.embedded_guidance if described and described.embedded_guidance is not None else 1.0
+        guided = f", guidance_scale={value:g}"
     if two:
         length = sampling.describe_reference(out).text_length
-        size = trained_resolution(args.checkpoint)
         at = f", height={size}, width={size}" if size else ""
         print(f"  and call it as trained (its size{'' if size else ' as height= and width='}; diffusers' default is "
-              f"1024 px), e.g. pipe(\"a prompt\"{at}, negative_prompt=\"\", {adapter.cfg_argument}=4.0, "
+              f"1024 px{'; guidance_scale is the value its guidance embedding was trained with' if guided else ''}), "
+              f"e.g. pipe(\"a prompt\"{at}, negative_prompt=\"\", {adapter.cfg_argument}=4.0{guided}, "
               f"max_sequence_length={length}).images[0], as diffusion.generate does")
     if empty:
-        print(embeddings_call(out, pipeline_class, adapter, trained_resolution(args.checkpoint)))
+        print(embeddings_call(out, pipeline_class, adapter, size, guided))
     with open(os.path.join(out, "scheduler", "scheduler_config.json")) as f:
         if json.load(f).get("rescale_betas_zero_snr"):
             print(f"zero terminal SNR: call the pipeline with guidance_rescale="
                   f"{sampling.ZTSNR_GUIDANCE_RESCALE} to sample as diffusion.generate does")
 
 
-def embeddings_call(out: str, pipeline_class: str, adapter, size: int | None) -> str:
+def _config_of(out: str, adapter) -> dict:
+    """The exported denoiser's config.json ({} where there is none to read)."""
+    try:
+        with open(os.path.join(out, adapter.component, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def embeddings_call(out: str, pipeline_class: str, adapter, size: int | None, guided: str = "") -> str:
     """How to call an export whose pipeline cannot load our text encoder (its slots left empty): with the
     embeddings :func:`prompt_inputs` makes, at the trained size, as lines that run as written; or, where
     the pipeline cannot pass the text masks the model was trained with, our sampler."""
@@ -214,7 +229,7 @@ def embeddings_call(out: str, pipeline_class: str, adapter, size: int | None) ->
         return (f"  (it was trained with text masks, which {pipeline_class} does not pass to the denoiser: "
                 f"sample it with python -m diffusion.generate --checkpoint {out})")
     at = f", height={size}, width={size}" if size else ""
-    extra = "".join(f", {key}={value!r}" for key, value in adapter.call_kwargs(4.0).items())
+    extra = "".join(f", {key}={value!r}" for key, value in adapter.call_kwargs(4.0).items()) + guided
     return (f"  and call it with our text encoder's embeddings ({pipeline_class} cannot load it: prompt_inputs reads "
             f"text_encoder/ and tokenizer/ beside it) at the size it was trained at"
             f"{'' if size else ' (pass it as height= and width=)'}, e.g.\n"
@@ -254,16 +269,16 @@ def prompt_inputs(pipe, prompt: str | list[str], negative_prompt: str = "") -> d
             if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
 
 
-def trained_resolution(checkpoint: str) -> int | None:
-    """The size a Composer checkpoint was trained at (its model description, read weights-only), or None
-    (a diffusers directory, an older checkpoint)."""
+def trained_description(checkpoint: str):
+    """A Composer checkpoint's model description (read weights-only), or None (a diffusers directory, a file
+    that is not a checkpoint of ours)."""
     from diffusion.models import safe_checkpoint
     from diffusion.models.description import ModelDescription
     if os.path.isdir(checkpoint):
         return None
     try:
         state = safe_checkpoint.load(checkpoint, mmap=True).get("state") or {}
-        return ModelDescription.from_extra_state(state["model"]["_extra_state"]).resolution
+        return ModelDescription.from_extra_state(state["model"]["_extra_state"])
     except Exception:  # not a checkpoint of ours: the message says to pass the size
         return None
 

@@ -171,7 +171,7 @@ def test_the_training_step_compiles_without_graph_breaks(tiny_flux_kit, mds):
     assert explanation.graph_count == 1
 
 
-def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_kit, tmp_path):
+def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_kit, tmp_path, capsys):
     """Issue 47, item 12: a Flux.1-dev-shaped transformer (``guidance_embeds: true``) crashed in diffusers with a
     TypeError (no guidance given). It trains with ``model.embedded_guidance`` in its guidance embedding (1.0 by
     default) and samples with FluxPipeline's; a transformer without the embedding refuses the key in one line."""
@@ -201,7 +201,13 @@ def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_k
     space = loading.latent_space_of(loading.load_vae_config(kit))
     checkpoint = train_tiny_checkpoint(kit, str(tmp_path / "run"), "model.objective=flow", "model.prediction_type=null",
                                        "model.embedded_guidance=3.5", batches=1, latent_space=space)
-    assert sampling.load_trained(checkpoint).denoiser.config.guidance_embeds
+    trained = sampling.load_trained(checkpoint)
+    # sampled at the value it was trained with (not the module default 1.0, nor FluxPipeline's 3.5): recorded
+    assert trained.denoiser.config.guidance_embeds and trained.denoiser.embedded_guidance == 3.5
+    from diffusion.sample import export
+    capsys.readouterr()
+    export.main(["--checkpoint", checkpoint, "--out", str(tmp_path / "export")])
+    assert ", guidance_scale=3.5" in capsys.readouterr().out  # the export's call names it too
     (image,) = generate.generate_images(checkpoint, PROMPTS[:1], steps=2, guidance_scale=2.0, seed=0)
     assert image.size == (64, 64)
     plain = adapter.build(adapter.load_config(tiny_flux_kit))
