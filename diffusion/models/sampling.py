@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffusion.errors import ModelReferenceError
+from diffusion.errors import ModelReferenceError, UserError
 from diffusion.models import denoisers, loading
 from diffusion.models.description import ModelDescription
 from diffusion.models.objectives.ddpm import (SCHEDULERS as DDPM_SCHEDULERS, ZTSNR_GUIDANCE_RESCALE,  # noqa: F401
@@ -256,6 +256,7 @@ class Sampler:
             raise ValueError("no prompts to sample")
         height, width = _size_pair(size if size is not None else
                                    denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
+        _check_size(height, width, getattr(denoiser, "config", None), self.space.downsample)
         first = next(denoiser.parameters())
         device = torch.device(device) if device is not None else first.device
         encoders = self.dtype or first.dtype
@@ -299,6 +300,23 @@ def _size_pair(size) -> tuple[int, int]:
         return size, size
     height, width = (int(s) for s in size)
     return height, width
+
+
+def _check_size(height: int, width: int, config, downsample: int) -> None:
+    """Refuse, before any memory is spent, an image size the denoiser cannot sample: a side that is not a
+    whole number of its patches of latent pixels, or more patches than an MMDiT's positional table holds
+    (diffusers would refuse both only after embedding the latents: 23 GB at 100000 px)."""
+    patch = int(getattr(config, "patch_size", None) or 1)
+    step = downsample * patch
+    if height < step or width < step or height % step or width % step:
+        fit = lambda side: max(step, side // step * step)  # noqa: E731
+        raise UserError(f"image size {height}x{width} (height x width): each side must be a multiple of {step} px "
+                        f"for this model ({downsample}x autoencoder" + (f", {patch}x{patch} patches" if patch > 1
+                        else "") + f"), e.g. {fit(height)}x{fit(width)}")
+    table = getattr(config, "pos_embed_max_size", None)
+    if table and max(height, width) > table * step:
+        raise UserError(f"image size {height}x{width} (height x width): this model's positional table covers at "
+                        f"most {table * step} px a side ({table} patches of {step} px)")
 
 
 @contextlib.contextmanager

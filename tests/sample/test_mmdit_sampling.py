@@ -69,7 +69,7 @@ def test_export_loads_as_sd3_pipeline_and_draws_what_generate_draws(flow_checkpo
     assert os.path.isdir(os.path.join(out, "transformer"))
 
 
-def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tmp_path):
+def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tmp_path, capsys):
     from diffusion.sample import generate as gen
     from diffusion.sample.grid import read_grid
     out = tmp_path / "wide.png"
@@ -79,6 +79,19 @@ def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tm
     assert images[0].size == (80, 48)
     with pytest.raises(Exception, match="--width and --height together"):
         gen.main(["--checkpoint", flow_checkpoint, "--prompt", "x", "--width", "80", "--out", str(out)])
+    # a side that is no whole number of 16-px patches, or beyond the 32-patch positional table: one line,
+    # before the latents are embedded (100000 px took 23 GB and the OOM killer; 70 px was diffusers' traceback)
+    from diffusion import cli
+    capsys.readouterr()
+    for width, height, why in ((70, 48, "image size 48x70 (height x width): each side must be a multiple of 16 px "
+                                        "for this model (8x autoencoder, 2x2 patches), e.g. 48x64"),
+                               (100000, 100000, "image size 100000x100000 (height x width): this model's positional "
+                                                "table covers at most 512 px a side (32 patches of 16 px)")):
+        with pytest.raises(SystemExit):
+            cli.run(gen.main, "generate", ["--checkpoint", flow_checkpoint, "--prompt", "x", "--width", str(width),
+                                           "--height", str(height), "--steps", "1", "--out", str(tmp_path / "x.png")])
+        assert capsys.readouterr().err == f"generate: error: {why}\n"
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_a_masked_export_is_called_as_its_pipeline_can_take_the_masks(tmp_path):
