@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 
 import torch
@@ -85,7 +86,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="sampler: ddim, euler or dpm++ for epsilon/v models, euler or heun (flow matching) "
                              "for flow models (default: ddim, or euler for flow models)")
     parser.add_argument("--steps", type=cli.positive_int, default=25, help="denoising steps (default: %(default)s)")
-    parser.add_argument("--guidance-scale", type=float, default=7.5,
+    parser.add_argument("--guidance-scale", type=finite_number, default=7.5,
                         help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")
     parser.add_argument("--guidance-rescale", type=unit_interval, default=None, metavar="PHI",
                         help="rescale the guided prediction toward the conditional one's spread, 0 to 1 "
@@ -105,6 +106,17 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="images denoised together (default: %(default)s)")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda when "
                                                        "available, else cpu)")
+
+
+def finite_number(text: str) -> float:
+    """An argparse type: a number, not nan or inf (which draw a blank image without a word)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
 
 
 def unit_interval(text: str) -> float:

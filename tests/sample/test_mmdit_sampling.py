@@ -91,6 +91,14 @@ def test_generate_draws_a_bucket_shape_with_width_and_height(flow_checkpoint, tm
             cli.run(gen.main, "generate", ["--checkpoint", flow_checkpoint, "--prompt", "x", "--width", str(width),
                                            "--height", str(height), "--steps", "1", "--out", str(tmp_path / "x.png")])
         assert capsys.readouterr().err == f"generate: error: {why}\n"
+    with pytest.raises(SystemExit):  # a DDPM sampler for a flow model: one line, not a ValueError traceback
+        cli.run(gen.main, "generate", ["--checkpoint", flow_checkpoint, "--prompt", "x", "--scheduler", "ddim",
+                                       "--steps", "1", "--out", str(tmp_path / "x.png")])
+    assert capsys.readouterr().err == ("generate: error: --scheduler ddim: a model trained with the flow objective "
+                                       "samples with euler, heun\n")
+    with pytest.raises(SystemExit):  # nan guidance drew a blank grid with rc 0
+        gen.main(["--checkpoint", flow_checkpoint, "--prompt", "x", "--guidance-scale", "nan"])
+    assert "argument --guidance-scale: nan is not a finite number" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
 

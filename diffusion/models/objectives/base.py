@@ -77,6 +77,7 @@ class Objective(torch.nn.Module):
     def check_sampler(self, name: str | None) -> str:
         name = name or self.samplers[0]
         if name not in self.samplers:
-            raise ValueError(f"--scheduler {name}: a model trained with the {self.name} objective samples with "
+            from diffusion.errors import UserError  # a ValueError: the user's choice, one line
+            raise UserError(f"--scheduler {name}: a model trained with the {self.name} objective samples with "
                              f"{', '.join(self.samplers)}")
         return name
