@@ -169,6 +169,17 @@ def test_export_refuses_an_out_that_holds_other_files_or_an_earlier_export(pipel
     assert "where the model comes from" in line
 
 
+def test_export_names_a_file_in_the_way_of_out_before_the_model_loads(pipeline_dir, tmp_path, capsys):
+    from diffusion import cli
+    from diffusion.sample import export
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(SystemExit):  # was a bare "Not a directory" once the model had loaded
+        cli.run(export.main, "export", ["--checkpoint", str(pipeline_dir), "--out", str(tmp_path / "afile" / "sub")])
+    assert capsys.readouterr().err == (f"export: error: {tmp_path / 'afile'}: cannot make the folder for --out: "
+                                       f"a file is in the way\n")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_generate_and_evaluate_name_their_other_inputs(pipeline_dir, tmp_path):
     empty = tmp_path / "prompts.txt"
     empty.write_text("# only a comment\n\n")

@@ -112,6 +112,11 @@ def check_output_dir(out: str, overwrite: bool = False) -> None:
     """``out`` is new, an empty directory, or (with ``overwrite``) an earlier export: never a file or a
     directory holding anything else, which ``save_pretrained`` would silently mix with the pipeline."""
     if not os.path.exists(out):
+        parent = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(parent):  # the first existing folder above it must be one, before the model loads
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, "cannot make the folder for --out: a file is in the way", parent)
         return
     if not os.path.isdir(out):
         raise FileExistsError(errno.EEXIST, "--out exists and is not a directory", out)
