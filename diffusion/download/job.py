@@ -176,7 +176,11 @@ def download(config: DownloadConfig, start_ray=None) -> DownloadSummary:
         blocklist = load_blocklists(config.exclude)
     drops = plan_drops(in_fs, formats, shards, config.columns, config.where, config.dedupe_urls, blocklist)
     fs, root = open_filesystem(config.output)
-    fs.create_dir(root, recursive=True)
+    try:
+        fs.create_dir(root, recursive=True)
+    except (FileExistsError, NotADirectoryError):  # pyarrow's own words name no flag ("[Errno 17] ... Detail: ...")
+        raise ConfigError(f"--output {config.output}: not a folder (it, or a folder above it, is a file); give the "
+                          f"folder to write the image shards in") from None
     _claim_output(fs, root, _plan_fingerprint(config, shards), config.output)
     naming = ShardNaming.for_plan(len(shards), config.rows_per_shard)
     job = ShardJob(config.input, config.output, formats, config.columns, naming, config.fetch, config.image,

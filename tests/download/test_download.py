@@ -842,3 +842,19 @@ def test_a_filter_naming_a_missing_column_malformed_or_keeping_nothing_is_one_li
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("download_laion: error: " + expected.format(src=src)), lines
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_an_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys):
+    """--output naming a file (or a folder under one) was pyarrow's "[Errno 17] Cannot create directory ...
+    Detail: ..." naming no flag; now one line, before any cluster starts, and the file stays as it was."""
+    from diffusion import cli
+    from diffusion.download import job
+    src = _write_input(tmp_path / "in.csv", ["http://127.0.0.1:1/a"], "csv")
+    taken = tmp_path / "earlier.parquet"
+    taken.write_bytes(b"an earlier shard")
+    for output in (taken, taken / "raw"):
+        with pytest.raises(SystemExit):
+            cli.run(job.main, "download_laion", ["--input", str(src), "--output", str(output)])
+        assert capsys.readouterr().err == (f"download_laion: error: --output {output}: not a folder (it, or a folder "
+                                           f"above it, is a file); give the folder to write the image shards in\n")
+    assert taken.read_bytes() == b"an earlier shard"
