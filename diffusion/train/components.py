@@ -72,4 +72,12 @@ def check_kwargs(section: str, name: str, kwargs: Any) -> None:
 
 def build_components(section: str, entries: dict[str, dict]) -> list:
     """Instantiate every enabled component of one section, in the YAML's order."""
-    return [component_class(section, name)(**kwargs) for name, kwargs in entries.items()]
+    built = []
+    for name, kwargs in entries.items():
+        try:
+            built.append(component_class(section, name)(**kwargs))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as e:  # a value its constructor refuses (EMA smoothing 2): name the key
+            raise ConfigError(f"{section}.{name}: {e}") from e
+    return built

@@ -312,7 +312,9 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
     raw: dict = {}
     if path:
         with open(path) as f:
-            raw = _parse_yaml(f, path) or {}
+            raw = _parse_yaml(f, path)
+        if raw is None:  # an empty file trained the dataclass defaults: SD2-base from the hub
+            raise ConfigError(f"{path}: empty (no sections); start from a recipe, e.g. yamls/tiny-cpu.yaml")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
@@ -335,11 +337,32 @@ def apply_override(raw: dict, override: str) -> None:
     node[parts[-1]] = _parse_yaml(value, f"override {override!r}") if value.strip() else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently, so a second ``optimizer:`` section dropped the first); ``<<`` merges still override."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, typing.Hashable):
+                    continue  # SafeLoader's own construct_mapping refuses it
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice in one mapping (the second would silently "
+                                    f"replace the first)", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_yaml(text, where: str):
     """``yaml.safe_load`` (plain data: no tag builds a Python object), its errors as one line naming
     ``where``, the line and column, and what YAML found there."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where}: not valid YAML: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
@@ -369,7 +392,7 @@ def _build(cls, raw: Any, where: str):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {raw!r}")
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
@@ -589,6 +612,8 @@ def _check_consistency(cfg: Config) -> None:
     m, t, o = cfg.model, cfg.trainer, cfg.optimizer
     if m.resolution % 8:
         raise ConfigError(f"model.resolution={m.resolution} is not a multiple of 8 (the VAE downsampling)")
+    if not 0 <= t.seed < 2 ** 32:  # numpy's range, which Composer seeds too
+        raise ConfigError(f"trainer.seed={t.seed} must be a whole number from 0 to 2**32 - 1")
     _check_model(m)
     if cfg.data.eval is not None and cfg.data.eval.source != "mds":
         raise ConfigError("data.eval.source must be mds: the held-out set is read from stored shards")
@@ -598,6 +623,8 @@ def _check_consistency(cfg: Config) -> None:
         _check_streams(name, loader)
         if not 0.0 <= loader.caption_dropout < 1.0:
             raise ConfigError(f"data.{name}.caption_dropout={loader.caption_dropout} must be in [0, 1)")
+        if loader.shuffle_seed < 0:  # streaming refused it with a traceback when the loader was built
+            raise ConfigError(f"data.{name}.shuffle_seed={loader.shuffle_seed} must be a whole number >= 0")
         if loader.captions is not None:
             from diffusion.loader.captions import CaptionChoice
             try:
