@@ -315,7 +315,11 @@ class SaveFolderLock(Callback):
 
     def acquire(self) -> list[str]:
         """Take the lock or raise :class:`SaveFolderInUse`; returns the notices given (a stale lock taken over)."""
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # was a bare "[Errno 17] File exists", the file untouched
+            raise UserError(f"trainer.save_folder={self.shown}: not a folder (it, or a folder above it, is a "
+                            f"file); give the folder to write checkpoints in") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -181,3 +181,17 @@ def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(trai
     again = _run(_args(train_kit, mds, folder, 4, "trainer.autoresume=true"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {folder / 'ep0-ba2-rank0.pt'} at batch 2" in again.stdout
+
+
+def test_a_save_folder_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+    """trainer.save_folder naming a file (or a folder under one) was a bare "[Errno 17] File exists"."""
+    from diffusion.errors import UserError
+    from diffusion.train.save_folder import SaveFolderLock
+    taken = tmp_path / "weights.pt"
+    taken.write_bytes(b"an earlier checkpoint")
+    for folder in (taken, taken / "ckpt"):
+        with pytest.raises(UserError) as refused:
+            SaveFolderLock(str(folder)).acquire()
+        assert str(refused.value) == (f"trainer.save_folder={folder}: not a folder (it, or a folder above it, is a "
+                                      f"file); give the folder to write checkpoints in")
+    assert taken.read_bytes() == b"an earlier checkpoint"
