@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 
@@ -100,21 +101,44 @@ class CostProjection:
 def project_recipe(path: str) -> CostProjection:
     """A recipe file's projection: ``name``, ``gpus``, ``price_per_gpu_hour`` and ``phases``, each with
     ``resolution``, ``samples`` and ``samples_per_sec_per_gpu`` (and a ``name``); see yamls/cost/."""
-    import yaml
     from diffusion.errors import InputError
+    from diffusion.train.config import _parse_yaml  # the training YAMLs' reader: one line naming line and column
     with open(path) as f:
-        recipe = yaml.safe_load(f) or {}
+        recipe = _parse_yaml(f, path) or {}
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("phases") or [], list):
+        raise InputError(f"{path}: expected a mapping with phases: a list of {{resolution, samples, "
+                         f"samples_per_sec_per_gpu}}")
+
+    def number(where: str, value, kind, positive: bool):
+        """``value`` as a ``kind`` (YAML 1.1 reads 1e9 as a string), finite, above 0 or at least 0."""
+        try:
+            found = None if isinstance(value, bool) else value if isinstance(value, int) else float(value)
+        except (TypeError, ValueError):
+            found = None
+        if (found is None or not math.isfinite(found) or not (found > 0 if positive else found >= 0)
+                or kind is int and found != int(found)):
+            raise InputError(f"{path}: {where}={value!r} must be a {'whole ' if kind is int else ''}number "
+                             f"{'above 0' if positive else '>= 0'}")
+        return kind(found)
+
     phases = []
     for i, phase in enumerate(recipe.get("phases") or []):
+        if not isinstance(phase, dict):
+            raise InputError(f"{path}: phases[{i}] is {phase!r}, not a mapping of resolution, samples, "
+                             f"samples_per_sec_per_gpu")
         missing = [k for k in ("resolution", "samples", "samples_per_sec_per_gpu") if k not in phase]
         if missing:
             raise InputError(f"{path}: phases[{i}] lacks {', '.join(missing)}")
-        phases.append(Phase(int(phase["resolution"]), int(phase["samples"]), float(phase["samples_per_sec_per_gpu"]),
+        phases.append(Phase(number(f"phases[{i}].resolution", phase["resolution"], int, True),
+                            number(f"phases[{i}].samples", phase["samples"], int, False),
+                            number(f"phases[{i}].samples_per_sec_per_gpu", phase["samples_per_sec_per_gpu"], float,
+                                   True),
                             source=str(phase.get("source", recipe.get("name", path))),
                             name=str(phase["name"]) if phase.get("name") is not None else None))
     if not phases:
         raise InputError(f"{path}: no phases (a list of {{resolution, samples, samples_per_sec_per_gpu}})")
-    return CostProjection(phases, int(recipe.get("gpus", 8)), float(recipe.get("price_per_gpu_hour", 2.0)))
+    return CostProjection(phases, number("gpus", recipe.get("gpus", 8), int, True),
+                          number("price_per_gpu_hour", recipe.get("price_per_gpu_hour", 2.0), float, False))
 
 
 def project_cost(samples: dict[int, int], samples_per_sec_per_gpu: dict[int, float], gpus: int = 8,
@@ -377,8 +401,10 @@ def _positive(kind, allow_zero: bool = False):
     def convert(text: str):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):  # 1e400: infinity, as a count
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if not (value >= 0 if allow_zero else value > 0):  # NaN fails both
             raise argparse.ArgumentTypeError(f"{text} must be {'0 or more' if allow_zero else 'above 0'}")
         return value
@@ -436,7 +462,7 @@ def main(argv=None) -> CostProjection:
             gflop[int(res)] = float(value)
         except ValueError:
             p.error(f"--gflop-per-image takes RES=GFLOP, e.g. 256=539, got {spec!r}")
-        if int(res) not in per_gpu or not float(value) > 0:
+        if int(res) not in per_gpu or not 0 < float(value) < math.inf:
             p.error(f"--gflop-per-image {spec}: RES is 256 or 512 and GFLOP a positive number")
     for res, g in gflop.items():  # the same MFU as MosaicML's SD2 row, at this recipe's FLOPs per image
         per_gpu[res] = RECIPE_PER_GPU[res] * UNET_TRAIN_GFLOP[res] / g
@@ -456,6 +482,8 @@ def main(argv=None) -> CostProjection:
         except (OSError, ValueError) as e:
             p.error(str(e))
     schedule = {256: args.samples_256, 512: args.samples_512}
+    if not any(schedule.values()):
+        p.error("--samples-256 and --samples-512 are both 0: no phase to project")
     if args.stored_resolutions and any(r % SD2_DOWNSAMPLE for r in args.stored_resolutions):
         p.error(f"--stored-resolutions must be multiples of {SD2_DOWNSAMPLE}, got {args.stored_resolutions}")
     with_embeds = project_cost(schedule, per_gpu, args.gpus, args.price, sources)

@@ -174,3 +174,39 @@ def test_a_recipe_file_reproduces_the_published_totals():
     assert micro.days == pytest.approx(2.6, abs=0.01) and micro.dollars == pytest.approx(1890, rel=0.005)
     sd2 = cost.main(["--recipe", os.path.join(root, "yamls", "cost", "sd2-mosaicml.yaml")])
     assert sd2.dollars == pytest.approx(31_230, rel=1e-3) and sd2.days == pytest.approx(81.33, abs=0.01)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--samples-256", "1e400"], "argument --samples-256: '1e400' is not a number"),  # was an OverflowError
+    (["--throughput-256", "inf"], "argument --throughput-256: inf is not a finite number"),  # was a 0-hour row
+    (["--samples-256", "0", "--samples-512", "0"], "--samples-256 and --samples-512 are both 0: no phase to project"),
+    (["--gflop-per-image", "256=inf"], "--gflop-per-image 256=inf: RES is 256 or 512 and GFLOP a positive number"),
+])
+def test_nonsense_numbers_are_one_line(capsys, args, said):
+    with pytest.raises(SystemExit):
+        cost.main(args)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m diffusion.cost: error: {said}"
+
+
+@pytest.mark.parametrize("text, said", [
+    ("- a\n", "expected a mapping with phases: a list of {resolution, samples, samples_per_sec_per_gpu}"),
+    ("phases: 5\n", "expected a mapping with phases: a list of"),
+    ("phases:\n  - 7\n", "phases[0] is 7, not a mapping of resolution, samples, samples_per_sec_per_gpu"),
+    ("phases:\n  - {resolution: abc, samples: 10, samples_per_sec_per_gpu: 1}\n",
+     "phases[0].resolution='abc' must be a whole number above 0"),
+    ("phases:\n  - {resolution: 256, samples: 1e9, samples_per_sec_per_gpu: .inf}\n",
+     "phases[0].samples_per_sec_per_gpu=inf must be a number above 0"),
+    ("phases:\n  - {resolution: 256, samples: 1e9, samples_per_sec_per_gpu: 9}\ngpus: 0\n",
+     "gpus=0 must be a whole number above 0"),
+    ("phases: [\n", ", line 2, column 1: not valid YAML: "),
+    (b"\xe3\x80phases", ": not valid YAML: not UTF-8 text"),
+])
+def test_a_recipe_file_that_is_not_a_recipe_is_one_line_naming_it(tmp_path, capsys, text, said):
+    """Each was a traceback (AttributeError, TypeError, ParserError, UnicodeDecodeError, ValueError)."""
+    from diffusion import cli
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(SystemExit):
+        cli.run(cost.main, "cost", ["--recipe", str(path)])
+    err = capsys.readouterr().err
+    assert err.startswith(f"cost: error: {path}") and said in err and err.count("\n") == 1, err
