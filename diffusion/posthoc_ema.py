@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import torch
 
@@ -134,6 +135,12 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
         raise InputError(f"{run}: no {LATEST} to take the model from: give --checkpoint (a checkpoint of the run)")
     if os.path.abspath(out) in {os.path.abspath(base), os.path.realpath(base)}:
         raise UserError(f"--out {out} is the run's own checkpoint: write the average to a new file")
+    run_files = {os.path.realpath(s.path) for s in snapshots}  # a snapshot written over is gone for good
+    run_files.update(os.path.realpath(os.path.join(run, name)) for name in os.listdir(run)
+                     if re.match(r"^(ep\d+-ba\d+|latest)-rank\d+\.pt$", name))
+    if os.path.realpath(out) in run_files:
+        raise UserError(f"--out {out} is one of the run's own checkpoints or snapshots: write the average to a "
+                        f"new file")
     if os.path.isdir(out):
         raise UserError(f"--out {out} is a folder: name the checkpoint file to write, e.g. "
                         f"{os.path.join(out, f'ema-{sigma_rel:g}.pt')}")

@@ -69,15 +69,22 @@ def test_the_command_writes_a_checkpoint_generate_and_export_take(run, tmp_path,
     (["--sigma-rel", "0.1", "--batch", "4"], "--batch 4: no snapshot at that batch; the run has snapshots at [3, 6]"),
     (["--sigma-rel", "0.1", "--out", "{tmp}"], "--out {tmp} is a folder: name the checkpoint file to write, e.g. "
                                                "{tmp}/ema-0.1.pt"),
+    # the run's own snapshot was written over (rc 0) and lost for good
+    (["--sigma-rel", "0.1", "--out", "{run}/posthoc/ema-0.050-ba3.safetensors"],
+     "--out {run}/posthoc/ema-0.050-ba3.safetensors is one of the run's own checkpoints or snapshots: write the "
+     "average to a new file"),
 ])
 def test_bad_input_is_one_line(run, tmp_path, capsys, args, message):
     from diffusion.posthoc_ema import main
-    args = [a.format(tmp=tmp_path) for a in args]
+    args = [a.format(tmp=tmp_path, run=run) for a in args]
+    kept = {name: os.path.getmtime(os.path.join(run, "posthoc", name)) for name in os.listdir(os.path.join(run, "posthoc"))}
     with pytest.raises(SystemExit) as exit:
         cli.run(main, "posthoc_ema", ["--run", run, "--out", str(tmp_path / "x.pt"), *args])
     assert exit.value.code == 2
-    assert capsys.readouterr().err.strip() == f"posthoc_ema: error: {message.format(tmp=tmp_path)}"
+    assert capsys.readouterr().err.strip() == f"posthoc_ema: error: {message.format(tmp=tmp_path, run=run)}"
     assert os.listdir(tmp_path) == []  # nothing written, not even a partial file
+    assert {name: os.path.getmtime(os.path.join(run, "posthoc", name))
+            for name in os.listdir(os.path.join(run, "posthoc"))} == kept
 
 
 def test_a_run_without_snapshots_is_one_line(tmp_path, capsys):
