@@ -144,6 +144,11 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
     if os.path.isdir(out):
         raise UserError(f"--out {out} is a folder: name the checkpoint file to write, e.g. "
                         f"{os.path.join(out, f'ema-{sigma_rel:g}.pt')}")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):  # the folders --out needs are made: the first existing one must be one
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"--out {out}: cannot make its folder, {parent} is a file")
     model_state = read_state(base)["model"]
     extra, identity = model_state.get("_extra_state"), snapshots[-1].run
     found = _differences(extra, identity) if isinstance(extra, dict) and identity is not None else []

@@ -69,6 +69,8 @@ def test_the_command_writes_a_checkpoint_generate_and_export_take(run, tmp_path,
     (["--sigma-rel", "0.1", "--batch", "4"], "--batch 4: no snapshot at that batch; the run has snapshots at [3, 6]"),
     (["--sigma-rel", "0.1", "--out", "{tmp}"], "--out {tmp} is a folder: name the checkpoint file to write, e.g. "
                                                "{tmp}/ema-0.1.pt"),
+    (["--sigma-rel", "0.1", "--out", "{run}/latest-rank0.pt/sub/x.pt"],  # was a bare "File exists"
+     "--out {run}/latest-rank0.pt/sub/x.pt: cannot make its folder, {run}/latest-rank0.pt is a file"),
     # the run's own snapshot was written over (rc 0) and lost for good
     (["--sigma-rel", "0.1", "--out", "{run}/posthoc/ema-0.050-ba3.safetensors"],
      "--out {run}/posthoc/ema-0.050-ba3.safetensors is one of the run's own checkpoints or snapshots: write the "
