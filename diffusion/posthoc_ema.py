@@ -30,6 +30,8 @@ RESIDUAL_NOTE = 0.05  # a relative L2 error of the profile above this is worth a
 
 def find_snapshots(run: str) -> list[phe.Snapshot]:
     """The snapshots of the run in save folder ``run`` (its ``posthoc/``, or ``run`` itself)."""
+    if os.path.exists(run) and not os.path.isdir(run):
+        raise UserError(f"--run {run} is a file: give the run's trainer.save_folder")
     if not os.path.isdir(run):
         raise FileNotFoundError(2, "no such save folder", run)
     for folder in (os.path.join(run, phe.SNAPSHOT_DIR), run):

@@ -171,3 +171,9 @@ def test_snapshots_or_a_checkpoint_of_another_run_are_refused_in_one_line(run, t
                    str(tmp_path / "other.pt"))
     assert err.startswith(f"posthoc_ema: error: {tmp_path / 'other.pt'}: its {name} is [3, 3], the snapshots' ")
     assert not os.path.exists(out)
+
+
+def test_a_run_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "weights.pt").write_bytes(b"x")  # was "no such save folder" for a file that is there
+    err = _refusal(capsys, "--run", str(tmp_path / "weights.pt"), "--sigma-rel", "0.1", "--out", str(tmp_path / "x.pt"))
+    assert err == f"posthoc_ema: error: --run {tmp_path / 'weights.pt'} is a file: give the run's trainer.save_folder"
