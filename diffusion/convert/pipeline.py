@@ -304,6 +304,7 @@ def run_conversion(cfg: ConvertConfig, checked: Preflight | None = None) -> Conv
     curated = curation_columns(cfg.computed_columns(), checked.embed_width, cfg.store_embeddings)
     columns.update(curated)
 
+    _check_writer_settings(cfg)
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     try:
@@ -314,6 +315,23 @@ def run_conversion(cfg: ConvertConfig, checked: Preflight | None = None) -> Conv
         raise
     summary.wall_seconds = time.perf_counter() - start
     return summary
+
+
+def _check_writer_settings(cfg: ConvertConfig) -> None:
+    """--shard-size and --compression as streaming's MDS writer reads them, before any worker starts (each
+    was a RayTaskError traceback from the first write task, a minute into the conversion)."""
+    from streaming.base.compression import get_compressions, is_compression
+    from streaming.base.util import bytes_to_int
+    try:
+        size = bytes_to_int(cfg.shard_size)
+    except ValueError as e:
+        raise ConfigError(f"--shard-size {cfg.shard_size!r}: {e}") from None
+    if size <= 0:
+        raise ConfigError(f"--shard-size {cfg.shard_size!r}: must be above 0 bytes")
+    if cfg.compression is not None and not is_compression(cfg.compression):
+        names = sorted({name.partition(":")[0] for name in get_compressions()})
+        raise ConfigError(f"--compression {cfg.compression!r}: not one streaming writes; choose one of "
+                          f"{', '.join(names)} (with :LEVEL, e.g. zstd:7), or none")
 
 
 def _bucket_columns(resolutions, text_dim: int, space: schema.LatentSpace, text: str, captions, text_length: int,

@@ -51,7 +51,17 @@ def preflight(cfg: ConvertConfig) -> Preflight:
     text_config = loading.load_text_encoder_config(cfg.model)
     check_text_length(cfg.model, cfg.text_length, text_config)
     space = loading.latent_space_of(loading.load_vae_config(cfg.model))  # what the columns hold
+    for r in cfg.resolutions:  # was a ValueError traceback once the pipeline had started
+        if r % space.downsample:
+            raise ConfigError(f"--resolutions {r}: not a multiple of {space.downsample}, the downsampling of "
+                              f"{cfg.model}'s autoencoder; e.g. {max(space.downsample, r // space.downsample * space.downsample)}")
     out = cfg.staging_dir()
+    folder = out
+    while not os.path.exists(folder):  # the folders to be made: the first existing one must be one
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):  # was a bare "File exists" / "Not a directory"
+        raise ConfigError(f"--output {cfg.output}: not a folder ({folder} is a file); give the folder to write the "
+                          f"MDS shards in")
     settings = cfg.output_settings()
     # Token counts (text_tokens) are stored since the text length became a setting; an output begun
     # before goes on without them, so its parts all have one set of columns.

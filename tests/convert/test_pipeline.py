@@ -110,6 +110,28 @@ def test_weightless_model_is_one_line_and_writes_nothing(sample_data, sd2_kit, t
     assert not out.exists()
 
 
+@pytest.mark.parametrize("overrides, said", [
+    # each was a traceback: a ValueError, or a RayTaskError from the first write task a minute in
+    (dict(resolutions=[63]), "--resolutions 63: not a multiple of 8, the downsampling of {kit}'s autoencoder; e.g. 56"),
+    (dict(shard_size="abc"), "--shard-size 'abc': Unsupported value/suffix abc."),
+    (dict(compression="bogus"), "--compression 'bogus': not one streaming writes; choose one of br, bz2, gz, snappy, "
+                                "zstd (with :LEVEL, e.g. zstd:7), or none"),
+    (dict(output="{tmp}/taken.parquet/mds"), "--output {tmp}/taken.parquet/mds: not a folder ({tmp}/taken.parquet is a "
+                                             "file); give the folder to write the MDS shards in"),  # was "Not a directory"
+])
+def test_writer_settings_and_an_output_under_a_file_are_one_line_before_any_worker(convert_config, tiny_kit, tmp_path,
+                                                                                   overrides, said):
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import ConfigError
+    (tmp_path / "taken.parquet").write_bytes(b"an earlier shard")
+    overrides = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in overrides.items()}
+    with pytest.raises(ConfigError) as refused:
+        run_conversion(convert_config(overrides.pop("output", tmp_path / "out"), **overrides))
+    assert str(refused.value).startswith(said.format(tmp=tmp_path, kit=tiny_kit)), str(refused.value)
+    assert sorted(os.listdir(tmp_path)) == ["taken.parquet"]
+    assert (tmp_path / "taken.parquet").read_bytes() == b"an earlier shard"
+
+
 def test_failed_first_run_leaves_no_output_folder(convert_config, tmp_path, monkeypatch):
     from diffusion.convert import pipeline as convert
 
