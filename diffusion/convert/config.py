@@ -102,7 +102,7 @@ class ConvertConfig(PipelineSettings):
             raise ConfigError(f"--resolutions must be positive, got {self.resolutions}")
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"--limit must be positive, got {self.limit}")
-        if self.max_aspect < 1:
+        if not self.max_aspect >= 1:  # nan passed "< 1" and rejected nothing
             raise ConfigError(f"--max-aspect must be >= 1, got {self.max_aspect}")
         for name in ("max_bytes", "max_scans", "max_caption_chars"):
             if getattr(self, name) < 1:

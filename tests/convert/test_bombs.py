@@ -108,3 +108,5 @@ def test_a_limit_that_is_not_positive_is_refused_naming_its_flag(setting, tmp_pa
         ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", **{setting: 0})
     with pytest.raises(ConfigError, match="max_scans"):
         ImageRules(max_scans=0)
+    with pytest.raises(ConfigError, match="--max-aspect must be >= 1, got nan"):
+        ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", max_aspect=float("nan"))
