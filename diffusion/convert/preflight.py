@@ -62,6 +62,10 @@ def preflight(cfg: ConvertConfig) -> Preflight:
     if not os.path.isdir(folder):  # was a bare "File exists" / "Not a directory"
         raise ConfigError(f"--output {cfg.output}: not a folder ({folder} is a file); give the folder to write the "
                           f"MDS shards in")
+    for given in cfg.input if isinstance(cfg.input, (list, tuple)) else [cfg.input]:
+        if os.path.isdir(given) and os.path.realpath(given) == os.path.realpath(out):  # it wrote into the raw data
+            raise ConfigError(f"--output {cfg.output} is the --input folder: write the MDS shards to a folder of "
+                              f"their own")
     settings = cfg.output_settings()
     # Token counts (text_tokens) are stored since the text length became a setting; an output begun
     # before goes on without them, so its parts all have one set of columns.

@@ -3,6 +3,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -118,6 +119,8 @@ def test_weightless_model_is_one_line_and_writes_nothing(sample_data, sd2_kit, t
                                 "zstd (with :LEVEL, e.g. zstd:7), or none"),
     (dict(output="{tmp}/taken.parquet/mds"), "--output {tmp}/taken.parquet/mds: not a folder ({tmp}/taken.parquet is a "
                                              "file); give the folder to write the MDS shards in"),  # was "Not a directory"
+    (dict(input="{tmp}/raw", output="{tmp}/raw"), "--output {tmp}/raw is the --input folder: write the MDS shards to a folder of "
+                                          "their own"),  # it wrote convert.json into the raw data and went on
 ])
 def test_writer_settings_and_an_output_under_a_file_are_one_line_before_any_worker(convert_config, tiny_kit, tmp_path,
                                                                                    overrides, said):
@@ -125,10 +128,15 @@ def test_writer_settings_and_an_output_under_a_file_are_one_line_before_any_work
     from diffusion.errors import ConfigError
     (tmp_path / "taken.parquet").write_bytes(b"an earlier shard")
     overrides = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in overrides.items()}
+    raw = tmp_path / "raw"  # one part of the sample data, as an input folder of its own
+    raw.mkdir()
+    sample = convert_config(tmp_path).input
+    part = sorted(n for n in os.listdir(sample) if n.endswith(".parquet"))[0]
+    (raw / part).write_bytes((pathlib.Path(sample) / part).read_bytes())
     with pytest.raises(ConfigError) as refused:
         run_conversion(convert_config(overrides.pop("output", tmp_path / "out"), **overrides))
     assert str(refused.value).startswith(said.format(tmp=tmp_path, kit=tiny_kit)), str(refused.value)
-    assert sorted(os.listdir(tmp_path)) == ["taken.parquet"]
+    assert sorted(os.listdir(tmp_path)) == ["raw", "taken.parquet"] and os.listdir(raw) == [part]
     assert (tmp_path / "taken.parquet").read_bytes() == b"an earlier shard"
 
 
