@@ -102,6 +102,10 @@ def _check_config(config: DownloadConfig) -> None:
         raise ConfigError(f"threads must be >= 1 and num_cpus > 0, got {config.threads}, {config.num_cpus}")
     if config.where is not None:
         parse_where(config.where)  # a malformed filter: one line showing it, before anything is read
+    if (os.path.isdir(config.input) and os.path.realpath(config.input) == os.path.realpath(config.output)):
+        # the shards landed among the url lists, and the re-run that resumes read them as url lists
+        raise ConfigError(f"--output {config.output} is the --input folder: write the image shards to a folder of "
+                          f"their own")
 
 
 def _plan_fingerprint(config: DownloadConfig, shards: list[ShardSpec]) -> dict:

@@ -844,7 +844,7 @@ def test_a_filter_naming_a_missing_column_malformed_or_keeping_nothing_is_one_li
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-def test_an_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys):
+def test_an_output_that_is_a_file_or_the_input_is_one_line_and_nothing_is_written(tmp_path, capsys):
     """--output naming a file (or a folder under one) was pyarrow's "[Errno 17] Cannot create directory ...
     Detail: ..." naming no flag; now one line, before any cluster starts, and the file stays as it was."""
     from diffusion import cli
@@ -858,3 +858,10 @@ def test_an_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, cap
         assert capsys.readouterr().err == (f"download_laion: error: --output {output}: not a folder (it, or a folder "
                                            f"above it, is a file); give the folder to write the image shards in\n")
     assert taken.read_bytes() == b"an earlier shard"
+    # the input folder as the output: its shards landed among the url lists, and the resuming re-run read
+    # them as url lists ("00000_stats.json: no column ['URL', 'TEXT']")
+    with pytest.raises(SystemExit):
+        cli.run(job.main, "download_laion", ["--input", str(tmp_path), "--output", str(tmp_path)])
+    assert capsys.readouterr().err == (f"download_laion: error: --output {tmp_path} is the --input folder: write the "
+                                       f"image shards to a folder of their own\n")
+    assert sorted(os.listdir(tmp_path)) == ["earlier.parquet", "in.csv"]
