@@ -138,6 +138,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0 (a seed numpy takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 0")
+    return value
+
+
 # ---- command-line flags from a config dataclass ------------------------------------------------------
 
 def flag(default=dataclasses.MISSING, help: str = "", flag_name: str | None = None, **argparse_kwargs):

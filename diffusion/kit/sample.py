@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory: new, empty, or earlier sample data (its shards are rewritten)")
     parser.add_argument("--n", type=cli.positive_int, default=256, help="number of rows (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the scenes (default: %(default)s)")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0,
+                        help="random seed of the scenes (default: %(default)s)")
     parser.add_argument("--rows-per-shard", type=cli.positive_int, default=128,
                         help="rows per parquet shard (default: %(default)s)")
     parser.add_argument("--scenes", choices=("default", "geneval"), default="default",

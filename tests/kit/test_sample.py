@@ -93,6 +93,10 @@ def test_cli(tmp_path, capsys):
     main(["--out", str(tmp_path), "--n", "8", "--seed", "1"])
     assert "wrote 8 rows" in capsys.readouterr().out
     assert len(_rows(tmp_path)) == 8
+    with pytest.raises(SystemExit):  # numpy's "expected non-negative integer" traceback, after the folder was made
+        main(["--out", str(tmp_path / "again"), "--n", "8", "--seed", "-1"])
+    assert "argument --seed: -1 is not a whole number of at least 0" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
 
 
 def test_laion_metadata_columns_are_realistic_and_fixed_by_the_seed(tmp_path):
