@@ -43,6 +43,9 @@ def _is_users(error: BaseException) -> bool:
 
 
 def _describe(error: BaseException) -> str:
+    if (isinstance(error, NotADirectoryError) and error.filename  # the bare "Not a directory" said not which
+            and error.strerror in (None, os.strerror(errno.ENOTDIR))):
+        return f"{error.filename}: a file is in the way: a name on this path is a file, not a folder"
     if isinstance(error, OSError) and error.filename:
         return f"{error.filename}: {error.strerror or error}"
     return str(error)

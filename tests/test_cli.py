@@ -259,3 +259,15 @@ def test_a_full_disk_inside_a_sharded_checkpoint_save_is_one_line(capsys):
         raise CheckpointException("save", {0: (ZeroDivisionError("bug"), None)})
     with pytest.raises(CheckpointException):
         cli.run(a_bug, "run.py", [])
+
+
+def test_a_file_in_the_way_of_a_folder_says_so(tmp_path, capsys):
+    """Commands that make their --out folder (here the sample data's) said a bare "Not a directory"."""
+    from diffusion import cli
+    from diffusion.kit import sample
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        cli.run(sample.main, "sample", ["--out", str(tmp_path / "notes.txt" / "data"), "--n", "4"])
+    assert capsys.readouterr().err == (f"sample: error: {tmp_path / 'notes.txt' / 'data'}: a file is in the way: a "
+                                       f"name on this path is a file, not a folder\n")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
