@@ -24,6 +24,21 @@ METADATA = "metadata.jsonl"
 SAMPLES = "samples"
 
 
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [None]  # not a list: one bad requirement
+
+
+def _requirement(req) -> bool:
+    """Whether ``req`` is a requirement of GenEval's form: a class, a whole count, optional colour and position."""
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    position = req.get("position") if isinstance(req, dict) else None
+    return (isinstance(req, dict) and isinstance(req.get("class"), str) and whole(req.get("count"))
+            and isinstance(req.get("color", ""), (str, type(None)))
+            and (position is None or isinstance(position, list) and len(position) == 2
+                 and isinstance(position[0], str) and whole(position[1])))
+
+
 def read_metadata(path: str) -> list[dict]:
     """The metadata lines of a JSONL prompts file; each needs ``prompt`` (text) and ``tag``."""
     lines = []
@@ -42,6 +57,10 @@ def read_metadata(path: str) -> list[dict]:
         if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or "tag" not in line:
             raise InputError(f"{path}:{number}: a metadata line needs \"prompt\" (text) and \"tag\", as "
                              f"GenEval's evaluation_metadata.jsonl has")
+        for key in ("include", "exclude"):  # what the judge reads; a wrong form was its traceback after sampling
+            if not all(_requirement(r) for r in _as_list(line.get(key, []))):
+                raise InputError(f"{path}:{number}: \"{key}\" must be a list of {{\"class\": NAME, \"count\": N}} "
+                                 f"(with \"color\", \"position\": [RELATION, INDEX] optional), as GenEval's has")
         lines.append(line)
     if not lines:
         raise InputError(f"{path}: no metadata lines")

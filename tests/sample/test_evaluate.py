@@ -292,3 +292,9 @@ def test_dpg_prompts_refuse_more_than_four_images_and_name_an_empty_file(tiny_ki
                        (geneval_layout.read_metadata, tmp_path / "p.jsonl")):
         with pytest.raises(InputError, match=r"p(\.txt|\.jsonl|rompts/4\.txt): not a .*text.* \(byte \d+ is not UTF-8 text\)"):
             read(str(path))
+    # requirements the judge cannot read: refused with their line before sampling (the judge's TypeError after)
+    for include in ('"x"', '[{"class": "cat"}]', '[{"class": "cat", "count": 1, "position": "left"}]'):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "a", "tag": "colors"}\n'
+                                          f'{{"prompt": "a cat", "tag": "counting", "include": {include}}}\n')
+        with pytest.raises(InputError, match=r'p\.jsonl:2: "include" must be a list of \{"class": NAME, "count": N\}'):
+            geneval_layout.read_metadata(str(tmp_path / "p.jsonl"))
