@@ -48,6 +48,7 @@ class RawColumns:
     # --exclude: SHA-256 digests of URLs; a row whose url (parquet column, tar .json field) is one is an
     # "excluded: url" reject, before its image is looked at (diffusion.convert.exclude)
     exclude_urls: frozenset = frozenset()
+    column_flags: bool = True  # False: the command has no --image-column/--caption-column to suggest (evaluate)
 
     def url_excluded(self, url) -> bool:
         import hashlib
@@ -242,7 +243,9 @@ def check_parquet_columns(uri: str, columns: RawColumns) -> None:
     required = (*required, *columns.captions)
     missing = [c for c in required if c not in names]
     if missing:
-        hint = "choose with --image-column/--caption-column" + ("/--captions" if columns.captions else "")
+        hint = ("choose with --image-column/--caption-column" + ("/--captions" if columns.captions else "")
+                if columns.column_flags else f"raw data holds its image bytes in {columns.image!r}, as img2dataset "
+                                             f"writes them")
         if columns.image in missing and schema.RAW_URL in names:
             hint += ("; a parquet of URLs without images (a URL list, or img2dataset's metadata of a shard "
                      "whose .tar or folder is missing) is downloaded first: convert/download_laion.py")

@@ -104,7 +104,7 @@ def _file_images(path: str, skipped: collections.Counter):
 def _raw_images(path: str, skipped: collections.Counter):
     """Images of a raw-data file (parquet with the contract's columns, or a webdataset tar), read by
     the converter's readers; a reference set for FID may have no captions."""
-    for row in readers.iter_rows(path, readers.RawColumns(caption_required=False)):
+    for row in readers.iter_rows(path, readers.RawColumns(caption_required=False, column_flags=False)):
         try:
             with Image.open(io.BytesIO(row[schema.RAW_IMAGE])) as im:
                 image = im.convert("RGB")

@@ -165,8 +165,10 @@ def test_a_reference_parquet_without_captions_is_read_and_one_without_images_nam
     found = list(evaluate.iter_images(str(tmp_path / "reference.parquet")))
     assert [p for _, p in found] == [None, None, None] and found[0][0].size == (16, 16)
     pq.write_table(pa.table({"pixels": encoded}), tmp_path / "wrong.parquet")
-    with pytest.raises(ValueError, match=rf"wrong.parquet.*{schema.RAW_IMAGE}"):
+    with pytest.raises(ValueError, match=rf"wrong.parquet.*{schema.RAW_IMAGE}") as refused:
         list(evaluate.iter_images(str(tmp_path / "wrong.parquet")))
+    # evaluate has no --image-column to suggest (the converter's hint named it)
+    assert "--image-column" not in str(refused.value) and "as img2dataset writes them" in str(refused.value)
 
 
 def test_inception_features_need_local_weights_and_then_work(tmp_path, tiny_clip):
