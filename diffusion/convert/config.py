@@ -100,6 +100,10 @@ class ConvertConfig(PipelineSettings):
         self.resolutions = tuple(sorted({int(r) for r in self.resolutions}))
         if not self.resolutions or min(self.resolutions) <= 0:
             raise ConfigError(f"--resolutions must be positive, got {self.resolutions}")
+        if max(self.resolutions) ** 2 > self.max_pixels:  # 100000 hung its transform actors for minutes
+            r = max(self.resolutions)
+            raise ConfigError(f"--resolutions {r}: a {r}x{r} crop is {r * r:,} pixels, more than --max-pixels "
+                              f"{self.max_pixels:,}, the largest image the converter reads")
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"--limit must be positive, got {self.limit}")
         if not self.max_aspect >= 1:  # nan passed "< 1" and rejected nothing

@@ -108,5 +108,8 @@ def test_a_limit_that_is_not_positive_is_refused_naming_its_flag(setting, tmp_pa
         ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", **{setting: 0})
     with pytest.raises(ConfigError, match="max_scans"):
         ImageRules(max_scans=0)
+    with pytest.raises(ConfigError, match=r"--resolutions 100000: a 100000x100000 crop is 10,000,000,000 pixels, "
+                                          r"more than --max-pixels 67,108,864"):  # hung the transform actors
+        ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", resolutions=[64, 100000])
     with pytest.raises(ConfigError, match="--max-aspect must be >= 1, got nan"):
         ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", max_aspect=float("nan"))
