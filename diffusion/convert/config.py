@@ -213,6 +213,9 @@ class ConvertConfig(PipelineSettings):
     def input_captions(self) -> tuple[str, ...]:
         """The captions ``--captions`` reads from the input beside the first one."""
         names = [n.strip() for n in (self.captions or "").split(",") if n.strip()]
+        if self.captions is not None and not names:  # "--captions ,," or "": a list that lost its names
+            raise ValueError(f"--captions {self.captions!r} names no column: give the input's caption columns, "
+                             f"comma-separated (e.g. caption,recap), or leave the flag out")
         if len(set(names)) != len(names):
             raise ValueError(f"--captions {self.captions}: a caption is named twice")
         return tuple(schema.check_caption_name(n) for n in names if n not in (schema.CAPTION, self.caption_column))

@@ -86,7 +86,8 @@ def test_a_caption_column_the_input_lacks_is_one_line_naming_the_file_and_its_co
 
 
 @pytest.mark.parametrize("captions, problem", [("caption,recap,recap", "named twice"),
-                                                ("caption,re-cap", "letters, digits and underscores")])
+                                                ("caption,re-cap", "letters, digits and underscores"),
+                                                (",,", "names no column"), ("", "names no column")])
 def test_bad_caption_names_are_refused_naming_them(convert_config, tmp_path, captions, problem):
     with pytest.raises(ConfigError, match=problem):
         convert_config(tmp_path, captions=captions)
