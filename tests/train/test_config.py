@@ -113,6 +113,9 @@ def test_unknown_section_and_component():
     from diffusion.train.components import build_components  # a value the component refuses: its key, one line
     with pytest.raises(ConfigError, match=r"^algorithms\.ema: EMA smoothing must be in \[0, 1\], got 2\.0$"):
         build_components("algorithms", {"ema": {"smoothing": 2}})
+    with pytest.raises(ConfigError, match=r"^algorithms\.ema: EMA update_interval must be a whole number of batches "
+                                          r">= 1, got 'x'$"):  # was "'<' not supported between 'str' and 'int'"
+        build_components("algorithms", {"ema": {"update_interval": "x"}})
     # a merge key still overrides what it merges (no "given twice")
     from diffusion.train.config import _parse_yaml
     assert _parse_yaml("a: &x {lr: 1}\nb: {<<: *x, lr: 2}\n", "t")["b"] == {"lr": 2}

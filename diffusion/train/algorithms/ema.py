@@ -221,8 +221,8 @@ class EMA(Algorithm):
     def __init__(self, half_life: str | None = None, smoothing: float = 0.9999, start: str | int = 0,
                  update_interval: int = 1, warmup: bool = True, init_from: str | None = None,
                  restart: bool = False):
-        if update_interval < 1:
-            raise ValueError(f"EMA update_interval must be >= 1, got {update_interval}")
+        if isinstance(update_interval, bool) or not isinstance(update_interval, int) or update_interval < 1:
+            raise ValueError(f"EMA update_interval must be a whole number of batches >= 1, got {update_interval!r}")
         self.half_life = half_life
         self.smoothing = smoothing_from_half_life(half_life, update_interval) if half_life else float(smoothing)
         if not 0.0 <= self.smoothing <= 1.0:
