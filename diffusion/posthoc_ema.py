@@ -16,6 +16,8 @@ snapshot at a time, it holds one copy of the weights in memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import re
 
@@ -171,8 +173,17 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
     state = {"model": model_state, "algorithms": [("EMA", {"ema_params": params, "posthoc_ema": info})]}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), ".partial-" + os.path.basename(out))
-    torch.save({"state": state}, partial)
-    os.replace(partial, out)
+    try:
+        with open(partial, "wb") as f:  # a Python file: a full disk is the OSError it is, not torch's RuntimeError
+            torch.save({"state": state}, f)
+        os.replace(partial, out)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OSError(e.errno, f"{os.strerror(e.errno)}: the average was not written (its unfinished file is "
+                                   f"removed); free space and re-run", out) from None
+        raise
     return info
 
 

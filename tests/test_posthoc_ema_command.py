@@ -177,3 +177,14 @@ def test_a_run_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "weights.pt").write_bytes(b"x")  # was "no such save folder" for a file that is there
     err = _refusal(capsys, "--run", str(tmp_path / "weights.pt"), "--sigma-rel", "0.1", "--out", str(tmp_path / "x.pt"))
     assert err == f"posthoc_ema: error: --run {tmp_path / 'weights.pt'} is a file: give the run's trainer.save_folder"
+
+
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(run, tmp_path, capsys):
+    """The average lands on a device that is always full (its partial file is /dev/full): one line naming the
+    file, no traceback (was torch's 'PytorchStreamWriter failed writing file' RuntimeError), nothing left."""
+    out = tmp_path / "ema.pt"
+    os.symlink("/dev/full", tmp_path / ".partial-ema.pt")
+    err = _refusal(capsys, "--run", run, "--sigma-rel", "0.1", "--out", str(out))
+    assert err == (f"posthoc_ema: error: {out}: No space left on device: the average was not written (its unfinished "
+                   f"file is removed); free space and re-run")
+    assert os.listdir(tmp_path) == []
