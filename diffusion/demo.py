@@ -210,6 +210,9 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise FileExistsError(errno.EEXIST, "--out is a file; give a directory", args.out)
+    if args.kit and os.path.exists(args.kit) and not os.path.isdir(args.kit):  # before the sample data is drawn
+        raise FileExistsError(errno.EEXIST, "--kit is a file; give the kit's directory (built there if missing)",
+                              args.kit)
     run_demo(args.out, n=args.n, batches=args.batches, kit=args.kit, buckets=args.buckets, recipe=args.recipe,
              curate=args.curate)
 

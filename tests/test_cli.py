@@ -271,3 +271,14 @@ def test_a_file_in_the_way_of_a_folder_says_so(tmp_path, capsys):
     assert capsys.readouterr().err == (f"sample: error: {tmp_path / 'notes.txt' / 'data'}: a file is in the way: a "
                                        f"name on this path is a file, not a folder\n")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_the_demo_names_a_kit_that_is_a_file_before_drawing_the_sample_data(tmp_path, capsys):
+    """``--kit FILE`` failed only after the sample data was drawn, in two lines."""
+    from diffusion import cli, demo
+    (tmp_path / "kit").write_text("mine")
+    with pytest.raises(SystemExit):
+        cli.run(demo.main, "demo", ["--out", str(tmp_path / "out"), "--kit", str(tmp_path / "kit")])
+    assert capsys.readouterr().err == (f"demo: error: {tmp_path / 'kit'}: --kit is a file; give the kit's directory "
+                                       f"(built there if missing)\n")
+    assert not (tmp_path / "out").exists() and (tmp_path / "kit").read_text() == "mine"
