@@ -130,26 +130,24 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
+def _whole_number(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    return _whole_number(text, 1, "a positive whole number")
 
 
 def non_negative_int(text: str) -> int:
     """An argparse type: an integer of at least 0 (a seed numpy takes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 0")
-    return value
+    return _whole_number(text, 0, "a whole number of at least 0")
 
 
 # ---- command-line flags from a config dataclass ------------------------------------------------------
