@@ -16,7 +16,8 @@ def kit_unet(kit):
     return UNet2DConditionModel.from_pretrained(os.path.join(kit, "unet")).eval()
 
 
-def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3, latent_space=None) -> str:
+def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3, latent_space=None,
+                          text_encoder_type: str | None = None) -> str:
     """Train the tiny model ``batches`` batches (batch 4, 64 px, EMA on) on synthetic latents of ``kit``
     (in ``latent_space``, default SD's) with the product's trainer and return the path of its final
     Composer checkpoint."""
@@ -26,7 +27,8 @@ def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3,
     from diffusion.train.trainer import build_trainer
     from train_fixtures import tiny_overrides, write_latent_mds
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16, latent_space=latent_space)
+    mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16, latent_space=latent_space,
+                           text_encoder_type=text_encoder_type)
     folder = os.path.join(out, "checkpoints")
     cfg = load_config(os.path.join(root, "yamls", "tiny-cpu.yaml"),
                       tiny_overrides(kit, mds, batches=batches, batch_size=4, save_folder=folder,

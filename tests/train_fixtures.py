@@ -64,6 +64,7 @@ def kit_text_dim(kit: str) -> int:
 def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, seed: int = 0,
                      text_dim: int | None = None, logvar: float = -6.0, samples_per_shard: int = 16,
                      compression: str | None = None, text_encoder: str | None = None,
+                     text_encoder_type: str | None = None,
                      text: str = schema.TEXT_BOTH, latent_space: schema.LatentSpace | None = None,
                      pooled: bool | None = None) -> str:
     """Write ``n`` samples of contract columns to ``out`` with dataset.json and empty_text_embeds.npy.
@@ -128,7 +129,8 @@ def write_latent_mds(out: str, *, kit: str, n: int = 64, resolution: int = 64, s
             writer.write({name: value for name, value in sample.items() if name in columns})
     info = schema.DatasetInfo(model=text_encoder or kit, scaling_factor=SCALING_FACTOR, resolutions=[resolution],
                               text_dim=text_dim, count=n, rows_in=n, text=text, text_encoder=text_encoder,
-                              empty_input_ids=[int(i) for i in empty_ids], text_probe=probe)
+                              empty_input_ids=[int(i) for i in empty_ids], text_probe=probe,
+                              text_encoder_type=text_encoder_type)  # the converter records its encoder's kind
     if latent_space is not None:
         info.set_latent_space(latent_space)
     if pooled_dim:

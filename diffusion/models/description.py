@@ -35,6 +35,9 @@ class ModelDescription:
     # training (model.embedded_guidance); sampling feeds it the same. None: no such embedding, or a checkpoint
     # written before it was recorded (then the training default, 1.0).
     embedded_guidance: float | None = None
+    # The text encoder whose embeddings it was trained on (its config's model_type, dataset.json's
+    # text_encoder_type: clip_text_model, t5 ...); None where the data or an older checkpoint did not say.
+    text_encoder_type: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

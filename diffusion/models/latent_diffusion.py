@@ -52,7 +52,8 @@ class LatentDiffusion(ComposerModel):
                  eval_protocol: str = "mlperf",
                  mask_ratio: float = 0.0, mixer_blocks: int = 0, text_encoder: FrozenTextEncoder | None = None,
                  route_ratio: float = 0.0, route_span: tuple[int, int] = (1, -1),
-                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None, pooled_text: bool = False):
+                 text_length: int = schema.MAX_TOKENS, text_mask: bool = False, repa=None, pooled_text: bool = False,
+                 text_encoder_type: str | None = None):
         super().__init__()
         self.denoiser = denoiser
         self.adapter = denoisers.adapter_for(denoiser)
@@ -76,6 +77,7 @@ class LatentDiffusion(ComposerModel):
         # The denoiser's pooled vector is the batch's pooled_text_embeds (Flux's CLIP beside T5's sequence), not
         # the mean of the text states (adapters with pooled_text only)
         self.pooled_text = bool(pooled_text)
+        self.text_encoder_type = text_encoder_type  # whose embeddings it learns from (dataset.json's), for sampling's check
         if self.text_mask:
             self.adapter.enable_text_mask(denoiser)
         self.offset_noise = offset_noise
@@ -116,7 +118,8 @@ class LatentDiffusion(ComposerModel):
                                 resolution=self.resolution, text_dim=self.text_dim, text_length=self.text_length,
                                 text_mask=self.text_mask, latent_space=self.latent_space.to_dict(),
                                 pooled_text=self.pooled_text,
-                                embedded_guidance=getattr(self.denoiser, "embedded_guidance", None))
+                                embedded_guidance=getattr(self.denoiser, "embedded_guidance", None),
+                                text_encoder_type=self.text_encoder_type)
 
     # ---- the one place latents are scaled ------------------------------------------------------------
     def sample_latents(self, moments: torch.Tensor, generator=None, eps: torch.Tensor | None = None) -> torch.Tensor:
@@ -497,4 +500,5 @@ def build_model(model_cfg, info: schema.DatasetInfo, seed: int = 0,
         eval_bins=model_cfg.eval_bins, eval_protocol=model_cfg.eval_protocol, mask_ratio=model_cfg.masking.ratio,
         mixer_blocks=model_cfg.masking.mixer_blocks, text_encoder=text_encoder, route_ratio=model_cfg.routing.ratio,
         route_span=(model_cfg.routing.start, model_cfg.routing.end), text_length=info.text_length,
-        text_mask=text_mask_of(model_cfg, info, type(denoiser).__name__), repa=repa, pooled_text=pooled_text)
+        text_mask=text_mask_of(model_cfg, info, type(denoiser).__name__), repa=repa, pooled_text=pooled_text,
+        text_encoder_type=info.text_encoder_type)

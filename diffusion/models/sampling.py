@@ -138,8 +138,22 @@ def load_trained(checkpoint: str, *, model_ref: str | None = None, ema: bool = T
     from diffusion.models.checkpoint import load_denoiser
     denoiser, description, ema_used = load_denoiser(checkpoint, ema=ema)
     if model_ref:
+        _check_text_encoder(model_ref, description)
         description.model_ref = model_ref
     return TrainedModel(denoiser=denoiser.eval(), description=description, ema_used=ema_used)
+
+
+def _check_text_encoder(model_ref: str, description: ModelDescription) -> None:
+    """A ``model_ref`` whose text encoder is of another kind than the one the checkpoint learned from (a T5 for
+    a CLIP-trained model, of the same width) would condition it on embeddings it never saw: one line."""
+    if not description.text_encoder_type:
+        return
+    theirs = loading.text_encoder_type(loading.load_text_encoder_config(model_ref))
+    if theirs != description.text_encoder_type:
+        names = loading.TEXT_ENCODERS
+        raise UserError(f"--model {model_ref}: its text encoder is a {names.get(theirs, theirs)}, and this checkpoint "
+                        f"was trained on a {names.get(description.text_encoder_type, description.text_encoder_type)}'s "
+                        f"embeddings: give a model reference with that text encoder, or leave --model out")
 
 
 def _scheduler_config(ref: str) -> dict | None:

@@ -16,7 +16,8 @@ from sampling_helpers import PROMPTS, pixels as _pixels, run_printed_call, train
 @pytest.fixture(scope="module")
 def flow_checkpoint(tiny_mmdit_kit, tmp_path_factory):
     return train_tiny_checkpoint(tiny_mmdit_kit, str(tmp_path_factory.mktemp("mmdit_ckpt")),
-                                 "model.objective=flow", "model.prediction_type=null", "model.flow.shift=2.0")
+                                 "model.objective=flow", "model.prediction_type=null", "model.flow.shift=2.0",
+                                 text_encoder_type="clip_text_model")  # as the converter records the kit's CLIP
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,16 @@ def test_checkpoint_describes_an_mmdit_trained_with_flow(flow_checkpoint):
     assert sampler.scheduler.config.shift == 2.0
     with pytest.raises(ValueError, match="samples with euler, heun"):
         sampling.Sampler(trained.description, scheduler="ddim")
+
+
+def test_a_model_reference_with_another_kind_of_text_encoder_is_refused(flow_checkpoint, tiny_t5_kit):
+    """``--model`` naming a T5 kit for a checkpoint trained on CLIP's embeddings sampled with rc 0 and no word."""
+    from diffusion.errors import UserError
+    assert sampling.load_trained(flow_checkpoint).description.text_encoder_type == "clip_text_model"
+    with pytest.raises(UserError, match=rf"^--model {tiny_t5_kit}: its text encoder is a T5EncoderModel, and this "
+                                        r"checkpoint was trained on a CLIPTextModel's embeddings: give a model "
+                                        r"reference with that text encoder, or leave --model out$"):
+        sampling.load_trained(flow_checkpoint, model_ref=tiny_t5_kit)
 
 
 @pytest.mark.parametrize("scheduler", ["euler", "heun"])
