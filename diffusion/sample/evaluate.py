@@ -44,7 +44,7 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert import readers
-from diffusion.errors import InputError
+from diffusion.errors import InputError, UserError
 from diffusion import cli
 from diffusion.sample import dpg_layout, geneval_layout, grid
 
@@ -513,6 +513,11 @@ def main(argv=None) -> None:
     if args.save_images and os.path.exists(args.save_images) and not os.path.isdir(args.save_images):
         raise NotADirectoryError(errno.ENOTDIR, "--save-images is a file; give a folder for the generated images",
                                  args.save_images)  # before any image is generated, not after
+    if args.save_images and os.path.isdir(args.save_images) and os.listdir(args.save_images):
+        held = sorted(os.listdir(args.save_images))  # an earlier run's 00007.png would be read as one of these
+        raise UserError(f"--save-images {args.save_images} already holds {len(held)} "
+                        f"{'entry' if len(held) == 1 else 'entries'} (e.g. {held[0]}): give "
+                        f"a new or empty folder, so that it holds exactly this run's images")
     images, protocol = args.images, None
     if args.checkpoint:
         lines = geneval_layout.read_metadata(args.prompts_file) if args.prompts_file.endswith(".jsonl") else None

@@ -217,6 +217,16 @@ def test_cli_needs_images_or_a_checkpoint(tiny_clip, tiny_kit, tmp_path, capsys)
     assert capsys.readouterr().err == (f"evaluate: error: {taken}: --save-images is a file; give a folder for the "
                                        f"generated images\n")
     assert taken.read_bytes() == b"an earlier grid"
+    held = tmp_path / "photos"  # a folder of other files: its 00000.png was overwritten without a word
+    held.mkdir()
+    (held / "00000.png").write_bytes(b"mine")
+    with pytest.raises(SystemExit):
+        cli.run(evaluate.main, "evaluate", ["--checkpoint", tiny_kit, "--prompts-file", str(tmp_path / "p.txt"),
+                                            "--judge", "--save-images", str(held), "--steps", "1", "--device", "cpu"])
+    assert capsys.readouterr().err == (f"evaluate: error: --save-images {held} already holds 1 entry (e.g. "
+                                       f"00000.png): give a new or empty folder, so that it holds exactly this "
+                                       f"run's images\n")
+    assert (held / "00000.png").read_bytes() == b"mine"
 
 
 def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip, sample_data, tmp_path):
