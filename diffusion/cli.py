@@ -42,6 +42,14 @@ def _is_users(error: BaseException) -> bool:
             or isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS)
 
 
+def file_in_the_way(path: str) -> str | None:
+    """Where making ``path``'s folders would fail: the nearest existing path above it, if that is a file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return None if os.path.isdir(parent) else parent
+
+
 def _describe(error: BaseException) -> str:
     if (isinstance(error, NotADirectoryError) and error.filename  # the bare "Not a directory" said not which
             and error.strerror in (None, os.strerror(errno.ENOTDIR))):

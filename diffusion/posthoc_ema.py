@@ -19,14 +19,14 @@ import argparse
 import contextlib
 import errno
 import os
-import re
 
 import torch
 
+from diffusion import cli
 from diffusion.errors import InputError, UserError
 from diffusion.train.algorithms import posthoc_ema as phe
+from diffusion.train.save_folder import CHECKPOINT_FILE, LATEST
 
-LATEST = "latest-rank0.pt"
 RESIDUAL_NOTE = 0.05  # a relative L2 error of the profile above this is worth a line
 
 
@@ -141,18 +141,16 @@ def write_checkpoint(run: str, out: str, sigma_rel: float, *, batch: int | None 
         raise UserError(f"--out {out} is the run's own checkpoint: write the average to a new file")
     run_files = {os.path.realpath(s.path) for s in snapshots}  # a snapshot written over is gone for good
     run_files.update(os.path.realpath(os.path.join(run, name)) for name in os.listdir(run)
-                     if re.match(r"^(ep\d+-ba\d+|latest)-rank\d+\.pt$", name))
+                     if CHECKPOINT_FILE.match(name) or name == LATEST)
     if os.path.realpath(out) in run_files:
         raise UserError(f"--out {out} is one of the run's own checkpoints or snapshots: write the average to a "
                         f"new file")
     if os.path.isdir(out):
         raise UserError(f"--out {out} is a folder: name the checkpoint file to write, e.g. "
                         f"{os.path.join(out, f'ema-{sigma_rel:g}.pt')}")
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):  # the folders --out needs are made: the first existing one must be one
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {out}: cannot make its folder, {parent} is a file")
+    blocked = cli.file_in_the_way(out)  # the folders --out needs are made: none may be a file
+    if blocked:
+        raise UserError(f"--out {out}: cannot make its folder, {blocked} is a file")
     model_state = read_state(base)["model"]
     extra, identity = model_state.get("_extra_state"), snapshots[-1].run
     found = _differences(extra, identity) if isinstance(extra, dict) and identity is not None else []
@@ -218,5 +216,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "posthoc_ema")

@@ -35,7 +35,7 @@ import os
 import torch
 
 from diffusion.errors import UserError
-from diffusion import schema
+from diffusion import cli, schema
 from diffusion.models import checkpoint as checkpoints, denoisers, loading, sampling
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,11 +112,9 @@ def check_output_dir(out: str, overwrite: bool = False) -> None:
     """``out`` is new, an empty directory, or (with ``overwrite``) an earlier export: never a file or a
     directory holding anything else, which ``save_pretrained`` would silently mix with the pipeline."""
     if not os.path.exists(out):
-        parent = os.path.dirname(os.path.abspath(out))
-        while not os.path.exists(parent):  # the first existing folder above it must be one, before the model loads
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise NotADirectoryError(errno.ENOTDIR, "cannot make the folder for --out: a file is in the way", parent)
+        blocked = cli.file_in_the_way(out)  # before the model loads
+        if blocked:
+            raise NotADirectoryError(errno.ENOTDIR, "cannot make the folder for --out: a file is in the way", blocked)
         return
     if not os.path.isdir(out):
         raise FileExistsError(errno.EEXIST, "--out exists and is not a directory", out)
@@ -289,5 +287,4 @@ def trained_description(checkpoint: str):
 
 
 if __name__ == "__main__":
-    from diffusion import cli
     cli.run(main, "export")
