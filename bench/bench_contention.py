@@ -18,9 +18,13 @@ process's CPU time (every thread) over the next batches, for at most ``--seconds
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` whatever the load (the policy before the choice at start).
 - ``spin-N``: ``GOMP_SPINCOUNT=N``, a bounded spin of N iterations (about N/100 microseconds) then sleep.
 - ``one-thread`` (on request): ``OMP_NUM_THREADS=1``, a user's own setting (it wins over the sizing).
+- ``after-nowatch``: ``after`` without the watch that steps a spinning pool down while other work takes the
+  CPUs (``DIFFUSION_CPU_WATCH=off``): threads chosen at start for the whole run.
 
 Loads: ``alone``, and beside a competing load as large as the machine: one busy-loop process per usable
-CPU (``--load busy``), or a second training of the same variant (``--load training``). The headline is
+CPU (``--load busy``), or a second training of the same variant (``--load training``), or busy loops that
+arrive once the measurement starts (``--load late``: a run that started on a quiet machine, then meets
+other work; ``--assume-quiet-start`` has the command choose as on a quiet machine when this one is not). The headline is
 samples per CPU-second beside the load over the same figure alone (goal: at least 0.5; a fair share of
 the CPU changes samples/s, not the work a CPU-second buys).
 """
@@ -39,7 +43,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "yamls" / "tiny-cpu.yaml")
 VARIANTS = {"before": {"DIFFUSION_CPUS": "off"}, "after": {}, "one-thread": {"OMP_NUM_THREADS": "1"},
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "after-nowatch": {"DIFFUSION_CPU_WATCH": "off"}}
 SPIN = "spin-"  # spin-N: GOMP_SPINCOUNT=N, the wait policy left to libgomp (a bounded spin, then sleep)
 
 
@@ -52,8 +56,11 @@ RESULT = "RESULT "
 
 
 def worker(data: str, batches: int, warmup: int, seconds: float) -> None:
-    """One measured training, started as ``run.py`` starts one (in a fresh process); prints a RESULT line."""
-    from diffusion import cli
+    """One measured training, started as ``run.py`` starts one (in a fresh process); prints a RESULT line.
+    Touches ``$BENCH_STARTED`` when the measurement starts (``--load late`` starts its loops then)."""
+    from diffusion import cli, cpus
+    if os.environ.get("BENCH_QUIET_START"):  # the choice a quiet machine gets, on a machine that is not
+        cpus.busy_at_start = lambda: (False, "assumed by the bench")
 
     def main(argv):
         from diffusion import launch
@@ -63,21 +70,26 @@ def worker(data: str, batches: int, warmup: int, seconds: float) -> None:
                                       "trainer.autoresume=false", "loggers={}", "callbacks={}"])
         from composer.core import Callback
 
+        import torch
+
         from diffusion.train.trainer import build_trainer
         launch._size_pools(cfg)  # what run.py does before it builds the trainer
 
         class Clock(Callback):
             def __init__(self):
-                self.marks, self.losses = [], []
+                self.marks, self.losses, self.threads = [], [], []
 
             def batch_end(self, state, logger):
                 self.marks.append((time.perf_counter(), time.process_time()))
                 self.losses.append(float(state.loss))
                 measured = len(self.marks) - 1 - warmup
+                if measured == 0 and os.environ.get("BENCH_STARTED"):
+                    open(os.environ["BENCH_STARTED"], "w").close()
+                if measured >= 0:
+                    self.threads.append(torch.get_num_threads())
                 if measured >= 3 and self.marks[-1][0] - self.marks[warmup][0] > seconds:
                     state.stop_training()
 
-        import torch
         trainer = build_trainer(cfg)
         clock = Clock()
         trainer.state.callbacks.append(clock)
@@ -85,7 +97,8 @@ def worker(data: str, batches: int, warmup: int, seconds: float) -> None:
         (w0, c0), (w1, c1) = clock.marks[warmup], clock.marks[-1]
         n = (len(clock.marks) - 1 - warmup) * cfg.data.train.batch_size
         print(RESULT + json.dumps({"samples": n, "wall": w1 - w0, "cpu": c1 - c0, "losses": clock.losses,
-                                   "threads": torch.get_num_threads(),
+                                   "threads": "–".join(str(n) for n in sorted({min(clock.threads),
+                                                                               max(clock.threads)})),
                                    "wait_policy": os.environ.get("OMP_WAIT_POLICY", "default") + (
                                        f", GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
                                        if os.environ.get("GOMP_SPINCOUNT") else "") + (
@@ -108,12 +121,13 @@ def _env(variant: str) -> dict:
     return {**env, **variant_env(variant), "PYTHONPATH": str(ROOT)}
 
 
-def _start(variant: str, data: str, batches: int, warmup: int, seconds: float, nice: int = 0) -> subprocess.Popen:
+def _start(variant: str, data: str, batches: int, warmup: int, seconds: float, nice: int = 0,
+           extra_env: dict | None = None) -> subprocess.Popen:
     def priority():
         if nice:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
     return subprocess.Popen([sys.executable, __file__, "--worker", data, str(batches), str(warmup), str(seconds)],
-                            env=_env(variant), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(variant), **(extra_env or {})}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=priority)
 
 
@@ -142,10 +156,21 @@ def measure(variant: str, load: str, args, data: str) -> dict:
         while (cpus.cpu_pressure() or 0) >= cpus.BUSY_PRESSURE and time.monotonic() < deadline:
             time.sleep(1)
         load_average = os.getloadavg()[0]
+    extra = {"BENCH_QUIET_START": "1"} if args.assume_quiet_start else {}
     try:
         time.sleep(3 if competing else 0)  # the load shows in the CPU pressure the command reads at start
         nice = args.alone_nice if load == "alone" else 0
-        result = _result(_start(variant, data, args.batches, args.warmup, args.seconds, nice))
+        if load == "late":  # busy loops from the first measured batch: quiet at start, busy after
+            started = os.path.join(data, f"started-{variant}")
+            proc = _start(variant, data, args.batches, args.warmup, args.seconds, nice,
+                          {**extra, "BENCH_STARTED": started})
+            while not os.path.exists(started) and proc.poll() is None:
+                time.sleep(0.05)
+            competing = busy_loops(args.cpus)
+            result = _result(proc)
+            os.remove(started)
+        else:
+            result = _result(_start(variant, data, args.batches, args.warmup, args.seconds, nice, extra))
     finally:
         for proc in competing:
             proc.kill()
@@ -176,6 +201,11 @@ def headline(rows: list[dict]) -> list[str]:
             verdict = "goal met" if loaded / alone >= 0.5 else f"goal missed by {0.5 / (loaded / alone):.1f}x"
             lines.append(f"{variant}: samples per CPU-s beside the load / alone = {loaded / alone:.2f} "
                          f"(goal >= 0.5: {verdict})")
+    spin = rate.get(("after-nowatch", "alone"))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        if spin and (variant, "alone") in rate and variant != "after-nowatch":
+            lines.append(f"{variant}: samples/s alone / after-nowatch's alone = {rate[(variant, 'alone')] / spin:.2f} "
+                         f"(issue 48's goal on a quiet machine: >= 0.95)")
     loaded = {var: v for (var, load), v in rate.items() if load != "alone"}
     if "before" in loaded and "after" in loaded:
         lines.append(f"beside the load, after / before: {loaded['after'] / loaded['before']:.1f}x samples/s")
@@ -187,8 +217,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--variants", nargs="+", type=_variant, default=DEFAULT_VARIANTS,
                    help=f"{', '.join(VARIANTS)} or {SPIN}N; one-thread: OMP_NUM_THREADS=1, the user's own setting; "
                         f"passive: OMP_WAIT_POLICY=PASSIVE; {SPIN}N: GOMP_SPINCOUNT=N")
-    p.add_argument("--load", choices=("busy", "training", "none"), default="busy",
-                   help="the competing load (none: the rows alone only)")
+    p.add_argument("--load", choices=("busy", "training", "late", "none"), default="busy",
+                   help="the competing load (late: busy loops from the first measured batch; none: alone only)")
+    p.add_argument("--assume-quiet-start", action="store_true",
+                   help="the command chooses its wait policy as on a quiet machine, whatever the load at start")
     p.add_argument("--samples", type=int, default=512, help="synthetic MDS samples (an epoch is samples/32 batches)")
     p.add_argument("--batches", type=int, default=200, help="at most this many batches per run")
     p.add_argument("--warmup", type=int, default=10, help="batches before the measurement starts")
@@ -203,6 +235,7 @@ def main(argv=None) -> list[dict]:
     from train_fixtures import write_latent_mds, write_training_kit
     args.cpus = cpus.usable_cpus()
     load_name = (f"beside {args.cpus} busy loop{'s' * (args.cpus > 1)}" if args.load == "busy"
+                 else f"{args.cpus} busy loops arriving at the first measured batch" if args.load == "late"
                  else "beside a second training")
 
     rows, load_average = [], os.getloadavg()[0]

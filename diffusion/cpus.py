@@ -274,3 +274,120 @@ def _choice() -> str:
     if "OMP_WAIT_POLICY" in os.environ:
         return f" ({choice})"
     return f" (threads spin ~3 ms before they sleep; {choice})"
+
+
+WATCH_ENV = "DIFFUSION_CPU_WATCH"  # off: keep the threads chosen at start, whatever other work arrives later
+PROC_STAT = "/proc/stat"
+WATCH_SECONDS = 2.0  # how often the watch reads the CPUs' time (a /proc/stat read: microseconds)
+
+
+def _busy_seconds(cpus: set[int], path: str = PROC_STAT) -> float | None:
+    """CPU-seconds the ``cpus`` have spent running anything (user, nice, system, irq, softirq) since boot,
+    from ``/proc/stat``'s per-CPU lines; None where the file is missing or unreadable."""
+    text = _read(path)
+    if not text:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, seen = 0, False
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus) or len(fields) < 7:
+            continue
+        try:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
+        except ValueError:
+            return None
+        total, seen = total + user + nice + system + irq + softirq, True
+    return total / hz if seen else None
+
+
+class SpinWatch:
+    """Torch's threads sized down while other work uses the CPUs, and back up once it leaves.
+
+    :func:`configure_process` lets libgomp's threads spin on a machine quiet at start (the tiny model's
+    full speed), and the policy is read once, when torch loads. Work that arrives later then meets
+    spinning threads: the thread that finished its share spins on a core the other thread needs
+    (a quarter of the rate alone, BENCHMARKS.md "OpenMP wait policy"). Every ``interval`` seconds
+    :meth:`poll` (between batches, in the training thread: the thread count is that thread's OpenMP
+    setting) reads the CPU time the CPUs of this process's mask spent (``/proc/stat``) less its own
+    (``os.times``): the CPUs *other* work used. When fewer CPUs are left than threads it sets torch's
+    threads to what is left (at least 1: one thread neither spins nor waits at a barrier); when they
+    come back, it sets them back (at most the count chosen at start). Hysteresis of half a CPU down and
+    three quarters up keeps it from switching on a passing process. ``clock``, ``own`` and ``busy``
+    are parameters so tests can hand in a scripted machine."""
+
+    def __init__(self, threads: int, cpus: set[int], interval: float = WATCH_SECONDS, *, set_threads=None,
+                 clock=None, own=None, busy=None):
+        import time
+        self.full = self.threads = threads
+        self.cpus = cpus
+        self.interval = interval
+        self.set_threads = set_threads or _set_torch_threads
+        self.clock = clock or time.monotonic
+        self.own = own or (lambda: sum(os.times()[:2]))
+        self.busy = busy or (lambda: _busy_seconds(self.cpus))
+        self.changes: list[tuple[int, int, float]] = []  # (from, to, CPUs other work used)
+        self._mark = None
+
+    def _sample(self):
+        busy = self.busy()
+        return None if busy is None else (self.clock(), self.own(), busy)
+
+    def poll(self) -> str | None:
+        """Re-read the CPUs at most every ``interval`` s; returns one line when the thread count changed."""
+        now = self.clock()
+        if self._mark is not None and now - self._mark[0] < self.interval:
+            return None
+        sample = self._sample()
+        if sample is None:
+            return None
+        previous, self._mark = self._mark, sample
+        if previous is None:
+            return None
+        wall = sample[0] - previous[0]
+        others = max(0.0, (sample[2] - previous[2]) - (sample[1] - previous[1])) / wall
+        free = len(self.cpus) - others
+        if self.threads > 1 and free < self.threads - 0.5:
+            new = max(1, int(free + 0.5))
+        elif self.threads < self.full and free >= self.threads + 0.75:
+            new = min(self.full, int(free + 0.25))
+        else:
+            return None
+        old, self.threads = self.threads, new
+        self.set_threads(new)
+        self.changes.append((old, new, others))
+        why = "other work is using" if new < old else "other work now uses only"
+        return (f"# cpus: {why} {others:.1f} of {len(self.cpus)} CPUs: torch threads {old} -> {new}"
+                + (f" (back to {self.full} when they are free; {WATCH_ENV}=off keeps {self.full})" if new < old else ""))
+
+    def restore(self) -> None:
+        """The count chosen at start again (the run is over)."""
+        if self.threads != self.full:
+            self.threads = self.full
+            self.set_threads(self.full)
+
+
+def _set_torch_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
+
+
+def spin_watch() -> SpinWatch | None:
+    """A :class:`SpinWatch` for this training process where its threads spin (the wait policy was left
+    to libgomp on a machine quiet at start, by :func:`configure_process`) and the pool is ours to size:
+    pools sized by us (no user ``OMP_NUM_THREADS``), more than one thread, one rank on this node (ranks'
+    shares are fixed), ``/proc/stat`` readable, and ``DIFFUSION_CPU_WATCH`` not ``off``. Else None."""
+    if (not enabled() or os.environ.get(WATCH_ENV, "").strip().lower() in ("off", "0", "false", "no")
+            or "OMP_WAIT_POLICY" in os.environ or os.environ.get("OMP_NUM_THREADS")
+            or not os.environ.get(CHOICE, "").startswith("quiet") or local_ranks() != 1):
+        return None
+    import sys
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 0
+    try:
+        mask = set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if threads < 2 or _busy_seconds(mask) is None:
+        return None
+    return SpinWatch(threads, mask)

@@ -100,7 +100,7 @@ PROBE = ("sized = cpus.size_torch(); import torch; "
 
 PROBE_2 = ("cpus.size_torch(); import torch; torch.ones(64, 64) @ torch.ones(64, 64); "
            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), torch.get_num_threads(), "
-           "torch.get_num_interop_threads()); "
+           "torch.get_num_interop_threads(), cpus.spin_watch() is not None); "
            "print(cpus.describe())")
 
 
@@ -115,7 +115,8 @@ def test_a_command_sizes_torch_and_its_threads_sleep_where_the_machine_is_busy_a
     result = _command(PROBE_2, {cpus.ENV: "2"}, pressure=pressure)
     assert result.returncode == 0, result.stderr
     first, line = result.stdout.splitlines()
-    assert first.split() == [policy, "None", "2", "2"]
+    # the spinning pool is watched for work that arrives later (SpinWatch); a sleeping one needs no watch
+    assert first.split() == [policy, "None", "2", "2", str(policy == "None")]
     assert line.endswith(f"OMP_WAIT_POLICY={'unset' if policy == 'None' else policy} {why}"), line
 
 
@@ -182,3 +183,70 @@ def test_an_override_beyond_the_machine_is_capped_and_says_so(monkeypatch):
     assert result.returncode == 0 and result.stderr == (
         f"note: DIFFUSION_CPUS=1000000000 is more CPUs than this machine has; planning for its {machine} "
         f"(a Ray cluster you join counts its own)\n"), result.stderr
+
+
+class Machine:
+    """A scripted machine for :class:`cpus.SpinWatch`: at each read, the wall clock, this process's CPU
+    time and the CPUs' busy time advance by one step of ``interval`` s in which other work used ``others``
+    CPUs and this process ``own``."""
+
+    def __init__(self):
+        self.t = self.own = self.busy = 0.0
+        self.reads = 0
+
+    def step(self, seconds: float, others: float, own: float = 2.0):
+        self.t += seconds
+        self.own += own * seconds
+        self.busy += (own + others) * seconds
+
+    def read_busy(self):
+        self.reads += 1
+        return self.busy
+
+
+def test_the_spinning_pool_steps_down_while_other_work_takes_the_cpus_and_back_up_when_it_leaves():
+    """A run that started on a quiet machine keeps libgomp's spin (the policy is read once, at load); work
+    that arrives later met the spinning threads at a quarter of the rate alone (BENCHMARKS.md). The watch
+    gives the CPUs others take back: threads down to what is left, and up again once it leaves."""
+    machine, threads = Machine(), []
+    watch = cpus.SpinWatch(2, {0, 1}, interval=2.0, set_threads=threads.append, clock=lambda: machine.t,
+                           own=lambda: machine.own, busy=machine.read_busy)
+    assert watch.poll() is None  # the first read only marks
+    machine.step(2.0, others=0.3)  # a shell, a daemon: not worth a thread
+    assert watch.poll() is None and threads == []
+    machine.step(1.0, others=2.0)
+    assert watch.poll() is None and machine.reads == 2  # not due: /proc/stat is not read between intervals
+    machine.step(1.0, others=2.0, own=1.2)  # two busy loops arrive: the window saw 1.0 CPU of others a second
+    machine.step(2.0, others=1.4, own=0.6)
+    line = watch.poll()
+    assert threads == [1] and watch.threads == 1
+    assert line.startswith("# cpus: other work is using ") and line.split(" CPUs: ")[1].startswith(
+        "torch threads 2 -> 1 (back to 2 when they are free; DIFFUSION_CPU_WATCH=off keeps 2)"), line
+    machine.step(2.0, others=1.1, own=0.9)  # still there: no change back and forth
+    assert watch.poll() is None and threads == [1]
+    machine.step(2.0, others=0.1, own=1.0)  # gone
+    assert watch.poll().endswith("torch threads 1 -> 2") and threads == [1, 2]
+    machine.step(2.0, others=1.8, own=0.2)
+    watch.poll()
+    assert threads == [1, 2, 1]
+    watch.restore()  # the run is over: the count chosen at start again
+    assert threads == [1, 2, 1, 2] and watch.threads == 2
+
+
+def test_the_watch_reads_what_the_cpus_ran_from_proc_stat(tmp_path):
+    """The CPUs' busy time is the per-CPU lines of /proc/stat for the CPUs of the mask (user, nice, system,
+    irq, softirq; not idle, iowait or steal), and on this machine it counts a busy child's CPU time."""
+    fake = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    fake.write_text("cpu  9 9 9 9 9 9 9 9 0 0\n"
+                    f"cpu0 {hz} 0 {hz} 500 7 0 {hz} 3 0 0\n"
+                    f"cpu1 {2 * hz} {hz} 0 500 0 {hz} 0 0 0 0\n"
+                    f"cpu2 {5 * hz} 0 0 0 0 0 0 0 0 0\nintr 1 2 3\n")
+    assert cpus._busy_seconds({0, 1}, str(fake)) == 7.0
+    assert cpus._busy_seconds({2}, str(fake)) == 5.0
+    assert cpus._busy_seconds({0}, str(tmp_path / "none")) is None
+    mask = set(os.sched_getaffinity(0))
+    before = cpus._busy_seconds(mask)
+    child = subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.5: pass\n"
+                            "print(time.process_time())"], capture_output=True, text=True, timeout=60)
+    assert cpus._busy_seconds(mask) - before >= float(child.stdout) - 0.05

@@ -25,11 +25,12 @@ from diffusion.train.algorithms.ema import EMA, EMAShards
 from diffusion.train.callbacks.optimizer_monitor import LoggedGradientClipping
 from diffusion.train.callbacks.checkpoint_pruning import forget_autoresume_download, local_pruner, remote_pruner
 from diffusion.train.config import Config
-from diffusion import schema
+from diffusion import cpus, schema
 from diffusion.errors import ConfigError
 from diffusion.loader import dataset_info, mds_source, shared_memory
 from diffusion.loader.batches import NoiseDraws
 from diffusion.train.callbacks.text_encoder_share import TextEncoderShare
+from diffusion.train.callbacks.cpu_watch import CpuWatch
 from diffusion.train import resume, save_folder
 from diffusion.models import denoisers, objectives, safe_checkpoint
 from diffusion.models.masking import PatchMask
@@ -530,6 +531,9 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
         callbacks.insert(0, DropGradientsBeforeEval())
     if model.text_encoder is not None and not any(isinstance(c, TextEncoderShare) for c in callbacks):
         callbacks.append(TextEncoderShare())  # every run that encodes text shows what it costs
+    watch = cpus.spin_watch()
+    if watch is not None:  # threads spinning since a quiet start step down while other work takes CPUs
+        callbacks.append(CpuWatch(watch))
     loggers, console = _console_logging(cfg.loggers)
     if t.autoresume:
         forget_autoresume_download(t.save_folder, _run_name(cfg))  # resume from the remote latest, not a copy
