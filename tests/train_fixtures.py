@@ -182,6 +182,37 @@ def run_group(command: list[str], *, timeout: float, **kwargs):
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+def uploads_forked_from_one_server(setattr_=setattr):
+    """Composer's ``RemoteUploader`` (a run saving to ``s3://...``) starts its processes (a Manager, upload and
+    check workers) with ``spawn``: each worker imports Composer again to unpickle its task, about 13 CPU-s on a
+    2-core VM, several a run. Here they fork instead from one forkserver of this process's own (never another
+    part of the process's), started at its first use with the environment then (the test's S3 endpoint) and
+    having imported Composer's uploader once. The tasks and their arguments are pickled as before. ``setattr_``:
+    ``monkeypatch.setattr`` to undo it after a test. Returns a function that ends the server (it would wait for
+    every process it forked: Composer never shuts its uploader's Manager down, which ends at this process's exit,
+    as with spawn)."""
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+    import signal
+    import types
+
+    from composer.utils import remote_uploader
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(["composer.utils.remote_uploader"])
+    context = multiprocessing.get_context("forkserver")
+    setattr_(forkserver, "connect_to_new_process", server.connect_to_new_process)
+    setattr_(forkserver, "ensure_running", server.ensure_running)
+    setattr_(remote_uploader, "multiprocessing", types.SimpleNamespace(get_context=lambda method: context))
+
+    def stop():
+        if server._forkserver_pid is not None:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+            os.waitpid(server._forkserver_pid, 0)
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_pid = server._forkserver_alive_fd = None
+    return stop
+
+
 def launch_composer(script_path, script: str, args: list[str], *, port: int | None = None, env: dict | None = None,
                     processes: int = 2, timeout: float = 600):
     """Write ``script`` to ``script_path`` and run it under ``composer -n processes`` from the repository root

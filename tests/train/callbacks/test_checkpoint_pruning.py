@@ -13,7 +13,7 @@ import torch
 from diffusion.train.callbacks.checkpoint_pruning import RemoteCheckpointPruner, remote_pruner
 from diffusion.train.config import load_config
 from diffusion.train.trainer import build_trainer
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import tiny_overrides, uploads_forked_from_one_server, write_latent_mds
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "yamls",
                     "tiny-cpu.yaml")
@@ -137,11 +137,13 @@ def _run(train_kit, mds, folder, batches):
 
 
 @pytest.mark.slow
-def test_a_run_saving_every_batch_to_s3_keeps_two_and_autoresumes(s3, train_kit, mds, tmp_path, monkeypatch):
+def test_a_run_saving_every_batch_to_s3_keeps_two_and_autoresumes(s3, train_kit, mds, tmp_path, monkeypatch, request):
     client, bucket = s3
     folder = f"s3://{bucket}/run"
     monkeypatch.chdir(tmp_path)  # Composer's autoresume writes its download under ./s3:/ (see below)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and stages checkpoints in a mkdtemp() it keeps
+    # the uploader's processes fork from one that imported Composer once, instead of each importing it (spawn)
+    request.addfinalizer(uploads_forked_from_one_server(monkeypatch.setattr))
     assert _run(train_kit, mds, folder, batches=3) == 0
     assert keys(client, bucket, "run/") == ["run/ep0-ba2-rank0.pt", "run/ep0-ba3-rank0.pt",
                                            "run/latest-rank0.pt.symlink"]
