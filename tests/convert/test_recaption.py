@@ -4,6 +4,7 @@ random BLIP captioner over a small sample."""
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -99,14 +100,37 @@ def test_each_caption_is_the_models_caption_of_that_rows_image(recaptioned, smal
     assert dict(zip(crops[schema.KEY], direct)) == _captions(recaptioned[0])
 
 
-def test_a_killed_captioning_actor_is_restarted_and_every_image_still_gets_its_caption(
-        recaption_config, recaptioned, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def resumed(recaption_config, recaptioned, tmp_path_factory):
+    """(output dir, summary, the refusals' errors, the kill's marker) of a copy of the clean output less a part
+    the "killed" run never committed: re-run with other --recaption settings (each refused, the error kept or
+    None), then resumed with a captioning actor whose process is killed (SIGKILL) on its second batch, once.
+    One conversion for the resume and the killed actor (fresh Ray actors and their imports are most of one); in
+    batches of 2 (not a setting) the lost part's rows are several batches, so the kill comes after one is done."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    out = tmp / "resumed"
+    shutil.copytree(recaptioned[0], out)
+    lost = sorted(p for p in os.listdir(out) if p.startswith("part-"))[0]
+    shutil.rmtree(out / lost)  # a part the "killed" run never committed
+    (out / "index.json").unlink()
+    refusals = []
+    for other in (dict(recaption_column="blip_caption"), dict(recaption=None)):
+        try:
+            run_conversion(recaption_config(out, **other))
+            refusals.append(None)
+        except OutputMismatchError as e:
+            refusals.append(e)
+    marker = tmp / "killed"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "Recaptioner", _dies_once(str(marker)))
+        summary = run_conversion(recaption_config(out, recaption_batch_size=2))
+    return out, summary, refusals, marker
+
+
+def test_a_killed_captioning_actor_is_restarted_and_every_image_still_gets_its_caption(recaptioned, resumed):
     """The captioning actor's process is killed (SIGKILL) on its second batch, once: Ray restarts the
     actor and retries the batch, and the output is the clean run's, row for row."""
-    marker = tmp_path / "killed"
-    monkeypatch.setattr(pipeline, "Recaptioner", _dies_once(str(marker)))
-    out = tmp_path / "out"
-    summary = run_conversion(recaption_config(out))
+    out, summary, _, marker = resumed
     assert marker.exists(), "the actor was never killed"
     assert summary.written == recaptioned[1].written
     assert _captions(out) == _captions(recaptioned[0])
@@ -128,18 +152,10 @@ def _dies_once(marker: str):
     return DiesOnce
 
 
-def test_resume_keeps_the_captions_and_other_recaption_settings_are_refused(recaption_config, recaptioned,
-                                                                            tmp_path):
-    out = tmp_path / "resumed"
-    shutil.copytree(recaptioned[0], out)
-    lost = sorted(p for p in os.listdir(out) if p.startswith("part-"))[0]
-    shutil.rmtree(out / lost)  # a part the "killed" run never committed
-    (out / "index.json").unlink()
-    with pytest.raises(OutputMismatchError, match="recaption"):
-        run_conversion(recaption_config(out, recaption_column="blip_caption"))
-    with pytest.raises(OutputMismatchError, match="recaption"):
-        run_conversion(recaption_config(out, recaption=None))
-    summary = run_conversion(recaption_config(out))
+def test_resume_keeps_the_captions_and_other_recaption_settings_are_refused(recaptioned, resumed):
+    out, summary, refusals, _ = resumed
+    for refusal in refusals:  # another --recaption-column, no --recaption: refused before anything is touched
+        assert isinstance(refusal, OutputMismatchError) and re.search("recaption", str(refusal)), refusal
     assert 0 < summary.written_this_run < summary.written == recaptioned[1].written
     assert _captions(out) == _captions(recaptioned[0])
 
