@@ -24,7 +24,7 @@ def test_two_ranks_fsdp1_and_fsdp2_with_ema_and_repa_train_as_one_process_and_re
         mmdit_train_kit, tmp_path):
     """2 ranks of 2 microbatches each with EMA train the weights (and, with ``model.repa``, the projector) of
     one process training the same 3 global batches whole, under FSDP1 and FSDP2; REPA's alignment switches
-    off from batch 2. The FSDP1 REPA run stopped after batch 1 and resumed from its checkpoint (Composer's
+    off from batch 2. The FSDP1 REPA run's checkpoint after batch 1, resumed (Composer's
     load_path, the switch-off batch crossed after the resume) ends with the same weights and EMA; so does the
     FSDP2 run stopped after batch 1 with a sharded checkpoint (each rank's EMA shards beside its weights') and
     autoresumed."""
@@ -54,13 +54,14 @@ def test_two_ranks_fsdp1_and_fsdp2_with_ema_and_repa_train_as_one_process_and_re
                 {"name": "sharded-stopped", "overrides": [*fsdp2_sharded, "trainer.max_duration=1ba",
                                                           "trainer.save_interval=1ba"]},
                 {"name": "sharded-resumed", "overrides": [*fsdp2_sharded, "trainer.save_interval=3ba"]},
-                {"name": "fsdp1-repa", "overrides": [*fsdp1, *repa]},
+                # it saves after batch 1 (and on): the checkpoint a run stopped there leaves
+                {"name": "fsdp1-repa", "overrides": [*fsdp1, *repa, f"trainer.save_folder={saved}",
+                                                     "trainer.save_interval=1ba",
+                                                     "trainer.save_num_checkpoints_to_keep=-1"]},
                 {"name": "fsdp2-repa", "overrides": [*fsdp2, *repa]},
                 # clipped every step: the projector and the denoiser by one global norm, as one process clips
                 # them (Composer clipped each FSDP1 root, the projector apart: issue 47, item 6)
                 {"name": "fsdp1-repa-clip", "overrides": [*fsdp1, *repa, "trainer.grad_clip_norm=0.01"]},
-                {"name": "stopped", "overrides": [*fsdp1, *repa, "trainer.max_duration=1ba",
-                                                  f"trainer.save_folder={saved}", "trainer.save_interval=1ba"]},
                 {"name": "resumed", "overrides": [*fsdp1, *repa, f"trainer.load_path={saved}/ep0-ba1-rank0.pt"]}]
     for variant in variants:
         variant["blocks"] = ["JointTransformerBlock"]
