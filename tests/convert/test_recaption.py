@@ -15,6 +15,7 @@ from diffusion import schema
 from diffusion.convert import pipeline
 from diffusion.convert.pipeline import ConvertConfig, plan_pools, run_conversion
 from diffusion.convert.recaption import Recaptioner
+from diffusion.convert.sink import KEYS_RECORD
 from diffusion.errors import ConfigError, OutputMismatchError
 
 RES = 64
@@ -105,12 +106,14 @@ def resumed(recaption_config, recaptioned, tmp_path_factory):
     """(output dir, summary, the refusals' errors, the kill's marker) of a copy of the clean output less a part
     the "killed" run never committed: re-run with other --recaption settings (each refused, the error kept or
     None), then resumed with a captioning actor whose process is killed (SIGKILL) on its second batch, once.
-    One conversion for the resume and the killed actor (fresh Ray actors and their imports are most of one); in
-    batches of 2 (not a setting) the lost part's rows are several batches, so the kill comes after one is done."""
+    One conversion for the resume and the killed actor (fresh Ray actors and their imports are most of one); the
+    part with the most rows is lost, and in batches of 2 (not a setting) its rows are several batches, so the
+    kill comes after one is done."""
     tmp = tmp_path_factory.mktemp("resumed")
     out = tmp / "resumed"
     shutil.copytree(recaptioned[0], out)
-    lost = sorted(p for p in os.listdir(out) if p.startswith("part-"))[0]
+    parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
+    lost = max(parts, key=lambda p: len(json.loads((out / p / KEYS_RECORD).read_text())))  # the most rows
     shutil.rmtree(out / lost)  # a part the "killed" run never committed
     (out / "index.json").unlink()
     refusals = []
