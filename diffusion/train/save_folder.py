@@ -480,6 +480,7 @@ def claim(save_folder: str | None, run_name: str | None, autoresume: bool, start
                 note(message)
         except UserError as e:
             error = e
+            lock.release()  # refused before training: the folder is left unlocked (a no-op where another run holds it)
     if dist.get_world_size() > 1:
         shared = [str(error) if error else None]
         dist.broadcast_object_list(shared, src=0)

@@ -195,3 +195,18 @@ def test_a_save_folder_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path)
         assert str(refused.value) == (f"trainer.save_folder={folder}: not a folder (it, or a folder above it, is a "
                                       f"file); give the folder to write checkpoints in")
     assert taken.read_bytes() == b"an earlier checkpoint"
+
+
+def test_a_run_refused_for_its_unreadable_checkpoints_leaves_the_folder_unlocked(tmp_path):
+    """autoresume on a folder whose only checkpoint is cut is refused; the refused run held the folder's lock and
+    kept it (the next run printed "taking over the lock of pid N ... which exited without removing it")."""
+    from diffusion.train.save_folder import SaveFolderLock, UnreadableCheckpoints, claim
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "ep0-ba2-rank0.pt").write_bytes(b"cut short")
+    with pytest.raises(UnreadableCheckpoints):
+        claim(str(folder), None, autoresume=True)
+    assert not (folder / LOCK_NAME).exists()
+    later = SaveFolderLock(str(folder))
+    assert later.acquire() == []  # no stale lock to take over
+    later.release()
