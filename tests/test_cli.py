@@ -1,5 +1,9 @@
 """Every command as a user runs it, in a subprocess: ``--help`` says what it does, with examples and
-every flag explained; a user's mistake is one line on stderr naming what was wrong, no traceback."""
+every flag explained; a user's mistake is one line on stderr naming what was wrong, no traceback.
+
+Each command's first mistake here runs in a subprocess (its imports' own noise on stderr included); its further
+mistakes run its ``cli.run`` entry in this process (:func:`run_here`): each subprocess of generate, export or
+evaluate pays ~4 s of torch and diffusers imports for a refusal that takes milliseconds."""
 
 import os
 import pathlib
@@ -33,6 +37,38 @@ def run(*args, timeout: float = 180) -> subprocess.CompletedProcess:
     env.pop("DIFFUSION_DEBUG", None)
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+HERE = {"generate": "diffusion.sample.generate", "export": "diffusion.sample.export",
+        "evaluate": "diffusion.sample.evaluate"}  # what ``python -m diffusion.<name>`` runs
+
+
+def run_here(capfd, prog: str, *args) -> subprocess.CompletedProcess:
+    """``python -m diffusion.<prog> ARGS`` as its ``__main__`` runs it (``cli.run(main, prog)``), in this process:
+    its exit status and what reached stdout/stderr, the file descriptors included (capfd). Warnings it raises are
+    on its stderr as Python's default filters show them in a new process (pytest would only record them)."""
+    import importlib
+    import warnings
+    from diffusion import cli
+    main = importlib.import_module(HERE[prog]).main
+    capfd.readouterr()
+    environ = dict(os.environ)
+    os.environ.pop("DIFFUSION_DEBUG", None)
+    code = 0
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)  # Python's default filters outside __main__
+        try:
+            cli.run(main, prog, [str(a) for a in args])
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+    printed = capfd.readouterr()
+    err = printed.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in raised)
+    return subprocess.CompletedProcess([prog, *args], code, printed.out, err)
 
 
 # ---- --help -------------------------------------------------------------------------------------------
@@ -125,46 +161,46 @@ def test_a_missing_checkpoint_is_one_line_naming_it(tmp_path):
     assert not (tmp_path / "exported").exists()
 
 
-def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(not_a_checkpoint, tmp_path):
-    line = assert_one_line_error(run("-m", "diffusion.generate", "--checkpoint", not_a_checkpoint,
-                                     "--prompt", "x", "--out", tmp_path / "g.png"), "generate", not_a_checkpoint)
+def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(not_a_checkpoint, tmp_path, capfd):
+    line = assert_one_line_error(run_here(capfd, "generate", "--checkpoint", not_a_checkpoint,
+                                          "--prompt", "x", "--out", tmp_path / "g.png"), "generate", not_a_checkpoint)
     assert "not a checkpoint" in line
-    line = assert_one_line_error(run("-m", "diffusion.export", "--checkpoint", not_a_checkpoint,
-                                     "--out", tmp_path / "exported"), "export", not_a_checkpoint)
+    line = assert_one_line_error(run_here(capfd, "export", "--checkpoint", not_a_checkpoint,
+                                          "--out", tmp_path / "exported"), "export", not_a_checkpoint)
     assert "not a checkpoint" in line
 
 
-def test_a_truncated_checkpoint_and_a_checkpoint_folder_are_one_line(tmp_path):
+def test_a_truncated_checkpoint_and_a_checkpoint_folder_are_one_line(tmp_path, capfd):
+    import torch
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    run_code = ("import torch, sys; torch.save({'state': {'model': {}}}, sys.argv[1])")
-    subprocess.run([sys.executable, "-c", run_code, str(folder / "ep0-ba10-rank0.pt")], check=True)
+    torch.save({'state': {'model': {}}}, folder / "ep0-ba10-rank0.pt")
     whole = (folder / "ep0-ba10-rank0.pt").read_bytes()
     (folder / "truncated.pt").write_bytes(whole[: len(whole) // 2])
     os.symlink("ep0-ba10-rank0.pt", folder / "latest-rank0.pt")
-    line = assert_one_line_error(run("-m", "diffusion.generate", "--checkpoint", folder, "--prompt", "x"),
+    line = assert_one_line_error(run_here(capfd, "generate", "--checkpoint", folder, "--prompt", "x"),
                                  "generate", folder)
     assert f"did you mean {folder / 'latest-rank0.pt'}?" in line
-    line = assert_one_line_error(run("-m", "diffusion.export", "--checkpoint", folder / "truncated.pt",
-                                     "--out", tmp_path / "exported"), "export", folder / "truncated.pt")
+    line = assert_one_line_error(run_here(capfd, "export", "--checkpoint", folder / "truncated.pt",
+                                          "--out", tmp_path / "exported"), "export", folder / "truncated.pt")
     assert "not a readable checkpoint" in line
 
 
-def test_export_refuses_an_out_that_holds_other_files_or_an_earlier_export(pipeline_dir, tmp_path):
+def test_export_refuses_an_out_that_holds_other_files_or_an_earlier_export(pipeline_dir, tmp_path, capfd):
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "keep-me.txt").write_text("mine")
-    line = assert_one_line_error(run("-m", "diffusion.export", "--checkpoint", pipeline_dir, "--out", occupied),
+    line = assert_one_line_error(run_here(capfd, "export", "--checkpoint", pipeline_dir, "--out", occupied),
                                  "export", occupied)
     assert "not a pipeline" in line
     assert (occupied / "keep-me.txt").read_text() == "mine" and len(list(occupied.iterdir())) == 1
     earlier = tmp_path / "earlier"
     earlier.mkdir()
     (earlier / "model_index.json").write_text("{}")
-    line = assert_one_line_error(run("-m", "diffusion.export", "--checkpoint", pipeline_dir, "--out", earlier),
+    line = assert_one_line_error(run_here(capfd, "export", "--checkpoint", pipeline_dir, "--out", earlier),
                                  "export", earlier)
     assert "--overwrite" in line
-    line = assert_one_line_error(run("-m", "diffusion.export", "--checkpoint", pipeline_dir, "--out", pipeline_dir),
+    line = assert_one_line_error(run_here(capfd, "export", "--checkpoint", pipeline_dir, "--out", pipeline_dir),
                                  "export", pipeline_dir)
     assert "where the model comes from" in line
 
@@ -180,18 +216,19 @@ def test_export_names_a_file_in_the_way_of_out_before_the_model_loads(pipeline_d
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-def test_generate_and_evaluate_name_their_other_inputs(pipeline_dir, tmp_path):
+def test_generate_and_evaluate_name_their_other_inputs(pipeline_dir, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)  # README.md below, as the subprocesses' cwd
     empty = tmp_path / "prompts.txt"
     empty.write_text("# only a comment\n\n")
-    assert_one_line_error(run("-m", "diffusion.generate", "--checkpoint", pipeline_dir, "--prompts-file", empty),
+    assert_one_line_error(run_here(capfd, "generate", "--checkpoint", pipeline_dir, "--prompts-file", empty),
                           "generate", empty, "no prompts")
-    assert_one_line_error(run("-m", "diffusion.generate", "--checkpoint", pipeline_dir, "--prompt", "x",
-                              "--out", tmp_path / "grid.jpg"), "generate", "grid.jpg", ".png")
+    assert_one_line_error(run_here(capfd, "generate", "--checkpoint", pipeline_dir, "--prompt", "x",
+                                   "--out", tmp_path / "grid.jpg"), "generate", "grid.jpg", ".png")
     missing = tmp_path / "no-such-grid.png"
-    assert_one_line_error(run("-m", "diffusion.evaluate", "--images", missing, "--clip-model", tmp_path),
+    assert_one_line_error(run_here(capfd, "evaluate", "--images", missing, "--clip-model", tmp_path),
                           "evaluate", missing, "--images")
-    assert_one_line_error(run("-m", "diffusion.evaluate", "--images", "README.md", "--clip-model",
-                              tmp_path / "no-clip"), "evaluate", tmp_path / "no-clip", "--clip-model")
+    assert_one_line_error(run_here(capfd, "evaluate", "--images", "README.md", "--clip-model",
+                                   tmp_path / "no-clip"), "evaluate", tmp_path / "no-clip", "--clip-model")
 
 
 def test_train_names_a_missing_yaml_and_a_misspelt_key(tmp_path):
