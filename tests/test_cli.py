@@ -44,31 +44,11 @@ HERE = {"generate": "diffusion.sample.generate", "export": "diffusion.sample.exp
 
 
 def run_here(capfd, prog: str, *args) -> subprocess.CompletedProcess:
-    """``python -m diffusion.<prog> ARGS`` as its ``__main__`` runs it (``cli.run(main, prog)``), in this process:
-    its exit status and what reached stdout/stderr, the file descriptors included (capfd). Warnings it raises are
-    on its stderr as Python's default filters show them in a new process (pytest would only record them)."""
+    """``python -m diffusion.<prog> ARGS`` as its ``__main__`` runs it (``cli.run(main, prog)``), in this process
+    (:func:`cli_helpers.run_entry`)."""
     import importlib
-    import warnings
-    from diffusion import cli
-    main = importlib.import_module(HERE[prog]).main
-    capfd.readouterr()
-    environ = dict(os.environ)
-    os.environ.pop("DIFFUSION_DEBUG", None)
-    code = 0
-    with warnings.catch_warnings(record=True) as raised:
-        warnings.simplefilter("always")
-        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-            warnings.simplefilter("ignore", quiet)  # Python's default filters outside __main__
-        try:
-            cli.run(main, prog, [str(a) for a in args])
-        except SystemExit as exited:
-            code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-    printed = capfd.readouterr()
-    err = printed.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in raised)
-    return subprocess.CompletedProcess([prog, *args], code, printed.out, err)
+    from cli_helpers import run_entry
+    return run_entry(capfd, importlib.import_module(HERE[prog]).main, prog, *args)
 
 
 # ---- --help -------------------------------------------------------------------------------------------

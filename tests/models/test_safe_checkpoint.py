@@ -3,8 +3,6 @@ payload is refused in one line by every command that reads checkpoints and by tr
 autoresume, and the payload never runs; real checkpoints still load."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,9 +35,18 @@ def checkpoints(tiny_kit, tmp_path_factory):
     return {"good": good, "bad": str(bad), "marker": marker, "tmp": tmp, "kit": tiny_kit}
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+ENTRIES = {"generate": "diffusion.sample.generate", "export": "diffusion.sample.export",
+           "evaluate": "diffusion.sample.evaluate", "run.py": "diffusion.launch"}
+
+
+def _run_here(capfd, prog, *args):
+    """``prog ARGS`` through its ``cli.run`` entry in this process (cli_helpers.run_entry): a payload that ran would
+    touch the marker as in a subprocess, without ~4 s (generate, export, evaluate) or ~15 s (run.py) of imports a
+    refusal. Torch's threads stay this process's (OMP_NUM_THREADS set: run.py leaves them)."""
+    import importlib
+    from cli_helpers import run_entry
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())}
+    return run_entry(capfd, importlib.import_module(ENTRIES[prog]).main, prog, *args, env=env)
 
 
 def _refused(result, path):
@@ -56,13 +63,13 @@ def test_a_real_checkpoint_loads_weights_only(checkpoints):
 
 
 @pytest.mark.parametrize("command", ["generate", "export", "evaluate"])
-def test_commands_refuse_a_checkpoint_that_would_run_code(checkpoints, command, tiny_clip):
+def test_commands_refuse_a_checkpoint_that_would_run_code(checkpoints, command, tiny_clip, capfd):
     bad, tmp = checkpoints["bad"], checkpoints["tmp"]
     args = {"generate": ["--prompt", "a red circle", "--out", str(tmp / "g.png"), "--steps", "1"],
             "export": ["--out", str(tmp / "exported")],
             "evaluate": ["--prompts-file", str(_prompts(tmp)), "--out", str(tmp / "scores.json"),
                          "--clip-model", tiny_clip]}[command]
-    _refused(_run("-m", f"diffusion.{command}", "--checkpoint", bad, *args), bad)
+    _refused(_run_here(capfd, command, "--checkpoint", bad, *args), bad)
     assert not checkpoints["marker"].exists()
 
 
@@ -72,16 +79,17 @@ def _prompts(tmp):
     return path
 
 
-def test_training_refuses_it_as_load_path_and_in_autoresume(checkpoints):
+def test_training_refuses_it_as_load_path_and_in_autoresume(checkpoints, capfd, monkeypatch):
     from train_fixtures import tiny_overrides, write_latent_mds
     bad, tmp, kit = checkpoints["bad"], checkpoints["tmp"], checkpoints["kit"]
     mds = write_latent_mds(str(tmp / "mds"), kit=kit, n=16)
+    monkeypatch.chdir(ROOT)
     common = ["run.py", "yamls/tiny-cpu.yaml", *tiny_overrides(kit, mds, batches=4, batch_size=4)]
-    _refused(_run(*common, f"trainer.load_path={bad}"), bad)
+    _refused(_run_here(capfd, *common, f"trainer.load_path={bad}"), bad)
     folder = tmp / "resume"
     folder.mkdir()
     os.symlink(bad, folder / "latest-rank0.pt")  # a save folder whose latest checkpoint was swapped
-    result = _run(*common, f"trainer.save_folder={folder}", "trainer.autoresume=true")
+    result = _run_here(capfd, *common, f"trainer.save_folder={folder}", "trainer.autoresume=true")
     _refused(result, "latest-rank0.pt")
     assert not checkpoints["marker"].exists()
 
