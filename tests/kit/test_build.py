@@ -131,6 +131,13 @@ def _run_kit_cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+def _run_kit_here(capfd, *args):
+    """``python -m diffusion.kit.build ARGS`` through its ``cli.run`` entry in this process (cli_helpers.run_entry):
+    the refusals after the first, which _run_kit_cli runs as a user does, without ~3 s of imports each."""
+    from cli_helpers import run_entry
+    return run_entry(capfd, kit.main, "kit", *args, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+
 def _assert_one_line_error(result, *expected):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -141,41 +148,42 @@ def _assert_one_line_error(result, *expected):
 
 
 @pytest.mark.parametrize("force", [False, True])
-def test_cli_refuses_a_folder_of_user_files_and_leaves_them(tmp_path, force):
+def test_cli_refuses_a_folder_of_user_files_and_leaves_them(tmp_path, force, capfd):
     out = tmp_path / "my project"
     out.mkdir()
     (out / "notes.txt").write_text("do not lose these notes\n")
     (out / "important.csv").write_bytes(b"id,value\n1,42\n")
     before = _files_with_bytes(out)
-    result = _run_kit_cli("--preset", "tiny-clip", "--out", str(out), *(["--force"] if force else []))
+    args = ("--preset", "tiny-clip", "--out", str(out), *(["--force"] if force else []))
+    result = _run_kit_here(capfd, *args) if force else _run_kit_cli(*args)  # without --force as a user runs it
     _assert_one_line_error(result, str(out), "not a model kit", "notes.txt", "important.csv")
     assert _files_with_bytes(out) == before
     assert sorted(p.name for p in out.iterdir()) == ["important.csv", "notes.txt"]
 
 
-def test_cli_refuses_to_replace_a_kit_holding_a_user_file_even_with_force(tmp_path):
+def test_cli_refuses_to_replace_a_kit_holding_a_user_file_even_with_force(tmp_path, capfd):
     out = ensure_kit("sd2-base", tmp_path / "kit")
     (out / "unet" / "my-notes.md").write_text("tried lr 1e-4")
     before = _files_with_bytes(out)
-    result = _run_kit_cli("--preset", "sd2-base", "--out", str(out), "--force")
+    result = _run_kit_here(capfd, "--preset", "sd2-base", "--out", str(out), "--force")
     _assert_one_line_error(result, str(out), "unet/my-notes.md", "did not write")
     assert _files_with_bytes(out) == before
 
 
-def test_cli_names_the_preset_found_and_force_says_what_it_replaces(tmp_path):
+def test_cli_names_the_preset_found_and_force_says_what_it_replaces(tmp_path, capfd):
     out = ensure_kit("sd2-base", tmp_path / "kit")
     before = _files_with_bytes(out)
-    result = _run_kit_cli("--preset", "tiny-clip", "--out", str(out))
+    result = _run_kit_here(capfd, "--preset", "tiny-clip", "--out", str(out))
     _assert_one_line_error(result, str(out), "holds a sd2-base kit", "--force")
     assert _files_with_bytes(out) == before
-    help_text = " ".join(_run_kit_cli("--help").stdout.split())
+    help_text = " ".join(_run_kit_here(capfd, "--help").stdout.split())
     assert "replaces only the kit's own files" in help_text
 
 
-def test_cli_builds_into_an_empty_folder(tmp_path):
+def test_cli_builds_into_an_empty_folder(tmp_path, capfd):
     out = tmp_path / "kit"
     out.mkdir()
-    result = _run_kit_cli("--preset", "sd2-base", "--out", str(out))
+    result = _run_kit_here(capfd, "--preset", "sd2-base", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["preset"] == "sd2-base" and kit.is_complete("sd2-base", out)
 
