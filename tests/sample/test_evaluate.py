@@ -229,16 +229,16 @@ def test_cli_needs_images_or_a_checkpoint(tiny_clip, tiny_kit, tmp_path, capsys)
     assert (held / "00000.png").read_bytes() == b"mine"
 
 
-def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip, sample_data, tmp_path):
+def test_readme_example_on_a_one_image_grid_scores_clip_and_skips_fid(tiny_clip, sample_data, tmp_path, capfd):
     """README's `python -m diffusion.evaluate --images grid.png --reference raw --clip-model DIR` on the
-    one-image grid `diffusion.generate` writes by default: CLIP score, and FID skipped with a reason."""
-    import subprocess
-    import sys
+    one-image grid `diffusion.generate` writes by default: CLIP score, and FID skipped with a reason. Through the
+    command's cli.run entry in this process (cli_helpers.run_entry; tests/test_cli.py runs it as a subprocess)."""
+    from cli_helpers import run_entry
     rng = np.random.default_rng(0)
     path = tmp_path / "grid.png"
     grid.save_grid(grid.make_grid([_color_image("red", rng)], [_prompt("red")]), str(path))
-    result = subprocess.run([sys.executable, "-m", "diffusion.evaluate", "--images", str(path), "--reference",
-                             sample_data, "--clip-model", tiny_clip], capture_output=True, text=True, timeout=300)
+    result = run_entry(capfd, evaluate.main, "evaluate", "--images", str(path), "--reference", sample_data,
+                       "--clip-model", tiny_clip)
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = json.loads(result.stdout)
     assert metrics["num_images"] == 1 and np.isfinite(metrics["clip_score"])
