@@ -284,8 +284,14 @@ def test_refit_vae_writes_a_fitted_vae_and_its_info(tmp_path, monkeypatch):
         ensure_kit("sd2-base", tmp_path / "sd2", refit_vae=True)
 
 
-def test_vae_fit_cli_writes_the_asset_layout(tmp_path):
+def test_vae_fit_cli_writes_the_asset_layout(tmp_path, monkeypatch):
+    import dataclasses
     out = tmp_path / "tiny-vae"
+
+    @dataclasses.dataclass
+    class FewScenes(vae_fit.FitConfig):  # 2 steps of batch 8 read 16 scenes, not the default 2,048
+        train_images: int = 16
+    monkeypatch.setattr(vae_fit, "FitConfig", FewScenes)
     vae_fit.main(["--out", str(out), "--steps", "2", "--quiet"])
     assert sorted(p.name for p in out.iterdir()) == sorted(
         p.name for p in kit.TINY_VAE_ASSET.iterdir())  # config.json, weights, fit.json
