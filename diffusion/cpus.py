@@ -316,16 +316,16 @@ class SpinWatch:
     three quarters up keeps it from switching on a passing process. ``clock``, ``own`` and ``busy``
     are parameters so tests can hand in a scripted machine."""
 
-    def __init__(self, threads: int, cpus: set[int], interval: float = WATCH_SECONDS, *, set_threads=None,
+    def __init__(self, threads: int, cpus: set[int], interval: float | None = None, *, set_threads=None,
                  clock=None, own=None, busy=None):
         import time
         self.full = self.threads = threads
         self.cpus = cpus
-        self.interval = interval
+        self.interval = WATCH_SECONDS if interval is None else interval
         self.set_threads = set_threads or _set_torch_threads
         self.clock = clock or time.monotonic
         self.own = own or (lambda: sum(os.times()[:2]))
-        self.busy = busy or (lambda: _busy_seconds(self.cpus))
+        self.busy = busy or (lambda: _busy_seconds(self.cpus))  # looked up at each read
         self.changes: list[tuple[int, int, float]] = []  # (from, to, CPUs other work used)
         self._mark = None
 

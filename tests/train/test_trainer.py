@@ -270,3 +270,51 @@ def test_the_yamls_dist_timeout_reaches_composers_trainer_and_the_process_group(
         build_trainer(cfg)
     gc.collect()  # the loader built before the Trainer lets go of its shared memory
     assert seen == {"trainer": 1800.0, "group": 1800.0}
+
+
+def test_a_compiled_run_with_evals_steps_its_spinning_threads_down_when_work_arrives_and_back_at_the_end(
+        train_kit, mds, tmp_path, monkeypatch, capfd):
+    """The spin watch inside a real training (compiled blocks, evals between batches): a run that chose the spin at
+    a quiet start meets other work on every CPU (a scripted /proc/stat: the run's own CPU time plus 2 CPUs of
+    others); its threads step down to 1 between batches, with one line, training and evals go on, and the count
+    chosen at start is back at the end."""
+    import time
+
+    from diffusion import cpus
+    from diffusion.train.callbacks.cpu_watch import CpuWatch
+    for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS"):  # the suite's own settings: a user's would switch it off
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cpus.CHOICE, "quiet at start: the test's")
+    monkeypatch.setattr(cpus, "WATCH_SECONDS", 0.0)
+    start = time.monotonic()
+    monkeypatch.setattr(cpus, "_busy_seconds", lambda mask, path=cpus.PROC_STAT: (
+        sum(os.times()[:2]) + 2.0 * (time.monotonic() - start)))
+    monkeypatch.setattr(cpus, "affinity_cpus", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        held_out = write_latent_mds(str(tmp_path / "eval"), kit=train_kit, n=8, seed=1)
+        cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=4, extra=(
+            f"data.eval={{path: {held_out}, batch_size: 8, num_workers: 0}}", "trainer.eval_interval=2ba",
+            "trainer.compile=true", "trainer.compile_backend=eager")))
+        trainer = build_trainer(cfg)
+        assert any(isinstance(c, CpuWatch) for c in trainer.state.callbacks)
+
+        class Threads(Callback):
+            def __init__(self):
+                self.seen = []
+
+            def batch_end(self, state, logger):
+                self.seen.append(torch.get_num_threads())
+        seen = Threads()
+        trainer.state.callbacks.append(seen)
+        trainer.fit()
+        assert int(trainer.state.timestamp.batch) == 4
+        trainer.close()
+        assert seen.seen[0] == 2 and seen.seen[-1] == 1, seen.seen  # the first poll only marks
+        assert torch.get_num_threads() == 2  # restored at fit end
+        lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("# cpus: other work")]
+        assert len(lines) == 1 and "torch threads 2 -> 1" in lines[0], lines
+    finally:
+        torch.set_num_threads(threads)
