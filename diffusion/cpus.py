@@ -33,9 +33,14 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 
 
+def _switched_off(name: str) -> bool:
+    """Whether the variable ``name`` says off (``off``, ``0``, ``false`` or ``no``)."""
+    return os.environ.get(name, "").strip().lower() in ("off", "0", "false", "no")
+
+
 def enabled() -> bool:
     """False when ``DIFFUSION_CPUS=off`` (or 0): pools keep their libraries' defaults."""
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+    return not _switched_off(ENV)
 
 
 def affinity_cpus() -> int:
@@ -326,7 +331,6 @@ class SpinWatch:
         self.clock = clock or time.monotonic
         self.own = own or (lambda: sum(os.times()[:2]))
         self.busy = busy or (lambda: _busy_seconds(self.cpus))  # looked up at each read
-        self.changes: list[tuple[int, int, float]] = []  # (from, to, CPUs other work used)
         self._mark = None
 
     def _sample(self):
@@ -355,7 +359,6 @@ class SpinWatch:
             return None
         old, self.threads = self.threads, new
         self.set_threads(new)
-        self.changes.append((old, new, others))
         why = "other work is using" if new < old else "other work now uses only"
         return (f"# cpus: {why} {others:.1f} of {len(self.cpus)} CPUs: torch threads {old} -> {new}"
                 + (f" (back to {self.full} when they are free; {WATCH_ENV}=off keeps {self.full})" if new < old else ""))
@@ -377,7 +380,7 @@ def spin_watch() -> SpinWatch | None:
     to libgomp on a machine quiet at start, by :func:`configure_process`) and the pool is ours to size:
     pools sized by us (no user ``OMP_NUM_THREADS``), more than one thread, one rank on this node (ranks'
     shares are fixed), ``/proc/stat`` readable, and ``DIFFUSION_CPU_WATCH`` not ``off``. Else None."""
-    if (not enabled() or os.environ.get(WATCH_ENV, "").strip().lower() in ("off", "0", "false", "no")
+    if (not enabled() or _switched_off(WATCH_ENV)
             or "OMP_WAIT_POLICY" in os.environ or os.environ.get("OMP_NUM_THREADS")
             or not os.environ.get(CHOICE, "").startswith("quiet") or local_ranks() != 1):
         return None
