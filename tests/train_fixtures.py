@@ -151,6 +151,24 @@ def tiny_overrides(kit: str, mds: str, *, batches: int = 8, batch_size: int = 8,
     return overrides + list(extra)
 
 
+def muon_overrides(kit: str, mds: str, *extra, batches: int = 4, save_folder: str | None = None) -> list[str]:
+    """Overrides of yamls/tiny-mmdit-flow-cpu.yaml training the MMDiT on ``mds`` with Muon and a fast EMA
+    (tests/train/test_optimizers.py and its two-rank run in tests/train/test_fsdp_mmdit.py)."""
+    return tiny_overrides(kit, mds, batches=batches, batch_size=8, save_folder=save_folder, extra=(
+        "model.prediction_type=null", "model.objective=flow", "optimizer.name=muon", "optimizer.lr=0.02",
+        "algorithms.ema.smoothing=0.9", "algorithms.ema.warmup=false", *extra))
+
+
+def posthoc_overrides(kit: str, mds: str, *extra, batches: int = 6, save_folder: str | None = None) -> list[str]:
+    """Overrides of yamls/tiny-mmdit-flow-cpu.yaml with post-hoc EMA (two widths, a snapshot every 3 batches) and
+    every checkpoint kept (tests/train/algorithms/test_posthoc_ema.py and its two-rank runs in
+    tests/train/test_fsdp_mmdit.py)."""
+    return tiny_overrides(kit, mds, batches=batches, batch_size=8, save_folder=save_folder, extra=(
+        "model.prediction_type=null", "model.objective=flow", "trainer.save_interval=2ba",
+        "trainer.save_num_checkpoints_to_keep=-1",
+        "algorithms.posthoc_ema={sigma_rels: [0.05, 0.10], snapshot_every: 3ba}", *extra))
+
+
 def free_port() -> int:
     """A TCP port the OS has free now (bound to port 0): a launch's master port, never a fixed number that
     another suite or job on the machine may hold."""
@@ -227,6 +245,32 @@ def launch_composer(script_path, script: str, args: list[str], *, port: int | No
     port = free_port() if port is None else port
     return run_group([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
                      cwd=root, env=full_env, timeout=timeout)
+
+
+def run_py_here(capfd, *args):
+    """``run.py ARGS`` through its ``cli.run`` entry in this process (cli_helpers.run_entry: the exit status, stdout
+    and stderr a process would give), for runs whose point is what the command does, not its process (a process
+    pays ~15 CPU-s of Composer's imports); paths relative to the repository root as run.py's own; whatever the
+    run opened (its dataset, a refused run's lock) is collected after it. Torch's threads stay this process's
+    (OMP_NUM_THREADS set: run.py leaves them)."""
+    import gc
+
+    import torch
+    from cli_helpers import run_entry
+    from diffusion.launch import main
+    root, cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())}
+    # the one-rank world Composer fills in when it starts this process's group, and needs while the group lives (as
+    # after fit_in_process); run_entry would take them away again with the rest of the run's environment
+    for name, value in {"NODE_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0",
+                        "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(name, value)
+    os.chdir(root)
+    try:
+        return run_entry(capfd, main, "run.py", *args, env=env)
+    finally:
+        os.chdir(cwd)
+        gc.collect()
 
 
 def close_trainer(trainer) -> None:
@@ -307,9 +351,13 @@ class RowsShard:
 # Run under ``launch_composer`` with VARIANTS (a JSON list of {"name", "blocks", "overrides"}) and RECORD_DIR:
 # each variant trains in turn in the one launch, and each rank saves ``NAME-rankR.pt``: how many of the
 # denoiser's ``blocks`` are FSDP units of their own (FSDP1's wrappers or FSDP2's ``FSDP<Block>`` classes), every
-# parameter gathered whole ("final"), the EMA's weights ("ema") and the (replicate, shard) degrees ("mesh").
+# parameter gathered whole ("final"), the EMA's weights ("ema", where the run has an EMA) and the (replicate, shard)
+# degrees ("mesh"). A variant without FSDP trains under DDP (its weights are whole on each rank). A variant's
+# optional "resume_from" [SOURCE, CHECKPOINT, FOLDER]: before it, rank 0 makes FOLDER hold what a run into SOURCE
+# killed after CHECKPOINT (a file, or a sharded checkpoint's folder, "ep0-baN...") left: that checkpoint, ``latest``
+# naming it, and its post-hoc EMA snapshots up to batch N.
 FSDP_VARIANTS_HARNESS = r'''
-import gc, json, os, sys
+import gc, json, os, shutil, sys
 import torch
 from composer.utils import dist
 from diffusion.train.algorithms.ema import EMA, parameter_name
@@ -319,16 +367,29 @@ from diffusion.train.trainer import build_trainer
 
 path, overrides = parse_args(sys.argv[1:])
 for variant in json.loads(os.environ["VARIANTS"]):
+    if variant.get("resume_from"):
+        source, saved, folder = variant["resume_from"]
+        if dist.get_global_rank() == 0:
+            os.makedirs(folder)
+            (shutil.copytree if os.path.isdir(os.path.join(source, saved)) else shutil.copy)(
+                os.path.join(source, saved), os.path.join(folder, saved))
+            os.symlink(saved, os.path.join(folder, "latest-rank0.pt"))
+            upto = saved.split("-ba")[1].split("-")[0]
+            if os.path.isdir(os.path.join(source, "posthoc")):  # the snapshots it had written by then
+                shutil.copytree(os.path.join(source, "posthoc"), os.path.join(folder, "posthoc"),
+                                ignore=lambda d, names: [n for n in names if f"-ba{upto}." not in n])
+        dist.barrier()
     trainer = build_trainer(load_config(path, overrides + variant["overrides"]))
     model = trainer.state.model
+    denoiser = getattr(model, "module", model).denoiser  # DDP wraps the whole model
     blocks = variant["blocks"]
-    wrapped_blocks = sum(1 for m in model.denoiser.modules()
+    wrapped_blocks = sum(1 for m in denoiser.modules()
                          if type(m).__name__ == "FullyShardedDataParallel"
                          and type(m._fsdp_wrapped_module).__name__ in blocks)
-    fsdp2_blocks = sum(1 for m in model.denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
+    fsdp2_blocks = sum(1 for m in denoiser.modules() if type(m).__name__ in {"FSDP" + b for b in blocks})
     trainer.fit()
     record = {"blocks": wrapped_blocks + fsdp2_blocks}
-    units = [m for m in model.denoiser.modules() if type(m).__name__ == "FullyShardedDataParallel"]
+    units = [m for m in denoiser.modules() if type(m).__name__ == "FullyShardedDataParallel"]
     meshes = [p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")]
     shard = units[0].process_group.size() if units else meshes[0].shape[-1] if meshes else 1
     record["mesh"] = (dist.get_world_size() // shard, shard)  # (replicate, shard): each weight's shard group
@@ -337,12 +398,13 @@ for variant in json.loads(os.environ["VARIANTS"]):
         with FSDP.summon_full_params(model):
             record["final"] = {parameter_name(n): p.detach().clone() for n, p in model.named_parameters()}
     else:
-        record["final"] = {parameter_name(n): p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    ema = [a for a in trainer.state.algorithms if isinstance(a, EMA)][0]
-    record["ema"] = ema._ema_params(every_rank=False)  # gathered on rank 0, whatever the checkpoints' kind
-    record["ema_state"] = {k: v for k, v in ema.state_dict().items() if k != "ema_params"}
+        record["final"] = {parameter_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                           for n, p in model.named_parameters()}
+    for ema in [a for a in trainer.state.algorithms if isinstance(a, EMA)][:1]:
+        record["ema"] = ema._ema_params(every_rank=False)  # gathered on rank 0, whatever the checkpoints' kind
+        record["ema_state"] = {k: v for k, v in ema.state_dict().items() if k != "ema_params"}
     torch.save(record, os.path.join(os.environ["RECORD_DIR"], f"{variant['name']}-rank{dist.get_global_rank()}.pt"))
     trainer.close()
-    del trainer, model
+    del trainer, model, denoiser
     gc.collect()
 '''

@@ -1,9 +1,8 @@
 """The optimizer's groups (optimizer.decay, optimizer.name=muon): which tensors decay and which Muon
 moves, listed at start; Muon trains, resumes exactly after a kill, refuses FSDP1's flattened shards in
-one line (FSDP1's flat shards; FSDP2's DTensors did not train what one process trains), and two DDP ranks
-train what one process trains."""
+one line (FSDP1's flat shards; FSDP2's DTensors did not train what one process trains); two DDP ranks
+training what one process trains is a variant of tests/train/test_fsdp_mmdit.py's launch."""
 
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ import torch
 from diffusion.errors import ConfigError
 from diffusion.train import optimizers
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, muon_overrides, write_latent_mds
 
 YAML = "yamls/tiny-mmdit-flow-cpu.yaml"
 
@@ -165,10 +164,7 @@ def mds(mmdit_train_kit, tmp_path_factory):
     return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=mmdit_train_kit, n=32)
 
 
-def _overrides(kit, mds, *extra, batches=4, save_folder=None):
-    return tiny_overrides(kit, mds, batches=batches, batch_size=8, save_folder=save_folder, extra=(
-        "model.prediction_type=null", "model.objective=flow", "optimizer.name=muon", "optimizer.lr=0.02",
-        "algorithms.ema.smoothing=0.9", "algorithms.ema.warmup=false", *extra))
+_overrides = muon_overrides
 
 
 def test_muon_trains_and_a_killed_run_resumes_exactly(mmdit_train_kit, mds, tmp_path):
@@ -193,42 +189,5 @@ def test_muon_trains_and_a_killed_run_resumes_exactly(mmdit_train_kit, mds, tmp_
         torch.testing.assert_close(again[key], tensor, rtol=0, atol=0, msg=key)
 
 
-HARNESS = r'''
-import json, os, sys
-import torch
-from composer.utils import dist
-from diffusion.train.algorithms.ema import parameter_name
-from diffusion.train.config import load_config
-from diffusion.launch import parse_args
-from diffusion.train.trainer import build_trainer
-
-path, overrides = parse_args(sys.argv[1:])
-trainer = build_trainer(load_config(path, overrides))
-model = trainer.state.model
-trainer.fit()
-final = {parameter_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-         for n, p in model.named_parameters()}
-torch.save(final, os.path.join(os.environ["RECORD_DIR"], f"rank{dist.get_global_rank()}.pt"))
-trainer.close()
-'''
-
-
-@pytest.mark.slow
-def test_two_ranks_train_with_muon_as_one_process(mmdit_train_kit, mds, tmp_path):
-    # Newton–Schulz runs in bf16, where gradients a float rounding apart (one process's mean against two ranks'
-    # average) can round apart (~1% of an update); this compares DDP's
-    # averaging in the regime recorded before issue 47 (ε 1.0 for both, timm's quintic, no Nesterov, β2 0.999),
-    # where the updates agree within the tolerance below
-    common = _overrides(mmdit_train_kit, mds, "data.train.shuffle=false", "trainer.grad_clip_norm=null",
-                        "optimizer.eps=1.0", "optimizer.ns_eps=1.0", "optimizer.ns_coefficients=quintic",
-                        "optimizer.nesterov=false", "optimizer.betas=[0.9, 0.999]", batches=3)
-    result = launch_composer(tmp_path / "harness.py", HARNESS,
-                             [YAML, *common],
-                             env={"RECORD_DIR": str(tmp_path)})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count(f"optimizer group {optimizers.MUON_GROUP}") == 1  # listed once, by rank 0
-    one = fit_in_process(load_config(YAML, common))[0]
-    final = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    assert len(final) > 50
-    for key, tensor in final.items():
-        torch.testing.assert_close(tensor, one[key], rtol=1e-4, atol=1e-5, msg=key)
+# Two DDP ranks train with Muon what one process trains: test_two_ranks_train_with_muon_as_one_process in
+# tests/train/test_fsdp_mmdit.py, a variant of that file's one `composer -n 2` launch.

@@ -15,7 +15,7 @@ from diffusion.errors import ConfigError
 from diffusion.train.algorithms import posthoc_ema as phe
 from diffusion.train.algorithms.posthoc_ema import PostHocEMA
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, tiny_overrides, write_latent_mds
+from train_fixtures import fit_in_process, posthoc_overrides, write_latent_mds
 
 
 class Regressor(ComposerModel):
@@ -145,11 +145,7 @@ def mds(mmdit_train_kit, tmp_path_factory):
     return write_latent_mds(str(tmp_path_factory.mktemp("mds")), kit=mmdit_train_kit, n=32)
 
 
-def mmdit_overrides(kit, mds, *extra, batches=6, save_folder=None):
-    return tiny_overrides(kit, mds, batches=batches, batch_size=8, save_folder=save_folder, extra=(
-        "model.prediction_type=null", "model.objective=flow", "trainer.save_interval=2ba",
-        "trainer.save_num_checkpoints_to_keep=-1",
-        "algorithms.posthoc_ema={sigma_rels: [0.05, 0.10], snapshot_every: 3ba}", *extra))
+mmdit_overrides = posthoc_overrides
 
 
 def test_a_killed_run_resumes_its_profiles_and_snapshots_exactly(mmdit_train_kit, mds, tmp_path):
@@ -191,70 +187,6 @@ def test_a_killed_run_resumes_its_profiles_and_snapshots_exactly(mmdit_train_kit
                                                          "trainer.max_duration=8ba", save_folder=str(resumed))))
 
 
-HARNESS = r'''
-import json, os, shutil, sys
-from composer.utils import dist
-from diffusion.train.config import load_config
-from diffusion.launch import parse_args
-from diffusion.train.trainer import build_trainer
-
-path, overrides = parse_args(sys.argv[1:])
-root = os.environ["RECORD_DIR"]
-for variant in json.loads(os.environ["VARIANTS"]):
-    folder = os.path.join(root, variant["name"])
-    if variant.get("resume_from"):  # a run killed after its batch-2 checkpoint, resumed by autoresume
-        if dist.get_global_rank() == 0:
-            os.makedirs(folder)
-            source = os.path.join(root, variant["resume_from"])
-            saved = "ep0-ba2" if os.path.isdir(os.path.join(source, "ep0-ba2")) else "ep0-ba2-rank0.pt"  # sharded
-            (shutil.copytree if saved == "ep0-ba2" else shutil.copy)(os.path.join(source, saved),
-                                                                      os.path.join(folder, saved))
-            os.symlink(saved, os.path.join(folder, "latest-rank0.pt"))
-            shutil.copytree(os.path.join(root, variant["resume_from"], "posthoc"), os.path.join(folder, "posthoc"),
-                            ignore=lambda d, names: [n for n in names if "-ba2." not in n])  # what it had written
-        dist.barrier()
-    trainer = build_trainer(load_config(path, overrides + variant["overrides"] + [f"trainer.save_folder={folder}"]))
-    trainer.fit()
-    trainer.close()
-'''
-
-
-@pytest.mark.slow
-def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(mmdit_train_kit, mds, tmp_path):
-    """`composer -n 2`: under FSDP1 (full state dicts: the EMA's gather) and FSDP2 (DTensors, sharded
-    checkpoints), rank 0 writes the snapshots of the whole weights one process averages; an FSDP1 run killed
-    after batch 2 and resumed (the profiles scattered back into the shards) writes the same snapshots, and so
-    does an FSDP2 one (each rank's profile shards saved beside its weights' and loaded back)."""
-    from safetensors.torch import load_file
-    yaml = "yamls/tiny-mmdit-flow-cpu.yaml"
-    # Adam with eps = 1, no clipping: the float error of the split stays small (see test_multiprocess.py)
-    common = mmdit_overrides(mmdit_train_kit, mds, "data.train.shuffle=false", "optimizer.eps=1.0",
-                             "optimizer.lr=0.05", "trainer.grad_clip_norm=null", "algorithms.ema=null",
-                             "algorithms.posthoc_ema.snapshot_every=2ba", batches=4)
-    fsdp1 = ["trainer.fsdp={sharding_strategy: FULL_SHARD}"]
-    fsdp2 = ["trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD, state_dict_type: sharded}"]
-    variants = [{"name": "fsdp1", "overrides": fsdp1},
-                {"name": "fsdp2", "overrides": fsdp2},
-                {"name": "fsdp1-resumed", "overrides": fsdp1 + ["trainer.autoresume=true"], "resume_from": "fsdp1"},
-                {"name": "fsdp2-resumed", "overrides": fsdp2 + ["trainer.autoresume=true"], "resume_from": "fsdp2"}]
-    import json
-    from train_fixtures import launch_composer
-    result = launch_composer(tmp_path / "harness.py", HARNESS, [yaml, *common],
-                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    one = tmp_path / "one"
-    fit_in_process(load_config(yaml, common + [f"trainer.save_folder={one}"]))
-    names = sorted(os.listdir(one / "posthoc"))
-    assert names == sorted(phe.snapshot_name(w, b) for w in (0.05, 0.1) for b in (2, 4))
-    from diffusion.models.safe_checkpoint import read_index  # each rank wrote its profiles' shards
-    index = read_index(tmp_path / "fsdp2" / "ep0-ba2").state_dict_metadata
-    for group in ("PostHocEMA-0_050", "PostHocEMA-0_100"):
-        chunks = [len(v.chunks) for k, v in index.items() if k.startswith(f"state.callbacks.EMAShards.{group}.")]
-        assert len(chunks) > 50 and max(chunks) == 2, group
-    for variant in ("fsdp1", "fsdp2", "fsdp1-resumed", "fsdp2-resumed"):
-        assert sorted(os.listdir(tmp_path / variant / "posthoc")) == names, variant
-        for name in names:
-            expected, got = load_file(one / "posthoc" / name), load_file(tmp_path / variant / "posthoc" / name)
-            assert got.keys() == expected.keys() and len(got) > 50  # whole tensors, every parameter
-            for key, tensor in expected.items():
-                torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{variant} {name} {key}")
+# Two FSDP ranks (FSDP1, FSDP2) snapshot what one process averages and resume exactly:
+# test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly in tests/train/test_fsdp_mmdit.py,
+# variants of that file's one `composer -n 2` launch.
