@@ -9,20 +9,24 @@ import sys
 import pytest
 import torch
 
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import run_py_here, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(yaml, kit, mds, *extra):
-    args = [sys.executable, "run.py", yaml, *tiny_overrides(kit, mds, batches=2, batch_size=4, extra=(
+def _args(yaml, kit, mds, *extra):
+    return [yaml, *tiny_overrides(kit, mds, batches=2, batch_size=4, extra=(
         "model.prediction_type=null", "algorithms.ema.smoothing=0.5", "algorithms.ema.warmup=false", *extra))]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+
+
+def _run(yaml, kit, mds, *extra):
+    """``python run.py ...`` as its own process, as a user types it."""
+    return subprocess.run([sys.executable, "run.py", *_args(yaml, kit, mds, *extra)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.slow
-def test_phases_hand_over_weights_and_ema_and_refuse_another_network(mmdit_train_kit, train_kit, tmp_path):
+def test_phases_hand_over_weights_and_ema_and_refuse_another_network(mmdit_train_kit, train_kit, tmp_path, capfd):
     from diffusion.models import safe_checkpoint
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=16)
     first, second = tmp_path / "masked", tmp_path / "finetune"
@@ -46,12 +50,15 @@ def test_phases_hand_over_weights_and_ema_and_refuse_another_network(mmdit_train
 
     # a UNet checkpoint as the "previous phase" of the MMDiT: refused in one line
     unet_mds = write_latent_mds(str(tmp_path / "unet-mds"), kit=train_kit, n=8)
-    done = _run("yamls/tiny-cpu.yaml", train_kit, unet_mds, f"trainer.save_folder={tmp_path / 'unet'}",
-                "trainer.save_interval=2ba", "model.prediction_type=epsilon")
+    # (the UNet's run and the refusal through run.py's entry in this process: run_py_here)
+    done = run_py_here(capfd, *_args("yamls/tiny-cpu.yaml", train_kit, unet_mds,
+                                     f"trainer.save_folder={tmp_path / 'unet'}", "trainer.save_interval=2ba",
+                                     "model.prediction_type=epsilon"))
     assert done.returncode == 0, done.stderr[-3000:]
     wrong = str(tmp_path / "unet" / "latest-rank0.pt")
-    done = _run("yamls/tiny-mmdit-finetune-cpu.yaml", mmdit_train_kit, mds, f"trainer.save_folder={tmp_path / 'x'}",
-                f"trainer.load_path={wrong}", f"algorithms.ema.init_from={wrong}")
+    done = run_py_here(capfd, *_args("yamls/tiny-mmdit-finetune-cpu.yaml", mmdit_train_kit, mds,
+                                     f"trainer.save_folder={tmp_path / 'x'}", f"trainer.load_path={wrong}",
+                                     f"algorithms.ema.init_from={wrong}"))
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and "Traceback" not in done.stderr and len(errors) == 1, done.stderr[-3000:]
     assert "UNet2DConditionModel" in errors[0] and "SD3Transformer2DModel" in errors[0]
