@@ -216,12 +216,12 @@ def test_resume_with_streams_continues_the_same_sample_order(train_kit, a, b, tm
         torch.testing.assert_close(weights2[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_run_py_refuses_a_mismatched_stream_in_one_line(train_kit, a, b, dim, tmp_path):
+def test_run_py_refuses_a_mismatched_stream_in_one_line(train_kit, a, b, dim, tmp_path, capfd):
+    """run.py's refusal through its entry in this process (train_fixtures.run_py_here)."""
+    from train_fixtures import run_py_here
     other = str(tmp_path / "other")
     write_latent_mds(other, kit=train_kit, n=N_B, text_dim=dim * 2)
-    result = subprocess.run([sys.executable, "run.py", TINY, *tiny_overrides(train_kit, a, extra=_mix(a, other))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_py_here(capfd, TINY, *tiny_overrides(train_kit, a, extra=_mix(a, other)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("run.py: error:"))
@@ -287,26 +287,45 @@ with open(os.path.join(out, f"draws-{os.environ.get('RANK', '0')}.json"), "w") a
 '''
 
 
-def _copies(a, b, dim, tmp_path, *, world=1, workers=0):
-    """(epoch, sample index, noise sum, timestep draw, caption dropped) of every sample read, over all ranks."""
-    from train_fixtures import launch_composer
+def _copies(a, b, dim, tmp_path, monkeypatch, *, world=1, workers=0):
+    """(epoch, sample index, noise sum, timestep draw, caption dropped) of every sample read, over all ranks: one
+    rank in this process (its DataLoader workers forked from it), several each a process of its own with the
+    environment a launcher gives its ranks (streaming's World reads it; tests/loader/test_bucketed_training.py
+    does the same)."""
+    from train_fixtures import free_port
     out = tmp_path / f"w{world}-{workers}"
     out.mkdir()
     args = [a, b, str(dim), str(out), str(world), str(workers)]
     if world == 1:
-        script = tmp_path / "copies.py"
-        script.write_text(COPIES_SCRIPT)
-        result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                                timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        with monkeypatch.context() as m:
+            m.delenv("RANK", raising=False)
+            m.setattr(sys, "argv", ["copies.py", *args])
+            exec(compile(COPIES_SCRIPT, "copies.py", "exec"), {"__name__": "__main__"})
+        gc.collect()  # the loader's datasets let go before the next one opens the same folders
     else:
-        result = launch_composer(tmp_path / "copies.py", COPIES_SCRIPT, args, processes=world)
-    assert result.returncode == 0, result.stderr[-3000:]
+        script, port, ranks = tmp_path / "copies.py", free_port(), []
+        script.write_text(COPIES_SCRIPT)
+        for rank in range(world):
+            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            ranks.append(subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
+                                          stderr=subprocess.PIPE, text=True))
+        try:
+            for rank in ranks:
+                _, err = rank.communicate(timeout=300)
+                assert rank.returncode == 0, err[-3000:]
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
     return sorted(tuple(d) for name in os.listdir(out) for d in json.loads((out / name).read_text()))
 
 
-def test_each_copy_of_a_repeated_sample_gets_its_own_draws_on_any_number_of_ranks(a, b, dim, tmp_path):
+def test_each_copy_of_a_repeated_sample_gets_its_own_draws_on_any_number_of_ranks(a, b, dim, tmp_path, monkeypatch):
     from diffusion.loader.batches import NoiseDraws
-    draws = _copies(a, b, dim, tmp_path)
+    draws = _copies(a, b, dim, tmp_path, monkeypatch)
     for epoch in (0, 1):
         seen = collections.defaultdict(list)
         for e, index, noise, level, dropped in draws:
@@ -324,5 +343,5 @@ def test_each_copy_of_a_repeated_sample_gets_its_own_draws_on_any_number_of_rank
         noise = NoiseDraws(seed=3)([f"{5:06d}"], epoch, (4, 8, 8))
         assert seen[5][0][0] == pytest.approx(noise[schema.BATCH_NOISE][0].sum().item(), rel=1e-6)
     # the same examples with the same draws however the epoch is split: DataLoader workers, two ranks
-    assert _copies(a, b, dim, tmp_path, workers=2) == draws
-    assert _copies(a, b, dim, tmp_path, world=2) == draws
+    assert _copies(a, b, dim, tmp_path, monkeypatch, workers=2) == draws
+    assert _copies(a, b, dim, tmp_path, monkeypatch, world=2) == draws
