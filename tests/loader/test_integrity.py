@@ -516,14 +516,11 @@ def test_cleanup_at_start_keeps_another_jobs_shared_memory_and_removes_a_killed_
                 job.wait(timeout=60)
 
 
-def test_run_py_refuses_a_batch_larger_than_the_dataset_in_one_line(pristine, train_kit, tmp_path):
-    from train_fixtures import tiny_overrides
+def test_run_py_refuses_a_batch_larger_than_the_dataset_in_one_line(pristine, train_kit, tmp_path, capfd):
+    """run.py's refusal through its entry in this process (train_fixtures.run_py_here)."""
+    from train_fixtures import run_py_here, tiny_overrides
     mds = _copy(pristine, "none", tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "run.py", "yamls/tiny-cpu.yaml",
-                             *tiny_overrides(train_kit, mds, batch_size=48)],
-                            cwd=root, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_py_here(capfd, "yamls/tiny-cpu.yaml", *tiny_overrides(train_kit, mds, batch_size=48))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert (f"run.py: error: data.train.batch_size 48 is larger than dataset {mds}, which holds 40 samples"
