@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -196,14 +197,28 @@ def test_shards_read_back_with_streaming(converted, manifest, sample_data):
     assert empty.shape == (77, info.text_dim)
 
 
+@pytest.fixture(scope="module")
+def ids_on_s3(sample_data, convert_config, ray_local, tmp_path_factory):
+    """One conversion for the --text ids test and the S3 output test (fresh Ray actors and their imports are
+    most of one): the sample's first 32 rows with --text ids, written to s3://laion/ids (a moto server) through
+    a local staging folder. (staging folder, summary, the samples read back from S3, the bucket's objects.)"""
+    import boto3
+    tmp = tmp_path_factory.mktemp("ids_on_s3")
+    with _s3_server() as endpoint:
+        summary = run_conversion(convert_config("s3://laion/ids", local_dir=str(tmp / "staging"), text="ids",
+                                                limit=32, deterministic=True))
+        from_s3 = _read_back(tmp / "cache", remote="s3://laion/ids")
+        names = {o["Key"] for o in boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket="laion")["Contents"]}
+    return tmp / "staging", summary, from_s3, names
+
+
 @pytest.mark.slow
-def test_text_ids_stores_token_ids_and_no_embeddings(converted, convert_config, tiny_kit, tmp_path):
+def test_text_ids_stores_token_ids_and_no_embeddings(converted, ids_on_s3, tiny_kit):
     # The same rows as the shared conversion (its first 32), stored with --text ids: the moments are the
     # same, the embeddings are gone, the ids are the tokenizer's, and dataset.json says what it holds.
-    from diffusion.convert.pipeline import run_conversion
     from diffusion.models.loading import load_tokenizer
-    summary = run_conversion(convert_config(tmp_path / "ids", text="ids", limit=32, deterministic=True))
-    ids_samples = {s[schema.KEY]: s for s in _read_back(tmp_path / "ids")}
+    ids_out, summary, _, _ = ids_on_s3
+    ids_samples = {s[schema.KEY]: s for s in _read_back(ids_out)}
     embeds_samples = {s[schema.KEY]: s for s in _read_back(converted[0])}
     assert len(ids_samples) == summary.written > 20
     tokenizer = load_tokenizer(tiny_kit)
@@ -212,7 +227,7 @@ def test_text_ids_stores_token_ids_and_no_embeddings(converted, convert_config, 
         want = tokenizer(s[schema.CAPTION], padding="max_length", max_length=77, truncation=True)["input_ids"]
         assert s[schema.INPUT_IDS].tolist() == want
         np.testing.assert_array_equal(s[schema.vae_moments_column(32)], embeds_samples[key][schema.vae_moments_column(32)])
-    info = schema.DatasetInfo.load(str(tmp_path / "ids"))
+    info = schema.DatasetInfo.load(str(ids_out))
     assert info.text == "ids" and info.text_encoder == tiny_kit
     assert info.empty_input_ids == tokenizer("", padding="max_length", max_length=77)["input_ids"]
     # the text encoder's fingerprint, which training from these ids checks its encoder against
@@ -221,7 +236,7 @@ def test_text_ids_stores_token_ids_and_no_embeddings(converted, convert_config, 
     assert np.asarray(probe["mean_embedding"]).shape == (len(probe["captions"]), info.text_dim)
     embeds_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(converted[0]) for f in fs
                        if ".mds" in f) / len(embeds_samples)
-    ids_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "ids") for f in fs
+    ids_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ids_out) for f in fs
                     if ".mds" in f) / len(ids_samples)
     assert ids_bytes < embeds_bytes / 2  # even with the tiny kit's 64-wide text encoder
 
@@ -254,8 +269,7 @@ def test_visualize_writes_crops_beside_decodings(converted):
 
 @pytest.fixture(scope="module")
 def stopped_at_40(convert_config, ray_local, tmp_path_factory):
-    """(output dir, summary) of the "crash": a conversion stopped after 40 rows. The resume tests each
-    resume a copy of it (one conversion fewer: fresh Ray actors and their imports are most of one)."""
+    """(output dir, summary) of the "crash": a conversion stopped after 40 rows."""
     out = tmp_path_factory.mktemp("stopped") / "mds"
     return out, run_conversion(convert_config(out, limit=40))
 
@@ -266,16 +280,29 @@ def _copy_of(stopped, where):
     return where
 
 
-@pytest.mark.slow
-def test_kill_and_resume_equals_a_clean_run(converted, convert_config, tmp_path, manifest, stopped_at_40):
-    clean = sorted(s[schema.KEY] for s in _read_back(converted[0]))
-    out = _copy_of(stopped_at_40[0], tmp_path / "resumed")
-    first = stopped_at_40[1]  # the "crash": stopped after 40 rows
-    assert 0 < first.written < manifest["good"]
+@pytest.fixture(scope="module")
+def resumed_from_40(convert_config, stopped_at_40, tmp_path_factory):
+    """A copy of the 40-row "crash" as a killed run leaves it at its worst, resumed once (one conversion for
+    both resume tests: fresh Ray actors and their imports are most of one): a write task killed mid-part left
+    a half-written temporary part, and the output is of the old records layout (written before the records
+    were .jsonl), killed again while a re-run was renaming its records. (output dir, its parts before the
+    re-run, the stale part, the re-run's summary.)"""
+    out = _copy_of(stopped_at_40[0], tmp_path_factory.mktemp("resumed") / "mds")
+    parts = sorted(p.name for p in out.glob("part-*"))
+    to_old_layout(out, half_done_part=parts[0])
+    assert (out / parts[-1] / "keys.json").exists() and sorted((out / "rejects").glob("*.json"))
     stale = out / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
     stale.mkdir()
     (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
-    second = run_conversion(convert_config(out))
+    return out, parts, stale, run_conversion(convert_config(out))
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_a_clean_run(converted, manifest, stopped_at_40, resumed_from_40):
+    clean = sorted(s[schema.KEY] for s in _read_back(converted[0]))
+    out, _, stale, second = resumed_from_40
+    first = stopped_at_40[1]  # the "crash": stopped after 40 rows
+    assert 0 < first.written < manifest["good"]
     keys = [s[schema.KEY] for s in _read_back(out)]
     assert sorted(keys) == clean and len(keys) == len(set(keys))
     assert second.written == manifest["good"] and second.written_this_run == manifest["good"] - first.written
@@ -300,18 +327,14 @@ def test_streamings_merge_index_on_the_output_root_gives_every_sample(converted,
 
 
 @pytest.mark.slow
-def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, convert_config, tmp_path, manifest,
-                                                                     stopped_at_40):
+def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, manifest, stopped_at_40,
+                                                                     resumed_from_40):
     """An output written before the records were .jsonl (killed part-way, and killed again while a
     re-run was renaming its records) finishes like a clean run, keeps what it had, and ends in the
     layout streaming's merge_index reads."""
     from streaming.base.util import merge_index
-    out = _copy_of(stopped_at_40[0], tmp_path / "old")
+    out, parts, _, second = resumed_from_40
     first = stopped_at_40[1]
-    parts = sorted(p.name for p in out.glob("part-*"))
-    to_old_layout(out, half_done_part=parts[0])
-    assert (out / parts[-1] / "keys.json").exists() and sorted((out / "rejects").glob("*.json"))
-    second = run_conversion(convert_config(out))
     keys = [s[schema.KEY] for s in _read_back(out)]
     assert sorted(keys) == sorted(s[schema.KEY] for s in _read_back(converted[0])) and len(keys) == len(set(keys))
     assert second.written == manifest["good"] and second.rejects == converted[1].rejects
@@ -552,8 +575,9 @@ def test_cli_folder_without_images_lists_the_layouts_looked_for(tiny_kit, tmp_pa
     assert not (tmp_path / "mds").exists()
 
 
-@pytest.fixture
-def s3_server(monkeypatch):
+@contextlib.contextmanager
+def _s3_server():
+    """A moto S3 server with the bucket "laion", and the environment pointing at it, for the ``with`` block."""
     from moto.server import ThreadedMotoServer
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -561,24 +585,23 @@ def s3_server(monkeypatch):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-                        "S3_ENDPOINT_URL": endpoint}.items():
-        monkeypatch.setenv(name, value)
-    import boto3
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="laion")
-    yield endpoint
-    server.stop()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+                                "S3_ENDPOINT_URL": endpoint}.items():
+                patch.setenv(name, value)
+            import boto3
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="laion")
+            yield endpoint
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
-def test_s3_output_reads_back_from_s3(sample_data, manifest, convert_config, tmp_path, s3_server, ray_local):
-    rows = list(iter_rows(sample_data))[:16]
-    summary = run_conversion(convert_config("s3://laion/mds", local_dir=str(tmp_path / "staging"),
-                                            resolutions=(32,), limit=16))
-    samples = _read_back(tmp_path / "cache", remote="s3://laion/mds")
+def test_s3_output_reads_back_from_s3(sample_data, manifest, ids_on_s3):
+    rows = list(iter_rows(sample_data))[:32]
+    _, summary, samples, names = ids_on_s3  # the --text ids conversion's output, written to s3://laion/ids
     expected = {r[schema.RAW_KEY] for r in rows} - set(manifest["bad_keys"])
     assert {s[schema.KEY] for s in samples} == expected and summary.written == len(expected)
-    import boto3
-    names = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="laion")["Contents"]}
-    assert {"mds/index.json", "mds/dataset.json", f"mds/{schema.EMPTY_TEXT_EMBEDS}"} <= names
+    assert {"ids/index.json", "ids/dataset.json", f"ids/{schema.EMPTY_TEXT_EMBEDS}"} <= names
