@@ -40,12 +40,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 # The longest test files, longest first (each file's total from --durations in a fresh clone's make test,
 # 2026-11-27, at 42e1917; the demo and the compile test moved ahead once the sharded-checkpoint and pipeline
-# files were cut, session 19), collected first: `make test`'s workers (--no-loadscope-reorder keeps this order)
-# take them first and the short files fill in beside them, instead of a long one ending the suite alone.
+# files were cut, session 19; test_fsdp_mmdit.py, now four files' two-rank runs in one launch, ahead of the hybrid
+# test, and test_multiprocess.py folded into test_fsdp.py's launch, session 20), collected first: `make test`'s
+# workers (--no-loadscope-reorder keeps this order) take them first and the short files fill in beside them,
+# instead of a long one ending the suite alone.
 LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_pipeline.py", "test_online.py",
-                 "test_recaption.py", "test_fsdp_hybrid.py", "test_sharded_checkpoints.py", "test_cli.py", "test_fsdp.py",
-                 "test_several_captions.py", "test_demo_buckets.py", "test_optimizers.py", "test_build.py",
-                 "test_multiprocess.py", "test_streams.py", "test_posthoc_ema.py", "test_curation.py")
+                 "test_recaption.py", "test_fsdp_mmdit.py", "test_fsdp_hybrid.py", "test_sharded_checkpoints.py",
+                 "test_cli.py", "test_fsdp.py", "test_several_captions.py", "test_demo_buckets.py", "test_optimizers.py",
+                 "test_build.py", "test_streams.py", "test_posthoc_ema.py", "test_curation.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

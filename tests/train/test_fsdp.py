@@ -1,4 +1,5 @@
-"""Real FSDP on CPU: `composer -n 2` (gloo) with the product's trainer, tiny UNet, EMA and microbatches.
+"""Real FSDP on CPU: `composer -n 2` (gloo) with the product's trainer, tiny UNet, EMA and microbatches; and in
+the same launch, last, two DDP ranks and ``run.py`` itself under FSDP2 (once test_multiprocess.py's own launch).
 
 One launch trains every variant in turn (startup dominates on 2 cores): FULL_SHARD and SHARD_GRAD_OP,
 each without eval and with an eval of the raw and of the EMA weights after every batch, then a run whose rank 1 gets a NaN in the
@@ -25,7 +26,10 @@ import os
 import pytest
 import torch
 
-from train_fixtures import launch_composer, tiny_overrides, write_latent_mds
+from diffusion.train.config import load_config
+from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HARNESS = '''
 import gc, json, os, shutil, sys, torch
@@ -130,9 +134,34 @@ for variant in json.loads(os.environ["VARIANTS"]):
     del trainer, model
     gc.collect()
 torch.save({"plain": fsdp2(False), "eval": fsdp2(True)}, os.path.join(out, f"fsdp2-rank{rank}.pt"))
+
+# Last, without FSDP: the entry point as above under DDP (DDP_ARGS, a JSON list) with a recorder of the sample
+# indices each rank trains on; then run.py itself, executed as the launcher runs a script (as __main__, its sys.argv
+# the command's: RUN_PY_ARGS, a JSON list).
+import runpy
+from diffusion import schema
+
+class Seen(Callback):
+    seen = []
+    def before_forward(self, state, logger):
+        self.seen += state.batch[schema.BATCH_SAMPLE_INDEX].tolist()
+
+trainer = build_trainer(load_config(*parse_args(json.loads(os.environ["DDP_ARGS"]))))
+seen = Seen()
+trainer.state.callbacks.append(seen)
+trainer.fit()
+torch.save({"seen": seen.seen, "weights": trainer.state.model.module.state_dict()},
+           os.path.join(out, f"ddp-rank{rank}.pt"))
+trainer.close()
+del trainer
+gc.collect()
+sys.argv = ["run.py", *json.loads(os.environ["RUN_PY_ARGS"])]
+runpy.run_path(os.path.join(os.environ["ROOT"], "run.py"), run_name="__main__")
 '''
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+# the first test runs the file's one launch (11 runs in turn): 3-6 min beside the other worker, more in a loaded CI
+pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +196,44 @@ def fsdp_runs(train_kit, tiny_kit, tmp_path_factory):
                          if name == "resumed" else None, "overrides": [
             "trainer.fsdp={sharding_strategy: FULL_SHARD}", f"trainer.save_folder={folder}", f"data.train.path={ids}",
             "trainer.save_interval=2ba", "trainer.max_duration=4ba", "trainer.autoresume=true"]})
-    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common],
-                             env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants)})
+    ddp_args, run_py_args = _ddp_args(train_kit, tmp), _run_py_args(train_kit, tmp)
+    (tmp / "ddp-args.json").write_text(json.dumps(ddp_args))
+    (tmp / "run-py-args.json").write_text(json.dumps(run_py_args))
+    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], timeout=1200,
+                             env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants), "ROOT": ROOT,
+                                  "DDP_ARGS": json.dumps(ddp_args), "RUN_PY_ARGS": json.dumps(run_py_args)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return tmp, ckpt
+
+
+def _ddp_args(train_kit, tmp):
+    """The DDP run's command line: a mix of two datasets, 4 global batches of 16, a checkpoint at the end."""
+    mds = write_latent_mds(str(tmp / "ddp-mds"), kit=train_kit, n=32)
+    other = write_latent_mds(str(tmp / "ddp-other"), kit=train_kit, n=32, seed=1)
+    # input perturbation and offset noise on: every kind of draw takes part
+    return ["yamls/tiny-cpu.yaml", *tiny_overrides(train_kit, mds, batches=4, batch_size=16,
+                                                  save_folder=str(tmp / "ddp-ckpt"),
+                                                  extra=("model.offset_noise=0.1", "model.input_perturbation=0.1",
+                                                         "data.train.shuffle=false", "algorithms={}",
+                                                         # Adam with a large eps: smooth in the gradient
+                                                         # (see below), so float error stays float error
+                                                         "optimizer.eps=1.0", "optimizer.lr=0.1",
+                                                         "data.train.path=null",
+                                                         f"data.train.streams=[{{path: {mds}}}, {{path: {other}}}]")),
+            "trainer.save_interval=4ba"]
+
+
+def _run_py_args(train_kit, tmp):
+    """run.py's command line under FSDP2: 3 global batches of 8, two microbatches a rank, EMA, a full checkpoint."""
+    mds = write_latent_mds(str(tmp / "run-py-mds"), kit=train_kit, n=32)
+    # Adam with eps = 1: smooth in the gradient (see test_two_ranks_read_disjoint_samples_and_agree), and
+    # no clipping, which would hide gradients of the wrong size
+    return ["yamls/tiny-cpu.yaml", *tiny_overrides(train_kit, mds, batches=3, batch_size=8,
+                                                   extra=("data.train.shuffle=false", "optimizer.eps=1.0",
+                                                          "optimizer.lr=0.1", "trainer.grad_clip_norm=null")),
+            "trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
+            "trainer.device_train_microbatch_size=2", f"trainer.save_folder={tmp / 'run-py-ckpt'}",
+            "trainer.save_interval=3ba"]
 
 
 def _load(tmp, name, rank=0):
@@ -297,3 +360,61 @@ def test_kill_and_resume_under_fsdp_equals_a_straight_run(fsdp_runs):
     for name, moments in optimizers[0].items():
         for key, value in moments.items():
             torch.testing.assert_close(optimizers[1][name][key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")
+
+
+# ---- without FSDP: DDP's ranks, and run.py under FSDP2 (the same launch, last) -------------------------------
+
+def _fit_one_process(args: list[str]):
+    """Train in this process: the sample indices of each batch (sorted) and the final weights."""
+    weights, batches = fit_in_process(load_config(args[0], args[1:]))
+    return [sorted(b) for b in batches], weights
+
+
+@pytest.mark.slow
+def test_two_ranks_read_disjoint_samples_and_agree(fsdp_runs):
+    """Two DDP ranks split each global batch; the result equals one process training the same global
+    batches whole or in microbatches of 4 or 8: the noise is the sample's, not the split's. The data is
+    a mix of two datasets (data.train.streams), so the mix's partitioning across ranks is covered too."""
+    tmp, _ = fsdp_runs
+    args = json.loads((tmp / "ddp-args.json").read_text())
+    r0, r1 = (torch.load(tmp / f"ddp-rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert len(r0["seen"]) == len(r1["seen"]) == 4 * 8  # 4 batches of 16 global = 8 per rank
+    assert not set(r0["seen"]) & set(r1["seen"])  # disjoint
+    assert len(set(r0["seen"]) | set(r1["seen"])) == 64  # together: one epoch, each sample once
+    for name, tensor in r0["weights"].items():
+        if name != "_extra_state":
+            torch.testing.assert_close(r1["weights"][name], tensor, rtol=0, atol=0, msg=name)
+    assert os.path.exists(tmp / "ddp-ckpt" / "latest-rank0.pt")
+
+    two_rank_batches = [sorted(r0["seen"][i:i + 8] + r1["seen"][i:i + 8]) for i in range(0, 32, 8)]
+    one_process = [a for a in args if not a.startswith("trainer.save_folder")] + ["trainer.save_folder=null"]
+    for microbatch in ("null", 4, 8):
+        batches, weights = _fit_one_process(one_process + [f"trainer.device_train_microbatch_size={microbatch}"])
+        assert batches == two_rank_batches, microbatch  # the same global batches ...
+        # ... give the same weights, to float tolerance. (Summation order differs between the splits; with
+        # Adam's usual eps, a near-zero gradient's sign decides a whole lr-sized first step, so this test
+        # uses eps = 1, where the step is continuous in the gradient.)
+        for name, tensor in r0["weights"].items():
+            if name != "_extra_state":
+                torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"microbatch {microbatch}: {name}: {m}")
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(fsdp_runs):
+    """``composer -n 2 run.py ...``, the product's own entry point (run.py run as the launcher runs it) with
+    ``trainer.fsdp.version=2`` (torch's fully_shard through Composer), as the SD2 YAMLs allow it: two
+    CPU ranks, EMA, two microbatches per rank train the weights one process trains on the same global
+    batches (gradients averaged over the ranks, not summed), and the checkpoint holds them whole with
+    the EMA."""
+    from diffusion.models.checkpoint import load_denoiser
+    tmp, _ = fsdp_runs
+    run_py = json.loads((tmp / "run-py-args.json").read_text())
+    ema, _, ema_used = load_denoiser(str(tmp / "run-py-ckpt" / "latest-rank0.pt"))
+    raw, _, _ = load_denoiser(str(tmp / "run-py-ckpt" / "latest-rank0.pt"), ema=False)
+    assert ema_used and not torch.equal(ema.conv_in.weight, raw.conv_in.weight)
+
+    common = run_py[:run_py.index("trainer.fsdp.version=2")]  # one process: the same run without FSDP
+    _, one_process = _fit_one_process(common)
+    for name, tensor in raw.state_dict().items():
+        torch.testing.assert_close(tensor, one_process["denoiser." + name], rtol=1e-5, atol=1e-7, msg=name)

@@ -192,7 +192,7 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     resumed = [{"name": "shared", "overrides": [*resume, f"trainer.save_folder={shared}"]},  # launch 2
                # stopped after its first batch: the resume is what is new here (the next save at batch 4)
                {"name": "s3", "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/run"], "stop_at": 3}]
-    # Adam with eps = 1 (smooth in the gradient: see tests/train/test_multiprocess.py), no clipping, no EMA
+    # Adam with eps = 1 (smooth in the gradient: see tests/train/test_fsdp.py), no clipping, no EMA
     args = [YAML, *tiny_overrides(mmdit_train_kit, mds, batches=4, batch_size=8, extra=(
         "model.prediction_type=null", "model.objective=flow", "optimizer.eps=1.0", "optimizer.lr=0.05",
         "trainer.grad_clip_norm=null", "algorithms={}"))]
