@@ -1,4 +1,6 @@
-"""The save folder under crashes and collisions (issue 24 items 3 and 4), with real training processes:
+"""The save folder under crashes and collisions (issue 24 items 3 and 4), with real training processes where the
+process is the point (the run killed mid-save, the run resuming after it) and run.py's own entry in the test's
+process for the others:
 
 - a second run into a live run's ``trainer.save_folder`` is refused at start, naming the folder and the run;
 - a run killed (SIGKILL) in the middle of writing a checkpoint leaves no cut file under a checkpoint's
@@ -10,6 +12,7 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +22,7 @@ import time
 import pytest
 
 from diffusion.train.save_folder import LOCK_NAME, is_complete
-from train_fixtures import tiny_overrides, write_latent_mds
+from train_fixtures import run_py_here, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -60,9 +63,16 @@ def _args(kit, mds, folder, batches, *extra):
 
 
 def _run(args, timeout=300):
+    """``python run.py ARGS`` as its own process."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _run_here(capfd, args):
+    """run.py ARGS in this process (train_fixtures.run_py_here), for runs whose point is the save folder, not the
+    process."""
+    return run_py_here(capfd, *args)
 
 
 def _error_lines(result):
@@ -80,7 +90,8 @@ def _wait_for(predicate, what, process, timeout=240):
 
 
 @pytest.mark.slow
-def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_checkpoint(train_kit, mds, tmp_path):
+def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_checkpoint(train_kit, mds, tmp_path,
+                                                                                            capfd):
     folder, go = tmp_path / "ckpt", tmp_path / "go"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     first = subprocess.Popen([sys.executable, "-c", HOLDING_RUN, "4", str(go),
@@ -90,7 +101,7 @@ def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_
         # batch 2's checkpoint is written, batch 4's write waits for GO: the first run is live
         _wait_for(lambda: os.path.isfile(folder / "ep0-ba2-rank0.pt") and os.path.islink(folder / "latest-rank0.pt"),
                   "checkpoint at batch 2", first)
-        second = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+        second = _run_here(capfd, _args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         [line] = _error_lines(second)
@@ -129,7 +140,7 @@ def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_
     last = folder / "ep1-ba6-rank0.pt"
     with open(last, "r+b") as f:
         f.truncate(os.path.getsize(last) // 3)
-    resumed = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+    resumed = _run_here(capfd, _args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"set aside {last} as ep1-ba6-rank0.pt.incomplete: it was cut short" in resumed.stderr
     assert f"now points to ep0-ba4-rank0.pt, the last complete checkpoint" in resumed.stderr
@@ -137,12 +148,15 @@ def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_
     assert os.readlink(folder / "latest-rank0.pt") == "ep1-ba6-rank0.pt"
 
 
-def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoints_whole(train_kit, mds, tmp_path):
+def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoints_whole(train_kit, mds, tmp_path,
+                                                                                         capfd):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     # batch 4's checkpoint lands on a device that is always full
     os.symlink("/dev/full", folder / ".partial-ep0-ba4-rank0.pt")
-    result = _run(_args(train_kit, mds, folder, 4))
+    # its own copy of the data: the failed run's trainer is never closed (streaming refuses a dataset's folder to a
+    # second dataset in this process while the first is open)
+    result = _run_here(capfd, _args(train_kit, shutil.copytree(mds, tmp_path / "mds"), folder, 4))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     [line] = _error_lines(result)
@@ -154,12 +168,13 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_the_earlier_checkpoints
     assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba2-rank0.pt"
 
 
-def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(train_kit, mmdit_train_kit, mds, tmp_path):
+def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(train_kit, mmdit_train_kit, mds, tmp_path,
+                                                                            capfd):
     """A second command with another model or dataset into the same save folder (the README's T5 command
     once inherited the demo's) is refused in one line naming the folder and the difference; the first
     run's checkpoints, ``latest`` and lock are untouched."""
     folder = tmp_path / "ckpt"
-    first = _run(_args(train_kit, mds, folder, 2, "trainer.autoresume=true"))
+    first = _run_here(capfd, _args(train_kit, mds, folder, 2, "trainer.autoresume=true"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"done: trained to batch 2 of 2ba; checkpoint: {folder / 'ep0-ba2-rank0.pt'}" in first.stdout
     before = {name: os.stat(folder / name, follow_symlinks=False).st_mtime_ns for name in os.listdir(folder)}
@@ -168,7 +183,7 @@ def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(trai
                                                                 f"'{other_data}'"),
                              (f"model.ref={mmdit_train_kit}", f"its model.ref is '{train_kit}', this run's "
                                                                f"'{mmdit_train_kit}'")):
-        second = _run(_args(train_kit, mds, folder, 4, "trainer.autoresume=true", change))
+        second = _run_here(capfd, _args(train_kit, mds, folder, 4, "trainer.autoresume=true", change))
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         [line] = _error_lines(second)
@@ -178,7 +193,7 @@ def test_autoresume_refuses_another_runs_checkpoint_and_leaves_it_as_it_was(trai
         after = {name: os.stat(folder / name, follow_symlinks=False).st_mtime_ns for name in os.listdir(folder)}
         assert after == before
     # the same command again resumes its own run
-    again = _run(_args(train_kit, mds, folder, 4, "trainer.autoresume=true"))
+    again = _run_here(capfd, _args(train_kit, mds, folder, 4, "trainer.autoresume=true"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {folder / 'ep0-ba2-rank0.pt'} at batch 2" in again.stdout
 
