@@ -38,7 +38,17 @@ def _free_port() -> int:
 
 
 def _run(bucketed, tiny_kit, out, world=1, skip=None):
-    """Each rank a real process (streaming's World from the environment); returns each rank's batches."""
+    """One rank: bucket_batches.main in this process; several: each rank a real process (streaming's World from the
+    environment); returns each rank's batches."""
+    if world == 1:
+        import gc
+
+        import bucket_batches
+        args = [bucketed, str(kit_text_dim(tiny_kit)), str(BATCH), f"{out}.0.json"]
+        bucket_batches.main(*args, *([str(skip)] if skip is not None else []))
+        gc.collect()  # its loaders' datasets let go before the next one opens the folder
+        with open(f"{out}.0.json") as f:
+            return [json.load(f)]
     procs, port = [], _free_port()
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
