@@ -1,7 +1,7 @@
 """Hybrid sharding on CPU (`composer -n 4`, gloo), in one launch: four ranks as a (replicate 2, shard 2) mesh
 from the YAML's Composer keys, under FSDP1 (HYBRID_SHARD) and FSDP2 (a 2-D mesh), train the weights one process
-trains on the same global batches, with the gradient clipped by the whole gradient's norm; an FSDP2 run stopped
-after batch 1 and resumed from its checkpoint ends as the straight run."""
+trains on the same global batches, with the gradient clipped by the whole gradient's norm; the FSDP2 run's checkpoint
+after batch 1, resumed, ends as the straight run."""
 
 import json
 import time
@@ -51,8 +51,9 @@ faulthandler.dump_traceback_later(60, file=_stacks)
 def test_four_ranks_as_two_by_two_hybrid_fsdp1_and_fsdp2_train_as_one_process_and_resume_exactly(
         mmdit_train_kit, tmp_path):
     """4 ranks, each weight sharded over 2 and replicated twice (FSDP1 HYBRID_SHARD; FSDP2 with a 2-D mesh), with
-    EMA and clipping every step, train the weights of one process on the same 2 global batches; the FSDP2 run
-    stopped after batch 1 and resumed from its full checkpoint ends with the straight run's weights and EMA."""
+    EMA and clipping every step, train the weights of one process on the same 2 global batches; the FSDP2 run's
+    full checkpoint after batch 1 (what a run stopped there leaves), resumed, ends with the straight run's weights
+    and EMA."""
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=32)
     # Adam with eps = 1 (smooth in the gradient), a fast EMA: see test_fsdp_mmdit.py; clipped at every step, so a
     # norm that counted the replicated shards twice would change the weights
@@ -64,10 +65,10 @@ def test_four_ranks_as_two_by_two_hybrid_fsdp1_and_fsdp2_train_as_one_process_an
     fsdp1 = [f"trainer.fsdp={{sharding_strategy: HYBRID_SHARD, {mesh}}}"]
     fsdp2 = [f"trainer.fsdp={{version: 2, sharding_strategy: HYBRID_SHARD, {mesh}}}"]
     saved = tmp_path / "stopped"
+    # the straight FSDP2 run saves after batch 1 (and on): the checkpoint a run stopped there leaves
     variants = [{"name": "fsdp1", "overrides": fsdp1},
-                {"name": "fsdp2", "overrides": fsdp2},
-                {"name": "stopped", "overrides": [*fsdp2, "trainer.max_duration=1ba", f"trainer.save_folder={saved}",
-                                                  "trainer.save_interval=1ba"]},
+                {"name": "fsdp2", "overrides": [*fsdp2, f"trainer.save_folder={saved}", "trainer.save_interval=1ba",
+                                                "trainer.save_num_checkpoints_to_keep=-1"]},
                 {"name": "resumed", "overrides": [*fsdp2, f"trainer.load_path={saved}/ep0-ba1-rank0.pt"]}]
     for variant in variants:
         variant["blocks"] = ["JointTransformerBlock"]
