@@ -32,22 +32,24 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1 and "OMP_NUM_T
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``make test`` runs ``-n auto``: one worker per CPU this process may use (affinity and cgroup quota,
-    as training sizes its threads), not per CPU the machine has."""
+    """``make test`` runs ``-n auto``: one worker more than the CPUs this process may use (affinity and cgroup
+    quota, as training sizes its threads, not the CPUs the machine has). With one a CPU the suite kept its
+    CPUs busy 65% of its wall time (a fresh clone on the quiet 2-core machine, 2026-11-28: 64 CPU-min in
+    49 min): its tests wait on Ray's scheduling, process starts and barriers, and a third worker's tests run
+    in those gaps (BENCHMARKS.md, "The suite's wall time")."""
     from diffusion.cpus import usable_cpus
-    return usable_cpus()
+    return usable_cpus() + 1
 
 
-# The longest test files, longest first (each file's total from --durations in a fresh clone's make test,
-# 2026-11-27, at 42e1917; the demo and the compile test moved ahead once the sharded-checkpoint and pipeline
-# files were cut, session 19; test_fsdp_mmdit.py, now four files' two-rank runs in one launch, ahead of the hybrid
-# test, and test_multiprocess.py folded into test_fsdp.py's launch, session 20), collected first: `make test`'s
-# workers (--no-loadscope-reorder keeps this order) take them first and the short files fill in beside them,
-# instead of a long one ending the suite alone.
-LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_pipeline.py", "test_online.py",
-                 "test_recaption.py", "test_fsdp_mmdit.py", "test_fsdp_hybrid.py", "test_sharded_checkpoints.py",
-                 "test_cli.py", "test_fsdp.py", "test_several_captions.py", "test_demo_buckets.py", "test_optimizers.py",
-                 "test_build.py", "test_streams.py", "test_posthoc_ema.py", "test_curation.py")
+# The longest test files, longest first (each file's total from --durations=0 in a fresh clone's make test on
+# the quiet machine, 2026-11-28 at b4f5160, with session 20's merges: test_fsdp_mmdit.py holds four files'
+# two-rank runs, test_fsdp.py test_multiprocess.py's), collected first: `make test`'s workers
+# (--no-loadscope-reorder keeps this order) take them first and the short files fill in beside them, instead of
+# a long one ending the suite alone.
+LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test_pipeline.py", "test_fsdp_mmdit.py",
+                 "test_fsdp.py", "test_recaption.py", "test_demo_buckets.py", "test_fsdp_hybrid.py", "test_multinode.py",
+                 "test_full_disk.py", "test_ray_cluster.py", "test_sharded_checkpoints.py", "test_where_and_dedupe.py",
+                 "test_save_folder.py", "test_buckets.py", "test_posthoc_ema.py", "test_streams.py", "test_hostile.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
