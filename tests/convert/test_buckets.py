@@ -91,10 +91,22 @@ def _bucket_keys(out):
 
 @pytest.mark.slow
 def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_config, tmp_path):
+    """The "crash" is a copy of the clean output less the largest part of the largest bucket, its indexes and
+    dataset.json files (a write task killed before it committed that part; one conversion fewer than a run
+    stopped part-way)."""
+    import shutil
     from diffusion.convert.pipeline import run_conversion
-    from diffusion.convert.sink import TMP_PREFIX
+    from diffusion.convert.sink import KEYS_RECORD, TMP_PREFIX
+    from diffusion.convert.summary import summarize
     out = tmp_path / "resumed"
-    first = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap", limit=40))
+    shutil.copytree(bucketed[0], out)
+    largest = max(schema.DatasetInfo.load(str(out)).buckets, key=lambda b: b["count"])["name"]
+    lost = max((p for p in (out / largest).iterdir() if p.name.startswith("part-")),
+               key=lambda p: len(json.loads((p / KEYS_RECORD).read_text())))
+    shutil.rmtree(lost)  # a part the "killed" run never committed
+    for made_at_the_end in (*out.glob("*/index.json"), *out.glob("**/dataset.json")):  # never made by the killed run
+        made_at_the_end.unlink()
+    first = summarize(str(out))
     assert 0 < first.written < bucketed[1].written
     stale = out / "bucket-64x64" / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
     stale.mkdir(parents=True, exist_ok=True)
