@@ -17,9 +17,9 @@ $(STAMP): requirements.lock setup.py
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
-# One pytest worker more than the usable CPUs (tests/conftest.py: the tests wait a third of the time), a
-# test file's tests on one worker (they share module fixtures), files in the collection's order (longest
-# first: tests/conftest.py), not xdist's default of the files with the most tests first; `$(PY) -m pytest tests/...` runs in one process as before.
+# One pytest worker per usable CPU (tests/conftest.py), a test file's tests on one worker (they share
+# module fixtures), files in the collection's order (longest first: tests/conftest.py), not xdist's default
+# of the files with the most tests first; `$(PY) -m pytest tests/...` runs in one process as before.
 XDIST := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)

@@ -32,13 +32,13 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1 and "OMP_NUM_T
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``make test`` runs ``-n auto``: one worker more than the CPUs this process may use (affinity and cgroup
-    quota, as training sizes its threads, not the CPUs the machine has). With one a CPU the suite kept its
-    CPUs busy 65% of its wall time (a fresh clone on the quiet 2-core machine, 2026-11-28: 64 CPU-min in
-    49 min): its tests wait on Ray's scheduling, process starts and barriers, and a third worker's tests run
-    in those gaps (BENCHMARKS.md, "The suite's wall time")."""
+    """``make test`` runs ``-n auto``: one worker per CPU this process may use (affinity and cgroup quota,
+    as training sizes its threads), not per CPU the machine has. (With one a CPU the suite kept its CPUs busy
+    65% of its wall time, a fresh clone on the quiet 2-core machine, 2026-11-28: 64 CPU-min in 49 min. A third
+    worker on 2 CPUs was tried the same day and not kept: online mode's file took 677 s against 425 s, and the
+    compile test, CPU-bound, over 15 min against 9: BENCHMARKS.md, "The suite's wall time".)"""
     from diffusion.cpus import usable_cpus
-    return usable_cpus() + 1
+    return usable_cpus()
 
 
 # The longest test files, longest first (each file's total from --durations=0 in a fresh clone's make test on
