@@ -1,17 +1,13 @@
 """A staged recipe (issue 28) hands each phase the last one's weights and EMA, strictly: the tiny
-micro-budget recipe's two phases (masked, then unmasked) run through run.py as a user types them, and a
-phase started from another network is refused in one line."""
-
-import os
-import subprocess
-import sys
+micro-budget recipe's two phases (masked, then unmasked) run through run.py's entry with the arguments a user
+types (in this process: run_py_here; a run.py process pays ~15 CPU-s of imports, and run.py's own process
+behaviour is tested in tests/test_cpus.py, tests/train/test_launch_lines.py and tests/train/test_config.py), and
+a phase started from another network is refused in one line."""
 
 import pytest
 import torch
 
 from train_fixtures import run_py_here, tiny_overrides, write_latent_mds
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _args(yaml, kit, mds, *extra):
@@ -19,24 +15,19 @@ def _args(yaml, kit, mds, *extra):
         "model.prediction_type=null", "algorithms.ema.smoothing=0.5", "algorithms.ema.warmup=false", *extra))]
 
 
-def _run(yaml, kit, mds, *extra):
-    """``python run.py ...`` as its own process, as a user types it."""
-    return subprocess.run([sys.executable, "run.py", *_args(yaml, kit, mds, *extra)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
-
-
 @pytest.mark.slow
 def test_phases_hand_over_weights_and_ema_and_refuse_another_network(mmdit_train_kit, train_kit, tmp_path, capfd):
     from diffusion.models import safe_checkpoint
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=16)
     first, second = tmp_path / "masked", tmp_path / "finetune"
-    done = _run("yamls/tiny-mmdit-masked-cpu.yaml", mmdit_train_kit, mds, f"trainer.save_folder={first}",
-                "trainer.save_interval=2ba")
+    done = run_py_here(capfd, *_args("yamls/tiny-mmdit-masked-cpu.yaml", mmdit_train_kit, mds,
+                                     f"trainer.save_folder={first}", "trainer.save_interval=2ba"))
     assert done.returncode == 0, done.stderr[-3000:]
     handed = str(first / "latest-rank0.pt")
     phase1 = safe_checkpoint.load(handed)["state"]
-    done = _run("yamls/tiny-mmdit-finetune-cpu.yaml", mmdit_train_kit, mds, f"trainer.save_folder={second}",
-                "trainer.save_interval=1ba", f"trainer.load_path={handed}", f"algorithms.ema.init_from={handed}")
+    done = run_py_here(capfd, *_args("yamls/tiny-mmdit-finetune-cpu.yaml", mmdit_train_kit, mds,
+                                     f"trainer.save_folder={second}", "trainer.save_interval=1ba",
+                                     f"trainer.load_path={handed}", f"algorithms.ema.init_from={handed}"))
     assert done.returncode == 0, done.stderr[-3000:]
     after_one = safe_checkpoint.load(next(second.glob("ep*-ba1-rank0.pt")))["state"]
     ema1, ema2 = dict(phase1["algorithms"])["EMA"], dict(after_one["algorithms"])["EMA"]
@@ -50,7 +41,6 @@ def test_phases_hand_over_weights_and_ema_and_refuse_another_network(mmdit_train
 
     # a UNet checkpoint as the "previous phase" of the MMDiT: refused in one line
     unet_mds = write_latent_mds(str(tmp_path / "unet-mds"), kit=train_kit, n=8)
-    # (the UNet's run and the refusal through run.py's entry in this process: run_py_here)
     done = run_py_here(capfd, *_args("yamls/tiny-cpu.yaml", train_kit, unet_mds,
                                      f"trainer.save_folder={tmp_path / 'unet'}", "trainer.save_interval=2ba",
                                      "model.prediction_type=epsilon"))
