@@ -45,6 +45,16 @@ def datasets(train_kit, tiny_kit, tmp_path_factory):
             for text in schema.TEXT_STORAGE}
 
 
+@pytest.fixture(scope="module")
+def ids_run(train_kit, datasets, tmp_path_factory):
+    """6 batches from the ids dataset without EMA, saving at batch 3 and 6: the run that training from the stored
+    embeddings must match, and the straight run a resumed one must equal (one run for both tests)."""
+    folder = tmp_path_factory.mktemp("ids-run") / "straight"
+    weights, losses, share = _fit(_config(train_kit, datasets["ids"], "algorithms={}", "trainer.save_interval=3ba",
+                                          save_folder=str(folder)))  # model.text=auto
+    return {"weights": weights, "losses": losses, "share": share, "folder": folder}
+
+
 def _config(kit, mds, *extra, batches=6, save_folder=None):
     return load_config(TINY, tiny_overrides(kit, mds, batches=batches, save_folder=save_folder, extra=extra))
 
@@ -66,12 +76,12 @@ def _copy_with_dataset_json(source: str, out, **changes) -> str:
 
 
 @pytest.mark.slow
-def test_training_from_ids_matches_training_from_the_stored_embeddings(train_kit, datasets):
+def test_training_from_ids_matches_training_from_the_stored_embeddings(train_kit, datasets, ids_run):
     # Tolerance: the text encoder runs on CPU in fp32 in both cases (the converter's embeddings here,
     # the step's there) and both are rounded to float16, so only the batch composition (4 captions
     # encoded together vs a batch of 8) can change a last bit: losses agree to 1e-4 relative per step.
     embeds, embeds_losses, no_share = _fit(_config(train_kit, datasets["embeds"], "algorithms={}"))
-    ids, ids_losses, share = _fit(_config(train_kit, datasets["ids"], "algorithms={}"))  # model.text=auto
+    ids, ids_losses, share = ids_run["weights"], ids_run["losses"], ids_run["share"]  # the same, from ids
     assert len(ids_losses) == len(embeds_losses) == 6
     np.testing.assert_allclose(ids_losses, embeds_losses, rtol=1e-4)
     assert ids_losses[-1] != ids_losses[0]  # it trained
@@ -103,19 +113,18 @@ def test_caption_dropout_with_ids_gives_the_empty_captions_embedding(train_kit, 
 
 
 @pytest.mark.slow
-def test_resume_from_ids_equals_a_straight_run(train_kit, datasets, tmp_path):
+def test_resume_from_ids_equals_a_straight_run(train_kit, datasets, ids_run, tmp_path):
     n = 3
-    straight = tmp_path / "straight"
-    weights, losses, _ = _fit(_config(train_kit, datasets["ids"], "trainer.save_interval=3ba", batches=2 * n,
-                                      save_folder=str(straight)))
+    straight = ids_run["folder"]
+    weights, losses = ids_run["weights"], ids_run["losses"]
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     first = next(p for p in os.listdir(straight) if p.endswith(f"ba{n}-rank0.pt"))
     shutil.copy(straight / first, resumed / first)
     os.symlink(first, resumed / "latest-rank0.pt")
-    weights2, losses2, _ = _fit(_config(train_kit, datasets["ids"], "trainer.save_interval=3ba",
+    weights2, losses2, _ = _fit(_config(train_kit, datasets["ids"], "algorithms={}", "trainer.save_interval=3ba",
                                         "trainer.autoresume=true", batches=2 * n, save_folder=str(resumed)))
-    assert losses2 == losses[n:]  # the same batches, dropout and noise after the restart: exactly
+    assert len(losses) == 2 * n and losses2 == losses[n:]  # the same batches, dropout and noise after the restart
     for name in weights:
         assert torch.equal(weights2[name], weights[name]), name
     checkpoint = torch.load(straight / first, map_location="cpu", weights_only=False)
