@@ -44,11 +44,12 @@ class _Losses:
 def test_the_tiny_mmdit_trains_its_loss_down(mmdit_train_kit, mds, objective):
     losses = _Losses()
     cfg = _cfg(mmdit_train_kit, mds, f"model.objective={objective}", "trainer.seed=3", "data.train.shuffle=false",
-               "optimizer.lr=2e-3", batches=40)
+               "optimizer.lr=2e-3", batches=20)
     weights, _ = fit_in_process(cfg, callbacks=[losses])
     assert any(name.startswith("denoiser.transformer_blocks.") for name in weights)  # it was the MMDiT
+    # last 8 over first 8 after 20 batches: about 0.55 (flow), 0.34 (epsilon), 0.65 (v); after 40: 0.44, 0.20, 0.51
     first, last = sum(losses.train[:8]) / 8, sum(losses.train[-8:]) / 8
-    assert last < 0.8 * first, (objective, first, last)
+    assert len(losses.train) == 20 and last < 0.8 * first, (objective, first, last)
 
 
 def test_flow_steps_are_the_same_whatever_the_microbatch(mmdit_train_kit, mds):
