@@ -45,6 +45,28 @@ def _run(cmd: list[str], log: list) -> float:
     return seconds
 
 
+def _draw(cmd: list[str], grid: str, checkpoint: str, log: list) -> None:
+    """Run a generate command, unless ``grid`` was already drawn by the same command from this checkpoint
+    (a re-run of the demo: its record beside the grid names the command, and the grid is newer than the
+    checkpoint), as every other step is skipped when its output is complete."""
+    record = grid + ".command"
+    command = shlex.join(cmd)
+    try:
+        with open(record) as f:
+            drawn = f.read() == command and os.path.getmtime(grid) >= os.path.getmtime(checkpoint)
+    except OSError:
+        drawn = False
+    if drawn:
+        print(f"\n# {os.path.basename(grid)} is already drawn from {checkpoint} by the same command: kept",
+              flush=True)
+        return
+    if os.path.exists(record):
+        os.remove(record)  # drawn again below: the record is written once the new grid is complete
+    _run(cmd, log)
+    with open(record, "w") as f:
+        f.write(command)
+
+
 def latest_checkpoint(folder: str) -> str:
     """The newest Composer checkpoint in ``folder`` (the ``latest-rank0.pt`` symlink if present)."""
     latest = os.path.join(folder, "latest-rank0.pt")
@@ -107,19 +129,23 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     train = [py, "run.py", yaml, f"model.ref={kit}", f"data.train.path={mds}",
              f"trainer.save_folder={ckpts}"]
     train.append(f"trainer.max_duration={batches}ba")
-    _run(train, log)
+    finished = sorted(glob.glob(os.path.join(ckpts, f"ep*-ba{batches}-rank0.pt")))
+    if finished:  # the run already trained this long (a longer --batches resumes it in run.py)
+        print(f"\n# training is done: {finished[-1]} (delete {ckpts} to train again)", flush=True)
+    else:
+        _run(train, log)
     checkpoint = latest_checkpoint(ckpts)
     gen = [py, "-m", "diffusion.generate", "--checkpoint", checkpoint, "--out", grid, "--seed", "0",
            "--images-per-prompt", str(images_per_prompt), "--guidance-scale", "3"]
     for prompt in PROMPTS:
         gen += ["--prompt", prompt]
-    _run(gen, log)
+    _draw(gen, grid, checkpoint, log)
     grids = {"square": grid}
     if buckets:  # the same prompts at the buckets' aspect ratios
         for width, height in BUCKET_GRIDS:
             grids[f"{width}x{height}"] = grid.replace(".png", f"-{width}x{height}.png")
             at = gen[:gen.index("--out") + 1] + [grids[f"{width}x{height}"]] + gen[gen.index("--out") + 2:]
-            _run(at + ["--width", str(width), "--height", str(height)], log)
+            _draw(at + ["--width", str(width), "--height", str(height)], grids[f"{width}x{height}"], checkpoint, log)
 
     from diffusion.sample.evaluate import prompt_adherence
     from diffusion.sample.grid import read_grid
