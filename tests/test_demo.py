@@ -39,7 +39,7 @@ def test_adherence_is_perfect_on_real_scenes_and_near_chance_when_prompts_are_sh
 # keys) and trainer.seed fixes the model's init, so this test sees the same score on every run here.
 # `make demo BATCHES=1500`: the default recipe, shortened as README's Quickstart offers it. The MMDiT's grid is
 # already in its prompts' colours by then (59% at 1,500 batches, 58% at the recipe's 2,000: BENCHMARKS.md, "The
-# demo's recipe", which measures the whole recipe); the test's floor is 33%. A quarter of the suite's longest file.
+# demo's recipe", which measures the whole recipe); the test's floor is 33%. A quarter fewer batches in the suite's longest file.
 TEST_BATCHES = 1500
 
 
