@@ -1,9 +1,10 @@
-"""Every command as a user runs it, in a subprocess: ``--help`` says what it does, with examples and
-every flag explained; a user's mistake is one line on stderr naming what was wrong, no traceback.
+"""Every command as a user runs it: ``--help`` says what it does, with examples and every flag explained; a
+user's mistake is one line on stderr naming what was wrong, no traceback.
 
-Each command's first mistake here runs in a subprocess (its imports' own noise on stderr included); its further
-mistakes run its ``cli.run`` entry in this process (:func:`run_here`): each subprocess of generate, export or
-evaluate pays ~4 s of torch and diffusers imports for a refusal that takes milliseconds."""
+Each command runs here at least once in a subprocess (its imports' own noise on stderr included): its ``--help``,
+and its first mistake. generate's, export's and evaluate's ``--help`` and further mistakes run their ``cli.run``
+entry in this process (:func:`run_here`): each subprocess of them pays ~4 s of torch and diffusers imports (their
+parsers list the samplers) for output that takes milliseconds."""
 
 import os
 import pathlib
@@ -45,10 +46,10 @@ HERE = {"generate": "diffusion.sample.generate", "export": "diffusion.sample.exp
 
 def run_here(capfd, prog: str, *args) -> subprocess.CompletedProcess:
     """``python -m diffusion.<prog> ARGS`` as its ``__main__`` runs it (``cli.run(main, prog)``), in this process
-    (:func:`cli_helpers.run_entry`)."""
+    (:func:`cli_helpers.run_entry`), as wide as :func:`run`'s terminal."""
     import importlib
     from cli_helpers import run_entry
-    return run_entry(capfd, importlib.import_module(HERE[prog]).main, prog, *args)
+    return run_entry(capfd, importlib.import_module(HERE[prog]).main, prog, *args, env={"COLUMNS": "100"})
 
 
 # ---- --help -------------------------------------------------------------------------------------------
@@ -88,8 +89,11 @@ def test_flags_without_help_finds_them():
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
-def test_help_says_what_with_examples_and_explains_every_flag(name):
-    done = run(*COMMANDS[name], "--help")
+def test_help_says_what_with_examples_and_explains_every_flag(name, capfd):
+    prog = name.removeprefix("diffusion.")
+    # generate's, export's and evaluate's parsers load torch (~4 s a process): their --help runs in this process,
+    # and each of them runs as a subprocess in test_a_missing_checkpoint_is_one_line_naming_it
+    done = run_here(capfd, prog, "--help") if prog in HERE else run(*COMMANDS[name], "--help")
     assert done.returncode == 0, done.stderr
     text = done.stdout
     assert "examples:" in text, text
