@@ -52,9 +52,46 @@ LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test
                  "test_save_folder.py", "test_buckets.py", "test_posthoc_ema.py", "test_streams.py", "test_hostile.py")
 
 
+# The files that use a local Ray instance (the data stage's folders, and any file naming the ray_local fixture)
+# run on one pytest worker, one after another: one Ray instance for all of them, started at the first and shut
+# down after the last (a Ray instance left idle costs ~10% of a CPU: 228 CPU-s for two of them over 19 min of
+# the suite, 2026-11-28), and the session fixtures they share (a conversion of the sample data) are made once.
+RAY_FOLDERS = ("convert", "download")
+RAY_GROUP = "ray"
+
+
+def uses_ray(path: pathlib.Path) -> bool:
+    """Whether the test file at ``path`` belongs to the Ray group (decided from the file alone: xdist's
+    controller, which assigns the files to workers, sees no fixtures)."""
+    return path.parent.name in RAY_FOLDERS or "ray_local" in path.read_text()
+
+
+def _order(item) -> tuple:
+    """Ray's group first (the longest unit of work), then LONGEST_FIRST, then every other file in its order."""
+    name = item.path.name
+    return (not uses_ray(item.path), LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: (LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
-                                 else len(LONGEST_FIRST)))  # stable: every other test keeps its order
+    cache = {}
+    items.sort(key=lambda item: cache.setdefault(item.path, _order(item)))  # stable: ties keep their order
+    using = [item for item in items if "ray_local" in item.fixturenames]
+    if using:
+        using[-1].stash[_LAST_RAY_TEST] = True
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the Ray group's files as one unit of work (see RAY_FOLDERS)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return RAY_GROUP if uses_ray(config.rootpath / scope) else scope
+
+    return RayFilesTogether(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -161,9 +198,10 @@ def manifest(sample_data) -> dict:
         return json.load(f)
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray instance for the session, sized like this machine (2 CPUs)."""
+_LAST_RAY_TEST = pytest.StashKey[bool]()
+
+
+def _start_ray():
     import ray
     for attempt in (1, 2):
         if ray.is_initialized():
@@ -174,10 +212,34 @@ def ray_local():
             if attempt == 2 or "timed out" not in str(error):
                 raise
             ray.shutdown()
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance, sized like this machine (2 CPUs): started by the first test that asks for it
+    and shut down after the last (in the collected order, which runs Ray's group of files together)."""
+    ray = _start_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test that asks for Ray after the last one shut it down (run out of the collected order) starts it again."""
+    if "ray_local" in item.fixturenames:
+        import ray
+        if not ray.is_initialized():
+            _start_ray()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if item.stash.get(_LAST_RAY_TEST, False):  # after its fixtures' teardown: no dataset of its is left
+        import ray
+        ray.shutdown()
 
 
 @pytest.fixture
