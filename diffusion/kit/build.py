@@ -59,8 +59,6 @@ import shutil
 import tempfile
 import time
 
-import torch
-
 from diffusion.errors import KitError
 from diffusion.kit import vae_fit
 from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_ASSET, VAE_SEED  # noqa: F401
@@ -186,6 +184,7 @@ def _write_common(out: pathlib.Path) -> None:
 
 def build_sd2_base(out: pathlib.Path) -> dict:
     """Configs only: modules are built on the meta device, so nothing is allocated."""
+    import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig
     with torch.device("meta"):
@@ -201,6 +200,7 @@ def build_sd2_base(out: pathlib.Path) -> dict:
 def build_tiny(out: pathlib.Path, progress: bool = True, refit_vae: bool = False) -> dict:
     """Random seeded UNet and text encoder; the shipped fitted VAE (or, with ``refit_vae``, a VAE
     fitted here on sample scenes, a few minutes on CPU)."""
+    import torch
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -237,6 +237,7 @@ def build_tiny_mmdit(out: pathlib.Path) -> dict:
     """The tiny kit with an MMDiT (``SD3Transformer2DModel``) for its denoiser and a flow-matching
     scheduler: the same tokenizer, text encoder and fitted VAE, so it trains on the same converted data."""
     import diffusers
+    import torch
     from diffusers import SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -311,6 +312,7 @@ def build_tiny_latent_kit(out: pathlib.Path, preset: str) -> dict:
     the tiny kit's CLIP text encoder, its tokenizer and a
     flow-matching scheduler."""
     import diffusers
+    import torch
     from diffusers import (AutoencoderDC, AutoencoderKL, FluxTransformer2DModel, SanaTransformer2DModel,
                            SD3Transformer2DModel)
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -354,6 +356,7 @@ TINY_T5 = dict(d_model=TINY_TEXT["hidden_size"], d_kv=16, d_ff=128, num_layers=2
 
 def _write_tiny_t5(encoder: pathlib.Path, tokenizer: pathlib.Path, max_length: int = 64) -> int:
     """The tiny T5 encoder (random, seed 1) and its tokenizer trained on the sample captions; its vocabulary size."""
+    import torch
     from transformers import T5Config, T5EncoderModel
     from diffusion.kit.t5_tokenizer import write_t5_tokenizer
     vocab = write_t5_tokenizer(tokenizer, max_length=max_length)
@@ -365,6 +368,7 @@ def _write_tiny_t5(encoder: pathlib.Path, tokenizer: pathlib.Path, max_length: i
 def build_tiny_t5(out: pathlib.Path) -> dict:
     """A T5 text encoder (random, seeded) with its trained tokenizer, the tiny UNet and MMDiT, the fitted VAE."""
     import diffusers
+    import torch
     from diffusers import SD3Transformer2DModel, UNet2DConditionModel
     from transformers import T5Config, T5EncoderModel
     from diffusion.kit.t5_tokenizer import write_t5_tokenizer
@@ -387,6 +391,7 @@ def build_tiny_t5(out: pathlib.Path) -> dict:
 def build_mmdit_base(out: pathlib.Path) -> dict:
     """Configs only (as sd2-base): the micro-budget MMDiT, SD2's VAE and text encoder, a flow scheduler."""
     import diffusers
+    import torch
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextConfig
     with torch.device("meta"):
@@ -406,6 +411,7 @@ def build_flux_schnell(out: pathlib.Path) -> dict:
     FluxPipeline's layout (CLIP-L in ``text_encoder/`` with the CLIP tokenizer, T5-XXL in ``text_encoder_2/``), a flow
     scheduler. The weights and T5's tokenizer come from the hub when converting (yamls/mlperf-flux/)."""
     import diffusers
+    import torch
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, T5Config
     with torch.device("meta"):
@@ -426,6 +432,7 @@ def build_flux_schnell(out: pathlib.Path) -> dict:
 
 def build_tiny_clip(out: pathlib.Path) -> dict:
     """A tiny random CLIPModel with the CLIP tokenizer and a 64 px image processor in one directory."""
+    import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
     text = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, **_TINY_TOKENS)
     vision = dict(image_size=64, patch_size=8, hidden_size=32, intermediate_size=64,
@@ -451,6 +458,7 @@ def build_tiny_captioner(out: pathlib.Path) -> dict:
     image processor and a BERT tokenizer over :data:`CAPTIONER_WORDS`. Its word head never picks a
     special token, end of text included, so every caption is ``max_new_tokens`` words; its weights are
     initialised wide enough that different images get different captions."""
+    import torch
     from transformers import (BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor,
                               BlipProcessor)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,11 +27,14 @@ import json
 import math
 import pathlib
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from diffusion import cli
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch  # each function imports it: --help and a refused --out start without torch
 
 HELD_OUT_SEED = 1234  # sample scenes for judging the tiny VAE; fitting uses other seeds
 VAE_SEED = 2  # the tiny VAE's initial weights, before fitting
@@ -75,6 +78,7 @@ class FitConfig:
 
 def sample_images(n: int, seed: int, size: int = FIT_SIZE) -> torch.Tensor:
     """``n`` scenes, centre-cropped and resized to ``size``, as a float tensor (n, 3, size, size) in [-1, 1]."""
+    import torch
     from diffusion.kit.sample import render_scene
 
     rng = np.random.default_rng(seed)
@@ -91,6 +95,8 @@ def sample_images(n: int, seed: int, size: int = FIT_SIZE) -> torch.Tensor:
 
 
 def _loss(vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float) -> torch.Tensor:
+    import torch
+
     encoded = vae.encode(x)
     if not hasattr(encoded, "latent_dist"):  # a deterministic autoencoder (DC-AE): reconstruction only
         return (vae.decode(encoded.latent).sample - x).pow(2).mean()
@@ -104,6 +110,7 @@ def _loss(vae, x: torch.Tensor, generator: torch.Generator, kl_weight: float) ->
 
 def fit_vae(vae, config: FitConfig = FitConfig(), progress: bool = True) -> dict:
     """Train ``vae`` in place on sample scenes; returns timing and the final loss."""
+    import torch
     from tqdm.auto import tqdm
 
     torch.manual_seed(config.seed)
@@ -139,40 +146,46 @@ def fit_vae(vae, config: FitConfig = FitConfig(), progress: bool = True) -> dict
     return {"seconds": time.perf_counter() - start, "loss": running, "steps": config.steps}
 
 
-@torch.no_grad()
 def reconstruction_psnr(vae, images: torch.Tensor, batch_size: int = 32) -> float:
     """Mean PSNR (dB, 8-bit scale) of ``decode(encode(x).mean)`` (a deterministic autoencoder's latent) over
     ``images`` in [-1, 1]."""
+    import torch
+
     scores = []
-    for batch in images.split(batch_size):
-        encoded = vae.encode(batch)
-        z = encoded.latent_dist.mean if hasattr(encoded, "latent_dist") else encoded.latent
-        decoded = vae.decode(z).sample.clamp(-1, 1)
-        mse = ((decoded - batch) / 2).pow(2).flatten(1).mean(1)  # on a [0, 1] scale
-        scores.append(10 * torch.log10(1.0 / mse.clamp_min(1e-10)))
+    with torch.no_grad():
+        for batch in images.split(batch_size):
+            encoded = vae.encode(batch)
+            z = encoded.latent_dist.mean if hasattr(encoded, "latent_dist") else encoded.latent
+            decoded = vae.decode(z).sample.clamp(-1, 1)
+            mse = ((decoded - batch) / 2).pow(2).flatten(1).mean(1)  # on a [0, 1] scale
+            scores.append(10 * torch.log10(1.0 / mse.clamp_min(1e-10)))
     return torch.cat(scores).mean().item()
 
 
-@torch.no_grad()
 def latent_scaling_factor(vae, images: torch.Tensor, seed: int = 0) -> float:
     """1 / std of sampled latents, as SD chose its 0.18215, so scaled latents have unit variance."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
-    posterior = vae.encode(images).latent_dist
-    z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    with torch.no_grad():
+        posterior = vae.encode(images).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
     return 1.0 / z.std().item()
 
 
-@torch.no_grad()
 def latent_shift_and_scale(vae, images: torch.Tensor, seed: int = 0) -> tuple[float, float]:
     """(shift, scale) making ``(z - shift) * scale`` zero-mean with unit variance over sampled latents (a
     KL autoencoder's draws, a deterministic one's latents), as SD3's and Flux's VAEs record them."""
-    encoded = vae.encode(images)
-    if hasattr(encoded, "latent_dist"):
-        generator = torch.Generator().manual_seed(seed)
-        posterior = encoded.latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-    else:
-        z = encoded.latent
+    import torch
+
+    with torch.no_grad():
+        encoded = vae.encode(images)
+        if hasattr(encoded, "latent_dist"):
+            generator = torch.Generator().manual_seed(seed)
+            posterior = encoded.latent_dist
+            z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        else:
+            z = encoded.latent
     return z.mean().item(), 1.0 / z.std().item()
 
 
@@ -181,6 +194,7 @@ def fit_tiny_vae(out, config: FitConfig = FitConfig(), progress: bool = True, ki
     the DC-AE) from its seeded initial weights and save it to ``out`` (diffusers layout, float32
     safetensors) with its latent scaling factor (and, but for ``tiny``, the shift); returns the fit info."""
     import diffusers
+    import torch
 
     class_name, vae_config, _, crop = KINDS[kind]
     torch.manual_seed(VAE_SEED)
