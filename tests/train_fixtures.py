@@ -231,6 +231,17 @@ def uploads_forked_from_one_server(setattr_=setattr):
     return stop
 
 
+class OpensWhenUnpickled:
+    """Unpickling this runs ``open(path, "w")``: the payload a hostile checkpoint carries (the file at ``path``
+    appearing is the sign it ran)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def launch_composer(script_path, script: str, args: list[str], *, port: int | None = None, env: dict | None = None,
                     processes: int = 2, timeout: float = 600):
     """Write ``script`` to ``script_path`` and run it under ``composer -n processes`` from the repository root

@@ -1,5 +1,7 @@
 """Real FSDP on CPU: `composer -n 2` (gloo) with the product's trainer, tiny UNet, EMA and microbatches; and in
-the same launch, last, two DDP ranks and ``run.py`` itself under FSDP2 (once test_multiprocess.py's own launch).
+the same launch, last, two DDP ranks and ``run.py`` itself under FSDP2 (once test_multiprocess.py's own launch),
+then ``run.py``'s sharded-checkpoint runs: autoresume, incomplete folders, refusals (once
+test_sharded_checkpoints.py's own launch; see the section at the end).
 
 One launch trains every variant in turn (startup dominates on 2 cores): FULL_SHARD and SHARD_GRAD_OP,
 each without eval and with an eval of the raw and of the EMA weights after every batch, then a run whose rank 1 gets a NaN in the
@@ -22,16 +24,19 @@ The harness is ``run.py``'s own path (``build_trainer`` on the YAML and override
 
 import json
 import os
+import pickle
+import shutil
 
 import pytest
 import torch
 
 from diffusion.train.config import load_config
-from train_fixtures import fit_in_process, launch_composer, tiny_overrides, write_latent_mds
+from train_fixtures import OpensWhenUnpickled, fit_in_process, launch_composer, tiny_overrides, write_latent_mds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 
-HARNESS = '''
+HARNESS = r'''
 import gc, json, os, shutil, sys, torch
 from composer.core import Callback
 from composer.loggers import InMemoryLogger
@@ -157,11 +162,103 @@ del trainer
 gc.collect()
 sys.argv = ["run.py", *json.loads(os.environ["RUN_PY_ARGS"])]
 runpy.run_path(os.path.join(os.environ["ROOT"], "run.py"), run_name="__main__")
+
+# Last, the sharded-checkpoint runs (``state_dict_type: sharded``): each rank runs ``run.py``'s own
+# ``cli.run(main, "run.py", argv)`` for each step of STEPS (a JSON list of {"name", "argv", "before"}) in turn, its
+# stdout and stderr (file descriptors 1 and 2: every print, warning and log line) in ``NAME-rankR.out``/``.err`` and
+# its exit code (0, or the ``sys.exit`` code of a refusal) in ``NAME-rankR.rc``, and the step's save folder's listing
+# after it in ``NAME.listing``, all in STEPS_DIR; ``before`` is done by rank 0 alone, between barriers (what a user
+# would do between separate launches). A refused run's lock on its folder is closed after it, as its process's exit
+# would (its file stays).
+import contextlib, subprocess
+from diffusion import cli
+from diffusion.launch import main
+from diffusion.train.save_folder import SaveFolderLock
+
+steps_dir = os.environ["STEPS_DIR"]
+holder = None
+
+
+def cut(tmp):  # the first run's folder copied as "straight" (its newest two); then batch 4's folder: a shard
+    folder = os.path.join(tmp, "resumed")  # cut short; batch 5's: a save killed before its index was written
+    shutil.copytree(folder, os.path.join(tmp, "straight"), symlinks=True, ignore=shutil.ignore_patterns("ep0-ba3"))
+    shard = os.path.join(folder, "ep0-ba4", "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    shutil.rmtree(os.path.join(folder, "ep0-ba5"))
+    os.mkdir(os.path.join(folder, "ep0-ba5"))
+    shutil.copy(os.path.join(folder, "ep0-ba3", "__0_0.distcp"), os.path.join(folder, "ep0-ba5", "__0_0.distcp"))
+
+
+def unreadable(tmp):  # the straight folder's checkpoints, none with its index
+    folder = os.path.join(tmp, "cut")
+    shutil.copytree(os.path.join(tmp, "straight"), folder, symlinks=True)
+    for name in os.listdir(folder):
+        if name.startswith("ep0-ba"):
+            os.remove(os.path.join(folder, name, ".metadata"))
+
+
+def hold(tmp):  # a live process holding the straight folder's lock
+    global holder
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, json, os, socket, sys, time\n"
+        f"fd = os.open({os.path.join(tmp, 'straight', '.run.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'command': 'holder'}).encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with open(os.path.join(steps_dir, "holder.pid"), "w") as f:
+        f.write(str(holder.pid))
+
+
+@contextlib.contextmanager
+def recorded(name):
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    path = os.path.join(steps_dir, f"{name}-rank{rank}")
+    with open(path + ".out", "w") as o, open(path + ".err", "w") as e:
+        os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+
+
+try:
+    for step in json.loads(os.environ["STEPS"]):
+        if step.get("before"):
+            if rank == 0:
+                globals()[step["before"]](steps_dir)
+            dist.barrier()
+        code = 0
+        with recorded(step["name"]):
+            try:
+                cli.run(main, "run.py", step["argv"])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+        with open(os.path.join(steps_dir, f"{step['name']}-rank{rank}.rc"), "w") as f:
+            f.write(str(code))
+        for lock in [o for o in gc.get_objects() if isinstance(o, SaveFolderLock) and o._fd is not None]:
+            os.close(lock._fd)
+            lock._fd = None
+        folder = [a.split("=", 1)[1] for a in step["argv"] if a.startswith("trainer.save_folder=")][-1]
+        if rank == 0 and folder != "null":
+            with open(os.path.join(steps_dir, f"{step['name']}.listing"), "w") as f:
+                json.dump(sorted(os.listdir(folder)), f)
+        dist.barrier()
+finally:
+    if holder is not None:
+        holder.kill()
+        holder.wait()
 '''
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
-# the first test runs the file's one launch (11 runs in turn): 3-6 min beside the other worker, more in a loaded CI
-pytestmark = pytest.mark.timeout(1500)
+# the first test runs the file's one launch (11 runs and 6 sharded steps in turn): 5-8 min beside the other
+# worker, more in a loaded CI
+pytestmark = pytest.mark.timeout(2100)
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +296,11 @@ def fsdp_runs(train_kit, tiny_kit, tmp_path_factory):
     ddp_args, run_py_args = _ddp_args(train_kit, tmp), _run_py_args(train_kit, tmp)
     (tmp / "ddp-args.json").write_text(json.dumps(ddp_args))
     (tmp / "run-py-args.json").write_text(json.dumps(run_py_args))
-    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], timeout=1200,
+    steps = _sharded_steps(train_kit, tmp / "sharded")
+    result = launch_composer(tmp / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common], timeout=1800,
                              env={"RECORD_DIR": str(tmp), "VARIANTS": json.dumps(variants), "ROOT": ROOT,
-                                  "DDP_ARGS": json.dumps(ddp_args), "RUN_PY_ARGS": json.dumps(run_py_args)})
+                                  "DDP_ARGS": json.dumps(ddp_args), "RUN_PY_ARGS": json.dumps(run_py_args),
+                                  "STEPS_DIR": str(tmp / "sharded"), "STEPS": json.dumps(steps)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return tmp, ckpt
 
@@ -234,6 +333,42 @@ def _run_py_args(train_kit, tmp):
             "trainer.fsdp.version=2", "trainer.fsdp.sharding_strategy=SHARD_GRAD_OP",
             "trainer.device_train_microbatch_size=2", f"trainer.save_folder={tmp / 'run-py-ckpt'}",
             "trainer.save_interval=3ba"]
+
+
+def _sharded_steps(train_kit, tmp):
+    """The sharded-checkpoint steps, in turn: a 5-batch sharded run keeping 3 checkpoints (its batch 5 is the straight
+    run's weights; a copy keeping the newest two is the "straight" folder), then cut: batch 4's shard cut short,
+    batch 5's save never finished; resumed to 5 under the same command, keeping 2. Then a copy of the straight
+    folder without the checkpoints' indexes, refused and then started fresh; a run into the straight folder while
+    another process holds its lock; last, a run whose ``trainer.load_path`` is a sharded checkpoint whose index
+    would run code when unpickled (``tmp/hostile/ep0-ba5``; its payload would create ``tmp/ran``)."""
+    tmp.mkdir()
+    mds = write_latent_mds(str(tmp / "mds"), kit=train_kit, n=48)
+    # a refused run's dataset is never closed (streaming refuses its folder to a second dataset in the process)
+    copies = [str(shutil.copytree(mds, tmp / name)) for name in ("mds-refused", "mds-locked", "mds-hostile")]
+    import torch.distributed.checkpoint as dcp
+    hostile = tmp / "hostile" / "ep0-ba5"  # a .metadata that calls open() when unpickled, beside real shards
+    dcp.save({"weight": torch.ones(2), "step": 5}, checkpoint_id=str(hostile))
+    with open(hostile / ".metadata", "wb") as f:
+        pickle.dump(OpensWhenUnpickled(str(tmp / "ran")), f)
+    keep3 = "trainer.save_num_checkpoints_to_keep=3"
+    return [{"name": "first", "argv": _sharded_args(train_kit, mds, tmp / "resumed", 5, keep3)},
+            {"name": "resumed", "argv": _sharded_args(train_kit, mds, tmp / "resumed", 5), "before": "cut"},
+            {"name": "refused", "argv": _sharded_args(train_kit, copies[0], tmp / "cut", 6), "before": "unreadable"},
+            {"name": "fresh", "argv": _sharded_args(train_kit, mds, tmp / "cut", 1, "trainer.start_fresh=true")},
+            {"name": "second", "argv": _sharded_args(train_kit, copies[1], tmp / "straight", 6), "before": "hold"},
+            {"name": "hostile", "argv": [TINY, "trainer.device=cpu", f"trainer.load_path={hostile}",
+                                         "trainer.max_duration=1ba", "trainer.save_folder=null",
+                                         "trainer.autoresume=false", f"data.train.path={copies[2]}",
+                                         "data.train.batch_size=8", f"model.ref={train_kit}", "algorithms={}",
+                                         "callbacks={}", "loggers={}"]}]
+
+
+def _sharded_args(kit, mds, folder, batches, *extra):
+    return [TINY, *tiny_overrides(kit, mds, batches=batches, save_folder=str(folder), extra=(
+        "trainer.device=cpu", "trainer.fsdp={state_dict_type: sharded, sharding_strategy: FULL_SHARD}",
+        "algorithms={}", "trainer.autoresume=true", "trainer.save_interval=1ba",
+        "trainer.save_num_checkpoints_to_keep=2", *extra))]
 
 
 def _load(tmp, name, rank=0):
@@ -418,3 +553,109 @@ def test_fsdp2_trains_as_one_process_does_with_ema_and_a_full_checkpoint(fsdp_ru
     _, one_process = _fit_one_process(common)
     for name, tensor in raw.state_dict().items():
         torch.testing.assert_close(tensor, one_process["denoiser." + name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---- sharded checkpoints (``state_dict_type: sharded``): run.py's own command, the same launch, last --------------
+# What autoresume does with them (it used to find none, remove ``latest`` and start over at batch 1): it resumes from
+# the last complete checkpoint folder and trains the weights a straight run trains; a folder whose save never
+# finished (no ``.metadata``) or whose shard was cut is set aside as ``<name>.incomplete``, never deleted; pruning
+# counts the checkpoints earlier runs left; a folder holding only unreadable checkpoints is refused in one line
+# instead of starting over, unless ``trainer.start_fresh=true``; the save folder's lock refuses a second run; a
+# hostile ``.metadata`` is refused in one line and runs nothing (tests/train/test_sharded_checkpoints.py: the reader).
+
+def _error_lines(result):
+    return [line for line in (result.stderr + result.stdout).splitlines() if ": error: " in line]
+
+
+def _weights(folder):
+    """The model tensors of a sharded checkpoint folder, read in this (single) process."""
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "whole.pt")
+        dcp_to_torch_save(str(folder), out)
+        state = torch.load(out, weights_only=False)["state"]["model"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+class Step:
+    """One step's record: ``returncodes`` (each rank's), ``stdout`` and ``stderr`` (rank 0's, as a launch prints
+    them), ``err`` (each rank's stderr), ``listing`` (its save folder's names after it)."""
+
+    def __init__(self, out, name):
+        listing = out / f"{name}.listing"
+        self.listing = json.loads(listing.read_text()) if listing.exists() else None
+        self.returncodes = [int((out / f"{name}-rank{r}.rc").read_text()) for r in (0, 1)]
+        self.stdout = (out / f"{name}-rank0.out").read_text()
+        self.err = [(out / f"{name}-rank{r}.err").read_text() for r in (0, 1)]
+        self.stderr = self.err[0]
+
+
+@pytest.fixture(scope="module")
+def runs(fsdp_runs):
+    """The sharded steps' records (see _sharded_steps): {"tmp": their folder, "holder": the lock holder's pid,
+    "hostile_index": the hostile checkpoint, and each step's Step by name}."""
+    tmp = fsdp_runs[0] / "sharded"
+    names = ("first", "resumed", "refused", "fresh", "second", "hostile")
+    return {"tmp": tmp, "holder": int((tmp / "holder.pid").read_text()), "hostile_index": tmp / "hostile" / "ep0-ba5",
+            **{name: Step(tmp, name) for name in names}}
+
+
+@pytest.mark.slow
+def test_autoresume_continues_a_sharded_run_from_its_last_complete_checkpoint(runs):
+    first, resumed, folder = runs["first"], runs["resumed"], runs["tmp"] / "resumed"
+    assert first.returncodes == [0, 0], first.stderr[-4000:]
+    assert resumed.returncodes == [0, 0], resumed.stderr[-4000:]
+    assert not any("Traceback" in err for err in resumed.err)
+    assert first.listing == ["ep0-ba3", "ep0-ba4", "ep0-ba5", "latest-rank0.pt"]  # 1 and 2 pruned
+    assert f"set aside {folder / 'ep0-ba4'} as ep0-ba4.incomplete: its shard __1_0.distcp is cut short" in resumed.stderr
+    assert f"set aside {folder / 'ep0-ba5'} as ep0-ba5.incomplete: no .metadata" in resumed.stderr
+    assert f"resuming from {folder / 'ep0-ba3'} at batch 3" in resumed.stdout
+    assert f"done: trained to batch 5 of 5ba; checkpoint: {folder / 'ep0-ba5'}" in resumed.stdout
+    # the newest two, the first run's batch 3 counted and pruned; the set-aside ones kept
+    assert sorted(os.listdir(folder)) == ["ep0-ba4", "ep0-ba4.incomplete", "ep0-ba5", "ep0-ba5.incomplete",
+                                          "latest-rank0.pt"]
+    assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba5"
+    straight, ours = _weights(runs["tmp"] / "straight" / "ep0-ba5"), _weights(folder / "ep0-ba5")
+    assert straight.keys() == ours.keys() and straight
+    for name, tensor in straight.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_folder_of_unreadable_checkpoints_is_refused_unless_asked_to_start_fresh(runs):
+    folder, refused, fresh = runs["tmp"] / "cut", runs["refused"], runs["fresh"]
+    assert refused.returncodes == [2, 2], refused.stderr[-4000:]  # every rank refuses (exit 2)
+    assert not any("Traceback" in err for err in refused.err)
+    [line] = _error_lines(refused)[:1]
+    assert f"trainer.save_folder={folder} holds checkpoints autoresume cannot read" in line
+    assert "set trainer.start_fresh=true" in line
+    assert not any(n.startswith("ep0-ba") and not n.endswith(".incomplete") for n in refused.listing)
+    assert fresh.returncodes == [0, 0], fresh.stderr[-4000:]
+    assert "resuming from" not in fresh.stdout
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".incomplete")) == ["ep0-ba4.incomplete",
+                                                                                 "ep0-ba5.incomplete"]
+    assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba1"
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_sharded_runs_folder_is_refused(runs):
+    """The lock is the same for sharded runs: a live holder (here a process holding ``.run.lock``)
+    refuses the second run at start, before any rank trains."""
+    folder, second = runs["tmp"] / "straight", runs["second"]
+    assert second.returncodes == [2, 2], second.stderr[-4000:]
+    [line] = _error_lines(second)[:1]
+    assert f"trainer.save_folder={folder} is in use by another run (pid {runs['holder']}" in line
+    assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba5"
+
+
+@pytest.mark.slow
+def test_a_sharded_load_path_that_would_run_code_is_refused_in_one_line_before_any_rank_reads_it(runs):
+    """Through the command (the launch's last run): every rank refuses ``trainer.load_path`` in one line, and the
+    index's payload never runs."""
+    hostile = runs["hostile"]
+    assert hostile.returncodes == [2, 2], hostile.stderr[-3000:]
+    assert not any("Traceback" in err for err in hostile.err)
+    [line] = _error_lines(hostile)
+    assert line.startswith(f"run.py: error: {runs['hostile_index'] / '.metadata'}: refused"), line
+    assert not (runs["tmp"] / "ran").exists()
