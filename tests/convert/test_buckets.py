@@ -13,6 +13,14 @@ from diffusion.convert.buckets import bucket_crop, nearest_bucket, parse_buckets
 from diffusion.errors import ConfigError
 
 BUCKETS = "48x80,64x64,80x48"  # at the 64 px budget of the test conversions
+RECAPTION_TOKENS = 5  # the tiny captioner never ends early: every caption is this many words
+
+
+def _options(tiny_captioner, **overrides) -> dict:
+    """The bucketed conversion's settings: two captions stored as ids and embeddings, and --recaption (its
+    captions in column "blip", checked in every bucket by test_bucketed_rows_are_captioned_in_every_bucket)."""
+    return dict(resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap", recaption=tiny_captioner,
+                recaption_column="blip", recaption_batch_size=8, recaption_max_tokens=RECAPTION_TOKENS, **overrides)
 
 
 def test_preset_buckets_keep_the_pixel_budget_and_mirror():
@@ -42,10 +50,11 @@ def test_bad_bucket_lists_are_one_line():
 
 
 @pytest.fixture(scope="session")
-def bucketed(convert_config, ray_local, tmp_path_factory):
+def bucketed(convert_config, tiny_captioner, ray_local, tmp_path_factory):
+    """(output dir, summary) of the sample data converted into BUCKETS (one conversion for this file's tests)."""
     from diffusion.convert.pipeline import run_conversion
     out = tmp_path_factory.mktemp("bucketed")
-    summary = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap"))
+    summary = run_conversion(convert_config(out, **_options(tiny_captioner)))
     return str(out), summary
 
 
@@ -75,7 +84,7 @@ def test_images_land_in_the_bucket_nearest_their_aspect(bucketed, manifest):
             assert row["input_ids_recap"].shape == (schema.MAX_TOKENS,)
         # --captions: each bucket counts its own empty second captions, and they add up to the root's
         empty = sum(ds[i]["caption_recap"] == "" for i in range(ds.num_samples))
-        assert schema.DatasetInfo.load(os.path.join(out, b["name"])).empty_captions == {"recap": empty}
+        assert schema.DatasetInfo.load(os.path.join(out, b["name"])).empty_captions == {"recap": empty, "blip": 0}
     assert sum(schema.DatasetInfo.load(os.path.join(out, b["name"])).empty_captions["recap"] for b in info.buckets) \
         == info.empty_captions["recap"] == summary.empty_captions["recap"] > 0
 
@@ -90,7 +99,7 @@ def _bucket_keys(out):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_config, tmp_path):
+def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_config, tiny_captioner, tmp_path):
     """The "crash" is a copy of the clean output less the largest part of the largest bucket, its indexes and
     dataset.json files (a write task killed before it committed that part; one conversion fewer than a run
     stopped part-way)."""
@@ -111,14 +120,33 @@ def test_kill_and_resume_over_buckets_equals_a_clean_run(bucketed, convert_confi
     stale = out / "bucket-64x64" / f"{TMP_PREFIX}part-deadbeef"  # a part a killed write task left half-written
     stale.mkdir(parents=True, exist_ok=True)
     (stale / "shard.00000.mds.zstd").write_bytes(b"half a shard")
-    second = run_conversion(convert_config(out, resolutions=(64,), buckets=BUCKETS, text="both", captions="caption,recap"))
+    second = run_conversion(convert_config(out, **_options(tiny_captioner)))
     assert _bucket_keys(str(out)) == _bucket_keys(bucketed[0])
     assert second.written_this_run == bucketed[1].written - first.written and not stale.exists()
     assert schema.DatasetInfo.load(str(out)).buckets == schema.DatasetInfo.load(bucketed[0]).buckets
 
 
-def test_rerun_with_other_buckets_is_refused(bucketed, convert_config):
+def test_rerun_with_other_buckets_is_refused(bucketed, convert_config, tiny_captioner):
     from diffusion.convert.pipeline import run_conversion
     from diffusion.errors import OutputMismatchError
     with pytest.raises(OutputMismatchError, match="buckets"):
-        run_conversion(convert_config(bucketed[0], resolutions=(64,), buckets="64x64", text="both", captions="caption,recap"))
+        run_conversion(convert_config(bucketed[0], **{**_options(tiny_captioner), "buckets": "64x64"}))
+
+
+def test_bucketed_rows_are_captioned_in_every_bucket(bucketed, manifest):
+    """--recaption over buckets: every written row of every bucket gets the captioner's caption of its own
+    bucket-shaped crop, in its bucket's shards."""
+    from streaming import StreamingDataset
+    out, summary = bucketed
+    info = schema.DatasetInfo.load(out)
+    captions = {}
+    for b in info.buckets:
+        if b["count"]:
+            ds = StreamingDataset(local=os.path.join(out, b["name"]), shuffle=False, batch_size=1)
+            rows = [ds[i] for i in range(ds.num_samples)]
+            captions.update((row[schema.KEY], row[schema.caption_columns("blip")[0]]) for row in rows)
+            assert len(rows) == len({row[schema.KEY] for row in rows}), "a row was written twice"
+    assert summary.written == len(captions) == manifest["good"]
+    assert sum(1 for b in info.buckets if b["count"]) > 1
+    assert all(isinstance(c, str) and len(c.split()) == RECAPTION_TOKENS for c in captions.values())
+    assert info.captions == [schema.CAPTION, "recap", "blip"] and info.empty_captions["blip"] == 0

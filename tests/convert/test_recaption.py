@@ -1,5 +1,5 @@
 """--recaption: an image-to-text model writes a new caption column (issue 27 item 3), on the tiny kit's
-random BLIP captioner over a small sample."""
+random BLIP captioner over a small sample. (Over buckets: test_buckets.py's bucketed conversion captions too.)"""
 
 import functools
 import json
@@ -176,18 +176,6 @@ def test_crops_of_bucketed_rows_caption_as_the_same_arrays(tiny_captioner):
     text = schema.caption_columns("blip")[0]
     assert list(out[text]) == captioner.caption(crops) and all(out[text])
     assert set(out) >= set(batch)
-
-
-def test_bucketed_rows_are_captioned_in_every_bucket(recaption_config, small_sample, tmp_path):
-    out = tmp_path / "bucketed"
-    summary = run_conversion(recaption_config(out, buckets="48x80,64x64,80x48", recaption_column="blip"))
-    info = schema.DatasetInfo.load(out)
-    captions = {}
-    for bucket in info.buckets:
-        if bucket["count"]:
-            captions.update(_captions(out / bucket["name"], name="blip"))
-    assert summary.written == len(captions) == small_sample[1]["good"]
-    assert sum(1 for b in info.buckets if b["count"]) > 1 and all(captions.values())
 
 
 @pytest.mark.parametrize("column", [schema.CAPTION, "recap", "re-cap", ""])
