@@ -268,10 +268,21 @@ def test_visualize_writes_crops_beside_decodings(converted):
 
 
 @pytest.fixture(scope="module")
-def stopped_at_40(convert_config, ray_local, tmp_path_factory):
-    """(output dir, summary) of the "crash": a conversion stopped after 40 rows."""
+def stopped_part_way(converted, tmp_path_factory):
+    """(output dir, its counts) of the "crash": a copy of the clean output less its largest part, its index.json
+    and dataset.json (a write task killed before it committed that part; one conversion fewer than a run
+    stopped part-way, which test_colliding_names_... and test_where_and_dedupe.py resume from)."""
+    import shutil
+    from diffusion.convert.sink import KEYS_RECORD
+    from diffusion.convert.summary import summarize
     out = tmp_path_factory.mktemp("stopped") / "mds"
-    return out, run_conversion(convert_config(out, limit=40))
+    shutil.copytree(converted[0], out)
+    parts = sorted(out.glob("part-*"))
+    assert len(parts) > 1, "the clean output is one part: losing it leaves nothing to resume"
+    shutil.rmtree(max(parts, key=lambda p: len(json.loads((p / KEYS_RECORD).read_text()))))
+    for made_at_the_end in (out / "index.json", out / schema.DATASET_JSON):  # never made by the killed run
+        made_at_the_end.unlink()
+    return out, summarize(str(out))
 
 
 def _copy_of(stopped, where):
@@ -281,13 +292,13 @@ def _copy_of(stopped, where):
 
 
 @pytest.fixture(scope="module")
-def resumed_from_40(convert_config, stopped_at_40, tmp_path_factory):
-    """A copy of the 40-row "crash" as a killed run leaves it at its worst, resumed once (one conversion for
+def resumed_from_crash(convert_config, stopped_part_way, tmp_path_factory):
+    """A copy of the "crash" as a killed run leaves it at its worst, resumed once (one conversion for
     both resume tests: fresh Ray actors and their imports are most of one): a write task killed mid-part left
     a half-written temporary part, and the output is of the old records layout (written before the records
     were .jsonl), killed again while a re-run was renaming its records. (output dir, its parts before the
     re-run, the stale part, the re-run's summary.)"""
-    out = _copy_of(stopped_at_40[0], tmp_path_factory.mktemp("resumed") / "mds")
+    out = _copy_of(stopped_part_way[0], tmp_path_factory.mktemp("resumed") / "mds")
     parts = sorted(p.name for p in out.glob("part-*"))
     to_old_layout(out, half_done_part=parts[0])
     assert (out / parts[-1] / "keys.json").exists() and sorted((out / "rejects").glob("*.json"))
@@ -298,10 +309,10 @@ def resumed_from_40(convert_config, stopped_at_40, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_equals_a_clean_run(converted, manifest, stopped_at_40, resumed_from_40):
+def test_kill_and_resume_equals_a_clean_run(converted, manifest, stopped_part_way, resumed_from_crash):
     clean = sorted(s[schema.KEY] for s in _read_back(converted[0]))
-    out, _, stale, second = resumed_from_40
-    first = stopped_at_40[1]  # the "crash": stopped after 40 rows
+    out, _, stale, second = resumed_from_crash
+    first = stopped_part_way[1]  # the "crash": a part lost
     assert 0 < first.written < manifest["good"]
     keys = [s[schema.KEY] for s in _read_back(out)]
     assert sorted(keys) == clean and len(keys) == len(set(keys))
@@ -327,14 +338,14 @@ def test_streamings_merge_index_on_the_output_root_gives_every_sample(converted,
 
 
 @pytest.mark.slow
-def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, manifest, stopped_at_40,
-                                                                     resumed_from_40):
+def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, manifest, stopped_part_way,
+                                                                     resumed_from_crash):
     """An output written before the records were .jsonl (killed part-way, and killed again while a
     re-run was renaming its records) finishes like a clean run, keeps what it had, and ends in the
     layout streaming's merge_index reads."""
     from streaming.base.util import merge_index
-    out, parts, _, second = resumed_from_40
-    first = stopped_at_40[1]
+    out, parts, _, second = resumed_from_crash
+    first = stopped_part_way[1]
     keys = [s[schema.KEY] for s in _read_back(out)]
     assert sorted(keys) == sorted(s[schema.KEY] for s in _read_back(converted[0])) and len(keys) == len(set(keys))
     assert second.written == manifest["good"] and second.rejects == converted[1].rejects
@@ -350,15 +361,23 @@ def test_an_output_of_the_old_layout_resumes_and_ends_in_the_new_one(converted, 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag, value, setting", [("--resolutions", "32", "resolutions"),
                                                   ("--min-size", "80", "min_size"), ("--text", "ids", "text")])
-def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit,
+def test_rerun_with_other_settings_is_refused_and_changes_nothing(converted, sample_data, tiny_kit, capsys,
                                                                  flag, value, setting):
     out, _ = converted
     before = _snapshot(out)
-    result = _convert_cli("--input", sample_data, "--output", out, "--model", tiny_kit,
-                          "--resolutions", "32", "64", flag, value)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert out in result.stderr and setting in result.stderr and "new --output" in result.stderr
+    argv = ["--input", sample_data, "--output", out, "--model", tiny_kit, "--resolutions", "32", "64", flag, value]
+    if flag == "--resolutions":  # the real command: its exit status and stderr
+        result = _convert_cli(*argv)
+        status, stderr = result.returncode, result.stderr
+    else:  # the same cli.run the command calls, in this process (a process start each is most of the test)
+        from diffusion import cli
+        from diffusion.convert.command import main
+        with pytest.raises(SystemExit) as exited:
+            cli.run(main, "laion_to_mds", ["--no-progress", *argv])
+        status, stderr = exited.value.code, capsys.readouterr().err
+    assert status != 0 and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert out in stderr and setting in stderr and "new --output" in stderr
     assert _snapshot(out) == before  # dataset.json, index and parts untouched
 
 
@@ -543,23 +562,20 @@ def test_transform_actors_tokenize_without_torch_and_as_the_driver_does(tiny_kit
     from diffusion.models.tokens import tokenize
 
     @ray_local.remote(num_cpus=0.1)
-    class Transform:
-        def __init__(self, model):
-            self.transform = ImageCaptionTransform(model, [32])
-
-        def tokenize(self, captions):
+    class Transform:  # one actor process for both kits: a process start is most of this test
+        def tokenize(self, model, captions):
             import sys
-            return self.transform.tokenize(captions), "torch" in sys.modules
+            return ImageCaptionTransform(model, [32]).tokenize(captions), "torch" in sys.modules
 
     captions = ["a red circle", "Crème brûlée on a café table 🍰", "  two\tspaces ", "word " * 100]
+    actor = Transform.remote()
     for kit in (tiny_kit, tiny_t5_kit):
-        actor = Transform.remote(kit)
-        (ids, counts), torch_loaded = ray_local.get(actor.tokenize.remote(captions))
-        ray_local.kill(actor)
+        (ids, counts), torch_loaded = ray_local.get(actor.tokenize.remote(kit, captions))
         assert not torch_loaded, kit
         expected_ids, expected_counts = tokenize(load_tokenizer(kit), captions)
         np.testing.assert_array_equal(ids, expected_ids)
         np.testing.assert_array_equal(counts, expected_counts)
+    ray_local.kill(actor)
 
 
 def test_cli_folder_without_images_lists_the_layouts_looked_for(tiny_kit, tmp_path):
