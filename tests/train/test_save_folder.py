@@ -1,6 +1,6 @@
-"""The save folder under crashes and collisions (issue 24 items 3 and 4), with real training processes where the
-process is the point (the run killed mid-save, the run resuming after it) and run.py's own entry in the test's
-process for the others:
+"""The save folder under crashes and collisions (issue 24 items 3 and 4), with a real training process where the
+process is the point (the run killed mid-save) and run.py's own entry in the test's process for the others (the
+run resuming after it takes over the dead process's lock all the same):
 
 - a second run into a live run's ``trainer.save_folder`` is refused at start, naming the folder and the run;
 - a run killed (SIGKILL) in the middle of writing a checkpoint leaves no cut file under a checkpoint's
@@ -62,13 +62,6 @@ def _args(kit, mds, folder, batches, *extra):
                                   extra=("trainer.save_interval=2ba", "algorithms={}", *extra))]
 
 
-def _run(args, timeout=300):
-    """``python run.py ARGS`` as its own process."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def _run_here(capfd, args):
     """run.py ARGS in this process (train_fixtures.run_py_here), for runs whose point is the save folder, not the
     process."""
@@ -122,7 +115,7 @@ def test_a_second_run_is_refused_and_a_run_killed_mid_save_resumes_past_its_cut_
     assert is_complete(str(folder / "ep0-ba2-rank0.pt"))
     kept = os.stat(folder / "ep0-ba2-rank0.pt")
 
-    again = _run(_args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
+    again = _run_here(capfd, _args(train_kit, mds, folder, 6, "trainer.autoresume=true"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"taking over the lock of pid {first.pid}" in again.stderr and "which exited" in again.stderr
     assert "a checkpoint write that never finished" in again.stderr
