@@ -5,25 +5,44 @@ with text storage ``ids``, the token ids passed through and no text encoder run 
 actor). It runs on CUDA in bf16 (fp16 where bf16 is unsupported) when a GPU is visible, else on CPU in
 fp32. Images arrive as uint8 and are scaled to [-1, 1] here, right next to the VAE, so no float copy of
 an image ever crosses a stage boundary.
+
+torch is imported where a model runs, not with the module: Ray Data's coordinating actors (Ray Train's
+DatasetManager, the stream's SplitCoordinator) unpickle a pipeline naming :class:`LatentTextEncoder` and
+so import this module, and would otherwise each load torch for nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from diffusion import schema
 from diffusion.convert.curate import CURATED_COLUMNS  # --embed's columns, carried through as they came
 from diffusion.models import loading
 from diffusion.models.text_encoder import attention_mask, text_probe, tokenize
 
+if TYPE_CHECKING:
+    import torch
+
 STAGE_SECONDS = "_encode_seconds"  # per-row share of the batch's wall time, when timing is on
+
+
+def _inference_mode(method):
+    """``torch.inference_mode()`` around each call of ``method``, torch imported at the call."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        import torch
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+    return run
 
 
 def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
     """CUDA with bf16 (or fp16) when available, else CPU with fp32."""
+    import torch
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         return device, torch.float32
@@ -32,6 +51,7 @@ def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torc
 
 def normalize_images(images: np.ndarray, device, dtype) -> torch.Tensor:
     """uint8 (B, H, W, 3) -> float (B, 3, H, W) in [-1, 1], converted on the device."""
+    import torch
     x = torch.from_numpy(np.ascontiguousarray(images)).to(device, non_blocking=True)
     return x.permute(0, 3, 1, 2).to(dtype).div(127.5).sub(1.0)
 
@@ -52,10 +72,11 @@ class TextEncoder:
         self.takes_mask = loading.sequence_reads_mask(model, self.kind)
         self.text_length = int(text_length)
 
-    @torch.inference_mode()
+    @_inference_mode
     def encode_ids(self, input_ids: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
         if len(input_ids) == 0:
             return np.zeros((0, self.text_length, self.dim), np.float16)
+        import torch
         ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
         mask = None
         if self.takes_mask:
@@ -81,12 +102,13 @@ class PooledTextEncoder:
         stated = self.tokenizer.model_max_length
         self.length = int(stated) if stated and stated < 10 ** 6 else schema.MAX_TOKENS  # FluxPipeline's 77 where none
 
-    @torch.inference_mode()
+    @_inference_mode
     def encode_captions(self, captions) -> np.ndarray:
         """(B, P) float16: the captions' pooled vectors."""
         captions = [str(c) for c in captions]
         if not captions:
             return np.zeros((0, self.dim), np.float16)
+        import torch
         ids, _ = tokenize(self.tokenizer, captions, self.length)
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         return self.model(ids).pooler_output.to(torch.float16).cpu().numpy()
@@ -104,9 +126,10 @@ class VaeEncoder:
         self.downsample = self.space.downsample
         self.scaling_factor = self.space.scaling_factor
 
-    @torch.inference_mode()
+    @_inference_mode
     def moments(self, images: np.ndarray) -> np.ndarray:
         """(B, 2C or C, H/f, W/f) float16: the stored column of uint8 (B, H, W, 3) crops."""
+        import torch
         if len(images) == 0:
             h, w = np.asarray(images).shape[1:3]
             return np.zeros((0, self.space.stored_channels, h // self.downsample, w // self.downsample), np.float16)
@@ -116,9 +139,10 @@ class VaeEncoder:
         posterior = encoded.latent_dist
         return torch.cat([posterior.mean, posterior.logvar], dim=1).to(torch.float16).cpu().numpy()
 
-    @torch.inference_mode()
+    @_inference_mode
     def decode_mean(self, moments: np.ndarray) -> np.ndarray:
         """uint8 (B, H, W, 3) images decoded from the posterior means, or the latents (for previews)."""
+        import torch
         mean = torch.as_tensor(np.asarray(moments)[:, : self.space.channels], device=self.device)
         x = self.model.decode(mean.to(self.dtype)).sample.float().clamp(-1, 1)
         return ((x + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
@@ -131,6 +155,7 @@ class LatentTextEncoder:
                  record_timing: bool = False, text: str = schema.TEXT_EMBEDS_ONLY, captions=(),
                  text_length: int = schema.MAX_TOKENS):
         if cpu_threads:  # an actor holding a fraction of a CPU must not spawn one thread per core
+            import torch
             torch.set_num_threads(max(1, int(cpu_threads)))
         self.vae = VaeEncoder(model, device)
         self.text_columns = schema.text_columns(text)

@@ -11,20 +11,27 @@ trained, so it stays out of the optimizer, the EMA, the checkpoints (it is loade
 reference) and FSDP's wrapping, and each rank holds a whole copy (OpenCLIP-H's text encoder is ≈0.7 GB
 in bf16). It times itself, so a run can show the text encoder's share of step time
 (:class:`diffusion.train.callbacks.text_encoder_share.TextEncoderShare`).
+
+torch is imported where a function needs it, not with the module: the converter's encoder module imports
+this one, and Ray Data's coordinating actors that unpickle a pipeline naming the encoder would otherwise each
+load torch for nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from diffusion import schema
 from diffusion.errors import DatasetMismatchError, ModelReferenceError
 from diffusion.models import loading
 from diffusion.models.tokens import tokenize  # noqa: F401 (torch-free, for the converter's transform actors)
+
+if TYPE_CHECKING:
+    import torch
 
 # Largest difference allowed between the dataset's empty-caption embedding and this encoder's, relative
 # to the embedding's largest magnitude: float16 rounding and another summation order stay far below it,
@@ -44,6 +51,7 @@ PROBE_CAPTIONS = ("a red bicycle leaning against a brick wall at noon",
 
 def attention_mask(counts: torch.Tensor, length: int) -> torch.Tensor:
     """(B, length) bool, True on each caption's tokens: from the token counts :func:`tokenize` gives."""
+    import torch
     return torch.arange(int(length), device=counts.device)[None, :] < counts.to(torch.long)[:, None]
 
 
@@ -52,6 +60,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     float32 (its shape and values), in the order the model registers them, a tensor equal to an earlier
     one (a tied embedding) once. Names are left out, so a transformers release that renames a module
     still gives the same fingerprint; any changed value gives another."""
+    import torch
     total, seen = hashlib.sha256(), set()
     for parameter in model.parameters():
         values = parameter.detach().to("cpu", torch.float32).contiguous().numpy()
@@ -71,6 +80,7 @@ def text_probe(tokenizer, encode_ids, length: int = schema.MAX_TOKENS, model: to
     default the ``model`` of the object whose method ``encode_ids`` is, as a converter's ``TextEncoder``),
     :func:`weights_fingerprint`: the probe captions alone miss an encoder that differs only on words
     they do not hold."""
+    import torch
     ids, counts = tokenize(tokenizer, PROBE_CAPTIONS, length)
     means = np.asarray(encode_ids(ids, counts), dtype=np.float32).mean(axis=1)
     probe = {"captions": list(PROBE_CAPTIONS), "input_ids": ids.tolist(), "text_tokens": counts.tolist(),
@@ -84,6 +94,7 @@ def text_probe(tokenizer, encode_ids, length: int = schema.MAX_TOKENS, model: to
 def _probe_difference(encoder: "FrozenTextEncoder", probe: dict) -> float:
     """Largest difference between the probe's recorded mean embeddings and ``encoder``'s, relative to the
     recorded ones' largest magnitude (inf where the shapes differ)."""
+    import torch
     ids = torch.as_tensor(np.asarray(probe["input_ids"], dtype=np.int64))
     counts = probe.get("text_tokens")  # absent in probes recorded before token counts: CLIP's, maskless
     counts = torch.as_tensor(counts) if counts is not None else None
@@ -97,6 +108,23 @@ def _probe_difference(encoder: "FrozenTextEncoder", probe: dict) -> float:
 def empty_caption_ids(tokenizer, length: int = schema.MAX_TOKENS) -> np.ndarray:
     """The token ids of "" (int32, ``length``): what caption dropout substitutes in a batch of ids."""
     return tokenize(tokenizer, [""], length)[0][0]
+
+
+class _Eager:
+    """``torch.compiler.disable`` on a method, applied at the method's first lookup (torch is loaded by then:
+    the instance holds a torch model); the disabled method then replaces this wrapper in the class."""
+
+    def __init__(self, method):
+        self.method = method
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, instance, owner):
+        import torch
+        disabled = torch.compiler.disable(self.method)
+        setattr(owner, self.name, disabled)
+        return disabled if instance is None else disabled.__get__(instance, owner)
 
 
 class FrozenTextEncoder:
@@ -123,8 +151,9 @@ class FrozenTextEncoder:
             return
         self.model.to(device=device, dtype=encoding_dtype(device.type))
 
-    @torch.compiler.disable  # eager, timed; under trainer.compile the UNet's graph takes the embeddings as input
+    @_Eager  # eager, timed; under trainer.compile the UNet's graph takes the embeddings as input
     def __call__(self, input_ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
         self._on(input_ids.device)
         mask = None
         if self.takes_mask:
@@ -160,6 +189,7 @@ class FrozenTextEncoder:
 def encoding_dtype(device_type: str) -> torch.dtype:
     """The dtype a frozen encoder encodes in on ``device_type``: bf16 on CUDA (fp16 where bf16 is unsupported),
     float32 elsewhere."""
+    import torch
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
@@ -181,6 +211,7 @@ def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_
     false (every local rank but 0, which checks the same files): loaded straight in ``dtype``, only width and
     vocabulary checked, so a node holds one float32 copy (a T5-XXL is ~19 GB in float32), not one per rank;
     true: loaded in float32 for the embedding and weight checks, then cast to ``dtype``."""
+    import torch
     where = f" ({where})" if where else ""
     dataset = f"dataset {dataset}" if dataset else "the dataset"
     try:
