@@ -1,8 +1,9 @@
-"""Online mode: raw sample data → transform → encode → 2 Ray Train workers running the Composer trainer.
+"""Online mode: raw sample data → transform → encode → Ray Train workers running the Composer trainer.
 
-The slow tests run the whole thing on the local 2-CPU Ray with the tiny kit: the loss falls, bad rows
-are counted like the converter counts them, the checkpoint continues offline in ``run.py``'s trainer,
-and a worker killed mid-run is restarted and training still reaches ``max_duration``.
+The slow tests run the whole thing on the local 2-CPU Ray with the tiny kits: the loss falls, bad rows
+are counted like the converter counts them, the checkpoint continues offline in ``run.py``'s trainer
+(one worker), and of two workers one killed mid-run is restarted with the other and training still
+reaches ``max_duration``.
 """
 
 import json
@@ -262,7 +263,9 @@ def test_a_rerun_that_cannot_be_told_finished_from_names_starts_as_usual(change,
 def test_online_training_learns_counts_rejects_and_continues_offline(tiny_kit, sample_data, ray_local, tmp_path):
     # One checkpoint, the run's last (Composer saves at max_duration whatever the interval): the two periodic
     # saves of the 2ba default held 2 of its 6 batches' ~1.3 s gaps each at ~4 s and nothing here reads them.
-    result = run_online(online_config(tiny_kit, sample_data, tmp_path, "trainer.save_interval=6ba"))
+    # One training worker, with the whole batch of 8: two ranks splitting the stream are the killed-worker test's.
+    result = run_online(online_config(tiny_kit, sample_data, tmp_path, "trainer.save_interval=6ba",
+                                      "data.online.num_train_workers=1"))
     assert result.batch == 6 and result.resumed_from == 0
     losses = [loss for _, loss in result.losses]
     assert [b for b, _ in result.losses] == list(range(1, 7))
