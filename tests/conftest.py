@@ -46,9 +46,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # two-rank runs, test_fsdp.py test_multiprocess.py's), collected first: `make test`'s workers
 # (--no-loadscope-reorder keeps this order) take them first and the short files fill in beside them, instead of
 # a long one ending the suite alone.
-LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test_pipeline.py", "test_fsdp_mmdit.py",
-                 "test_fsdp.py", "test_recaption.py", "test_demo_buckets.py", "test_fsdp_hybrid.py", "test_multinode.py",
-                 "test_full_disk.py", "test_ray_cluster.py", "test_sharded_checkpoints.py", "test_where_and_dedupe.py",
+LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test_pipeline.py", "test_fsdp.py",
+                 "test_fsdp_mmdit.py", "test_recaption.py", "test_demo_buckets.py", "test_fsdp_hybrid.py", "test_multinode.py",
+                 "test_full_disk.py", "test_ray_cluster.py", "test_where_and_dedupe.py",
                  "test_save_folder.py", "test_buckets.py", "test_posthoc_ema.py", "test_streams.py", "test_hostile.py")
 
 
