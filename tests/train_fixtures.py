@@ -243,19 +243,109 @@ class OpensWhenUnpickled:
 
 
 def launch_composer(script_path, script: str, args: list[str], *, port: int | None = None, env: dict | None = None,
-                    processes: int = 2, timeout: float = 600):
-    """Write ``script`` to ``script_path`` and run it under ``composer -n processes`` from the repository root
-    (one thread per rank, the repository importable), on a master port from the OS unless ``port`` is given,
-    in a process group killed whole on a timeout or an interrupt; returns the ``subprocess.CompletedProcess``."""
+                    processes: int = 2, timeout: float = 600, launcher: str = "composer"):
+    """Write ``script`` to ``script_path`` and run it on ``processes`` ranks from the repository root (one thread per
+    rank, the repository importable), on a master port from the OS unless ``port`` is given, in process groups
+    killed whole on a timeout or an interrupt; returns the ``subprocess.CompletedProcess`` (its stdout and stderr
+    those of the launch: rank 0's, and a failed rank's output after it, as Composer's launcher prints them).
+
+    ``launcher``: "composer" runs ``composer -n processes`` (Composer's launcher, for tests of the command a user
+    runs); "plain" starts the ranks directly (:func:`launch_ranks`), sparing the launcher's own process, which
+    imports Composer (~15 CPU-s) only to start them. The plain launch is enough for a harness script: its ranks
+    are real processes with the environment Composer's launcher gives each one, and the launcher itself is
+    exercised by the launches of run.py (tests/train/test_fsdp.py, tests/train/test_multinode.py)."""
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(script_path, "w") as f:
         f.write(script)
-    composer = os.path.join(os.path.dirname(sys.executable), "composer")
     full_env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
     port = free_port() if port is None else port
+    if launcher == "plain":
+        return launch_ranks([sys.executable, str(script_path), *args], processes=processes, port=port,
+                            timeout=timeout, cwd=root, env=full_env)
+    assert launcher == "composer", launcher
+    composer = os.path.join(os.path.dirname(sys.executable), "composer")
     return run_group([composer, "-n", str(processes), "--master_port", str(port), str(script_path), *args],
                      cwd=root, env=full_env, timeout=timeout)
+
+
+# How long ranks still running when another fails have, after SIGTERM, before SIGKILL (Composer's launcher: 30 s).
+RANK_CLEANUP_SECONDS = 30
+
+
+def launch_ranks(command: list[str], *, processes: int, port: int, timeout: float, cwd: str, env: dict):
+    """Start ``command`` as ranks 0..processes-1 of one node, each with the variables Composer's launcher
+    (composer/cli/launcher.py) sets for a rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
+    MASTER_ADDR (127.0.0.1) and MASTER_PORT (``port``), PYTHONUNBUFFERED=1 and TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
+    over ``env`` and what importing Composer adds to the launcher's environment. Waits for every rank; when one
+    fails, the others get SIGTERM and, still running 30 s later, SIGKILL (as Composer's launcher does). Each rank
+    is a process group of its own, killed whole on a timeout or an interrupt, and after the launch (whatever a
+    rank left running). Returns a ``subprocess.CompletedProcess``: the exit status of the first rank in rank order
+    that failed (not killed here; 0 when all succeeded), rank 0's stdout and stderr, and after rank 0's stdout
+    each failed rank's exit status and (ranks above 0) output, as the launcher prints them."""
+    import contextlib
+    import signal
+    import subprocess
+    import tempfile
+    import time
+    # Composer's launcher expands ``$VAR`` and ``~`` in each argument with the rank's variables; ours carry none.
+    assert not any("$" in arg or arg.startswith("~") for arg in command[2:]), command
+    # The launcher's own environment after it imported Composer, which the ranks inherit: joblib and scikit-learn
+    # (imported with Composer) set these two where unset, as each rank's own import of Composer then does.
+    inherited = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE", **env}
+    ranks, logs, timed_out = [], [], False
+
+    def read(rank, stream):
+        logs[rank][stream].seek(0)
+        return logs[rank][stream].read()
+
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
+        try:
+            for rank in range(processes):
+                logs.append([files.enter_context(open(os.path.join(folder, f"rank{rank}.{name}.txt"), "w+"))
+                             for name in ("stdout", "stderr")])
+                rank_env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(processes), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(processes), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), PYTHONUNBUFFERED="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+                ranks.append(subprocess.Popen(command, stdout=logs[rank][0], stderr=logs[rank][1], cwd=cwd,
+                                              env=rank_env, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            # until every rank has exited, or one has failed (each polled every time)
+            while None in (codes := [p.poll() for p in ranks]) and not any(codes):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.1)
+            else:
+                if any(p.returncode is None for p in ranks):  # a rank failed: stop the others
+                    for process in ranks:
+                        if process.poll() is None:
+                            process.send_signal(signal.SIGTERM)
+                    cleanup = time.monotonic() + RANK_CLEANUP_SECONDS
+                    while any(p.poll() is None for p in ranks) and time.monotonic() < cleanup:
+                        time.sleep(0.1)
+        finally:  # whatever is left of each rank's group (all of it on a timeout or an interrupt)
+            for process in ranks:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        if timed_out:
+            raise subprocess.TimeoutExpired(command, timeout, read(0, 0), read(0, 1))
+        stdout = [read(0, 0)]
+        for rank, process in enumerate(ranks):
+            if process.returncode != 0 and -process.returncode not in (signal.SIGKILL, signal.SIGTERM):
+                stdout.append(f"Global rank {rank} (PID {process.pid}) exited with code {process.returncode}")
+                if rank:
+                    stdout += [f"----------Begin global rank {rank} STDOUT----------", read(rank, 0),
+                               f"----------End global rank {rank} STDOUT----------",
+                               f"----------Begin global rank {rank} STDERR----------", read(rank, 1),
+                               f"----------End global rank {rank} STDERR----------"]
+        stderr = read(0, 1)
+    failed = [p.returncode for p in ranks if p.returncode and -p.returncode not in (signal.SIGKILL, signal.SIGTERM)]
+    returncode = next(iter(failed), next((p.returncode for p in ranks if p.returncode), 0))
+    return subprocess.CompletedProcess(command, returncode, "\n".join(stdout), stderr)
 
 
 def run_py_here(capfd, *args):

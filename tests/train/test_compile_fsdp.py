@@ -179,7 +179,8 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
                                                               "trainer.device_train_microbatch_size=4",
                                                               "trainer.max_duration=2ba", "trainer.eval_interval=1ba"]})
     result = launch_composer(tmp_path / "harness.py", HARNESS, ["yamls/tiny-cpu.yaml", *common],
-                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)}, timeout=1500)
+                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)}, timeout=1500,
+                             launcher="plain")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     blocks = unet_blocks(train_kit)
     for version in (1, 2):

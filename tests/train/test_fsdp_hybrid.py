@@ -1,7 +1,7 @@
-"""Hybrid sharding on CPU (`composer -n 4`, gloo), in one launch: four ranks as a (replicate 2, shard 2) mesh
-from the YAML's Composer keys, under FSDP1 (HYBRID_SHARD) and FSDP2 (a 2-D mesh), train the weights one process
-trains on the same global batches, with the gradient clipped by the whole gradient's norm; the FSDP2 run's checkpoint
-after batch 1, resumed, ends as the straight run."""
+"""Hybrid sharding on CPU (gloo), in one launch of 4 ranks as `composer -n 4` starts them: a (replicate 2, shard 2)
+mesh from the YAML's Composer keys, under FSDP1 (HYBRID_SHARD) and FSDP2 (a 2-D mesh), train the weights one
+process trains on the same global batches, with the gradient clipped by the whole gradient's norm; the FSDP2
+run's checkpoint after batch 1, resumed, ends as the straight run."""
 
 import json
 import time
@@ -73,7 +73,8 @@ def test_four_ranks_as_two_by_two_hybrid_fsdp1_and_fsdp2_train_as_one_process_an
     for variant in variants:
         variant["blocks"] = ["JointTransformerBlock"]
     result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS + EXIT_STAMP, [YAML, *common],
-                             processes=4, env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
+                             processes=4, launcher="plain",
+                             env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     returned = time.time()
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     # the launch returns when its ranks are done, not a collective's timeout (300 s) later

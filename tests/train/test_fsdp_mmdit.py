@@ -1,11 +1,11 @@
-"""The MMDiT under real FSDP on CPU (`composer -n 2`, gloo), in one launch: each joint transformer block is
-its own FSDP unit (FSDP1 and FSDP2), and two ranks with EMA and microbatches train, with rectified flow, the
-weights and EMA one process trains on the same global batches; with ``model.repa`` too (FSDP1 and FSDP2),
-through the switch-off batch, with gradient clipping (one global norm over the denoiser and the projector),
-and a run resumed from a checkpoint before it ends as the straight one; FSDP2 sharded checkpoints with the
-EMA's shards beside the weights' resume the EMA exactly.
+"""The MMDiT under real FSDP on CPU (gloo), in one launch of 2 ranks as `composer -n 2` starts them: each joint
+transformer block is its own FSDP unit (FSDP1 and FSDP2), and two ranks with EMA and microbatches train, with
+rectified flow, the weights and EMA one process trains on the same global batches; with ``model.repa`` too (FSDP1
+and FSDP2), through the switch-off batch, with gradient clipping (one global norm over the denoiser and the
+projector), and a run resumed from a checkpoint before it ends as the straight one; FSDP2 sharded checkpoints
+with the EMA's shards beside the weights' resume the EMA exactly.
 
-The same launch (a launch is mostly start-up: three processes importing torch and Composer) also trains, on the
+The same launch (a launch is mostly start-up: two processes importing torch and Composer) also trains, on the
 same YAML: Flux's and SANA's transformers under FSDP1 and FSDP2 (each block its own unit), Muon under two DDP
 ranks (tests/train/test_optimizers.py's optimizer), and post-hoc EMA under FSDP1 and FSDP2
 (tests/train/algorithms/test_posthoc_ema.py's algorithm): each against one process training the same batches."""
@@ -32,7 +32,7 @@ KITS = {"tiny_flux_kit": (["FluxTransformerBlock", "FluxSingleTransformerBlock"]
 
 @pytest.fixture(scope="module")
 def launch(mmdit_train_kit, request, tmp_path_factory):
-    """The file's one ``composer -n 2`` launch of FSDP_VARIANTS_HARNESS, every test's variants in turn (the base
+    """The file's one two-rank launch of FSDP_VARIANTS_HARNESS, every test's variants in turn (the base
     arguments are the YAML alone: each variant carries its test's overrides); returns {"tmp": the record folder,
     "result": the launch's CompletedProcess, and each test's own entries}."""
     from diffusion.kit.encoder_fit import TINY_ENCODER_ASSET
@@ -121,7 +121,7 @@ def launch(mmdit_train_kit, request, tmp_path_factory):
                          "overrides": [*out["posthoc"], *fsdp, f"trainer.save_folder={resumed}",
                                        "trainer.autoresume=true"]})
 
-    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML], timeout=1500,
+    result = launch_composer(tmp_path / "harness.py", FSDP_VARIANTS_HARNESS, [YAML], timeout=1500, launcher="plain",
                              env={"RECORD_DIR": str(tmp_path), "VARIANTS": json.dumps(variants)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out["result"] = result
@@ -215,7 +215,7 @@ def test_two_ranks_train_with_muon_as_one_process(launch):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_two_fsdp_ranks_snapshot_what_one_process_averages_and_resume_exactly(launch):
-    """Post-hoc EMA (tests/train/algorithms/test_posthoc_ema.py) under `composer -n 2`: under FSDP1 (full state
+    """Post-hoc EMA (tests/train/algorithms/test_posthoc_ema.py) under two ranks: under FSDP1 (full state
     dicts: the EMA's gather) and FSDP2 (DTensors, sharded checkpoints), rank 0 writes the snapshots of the whole
     weights one process averages; an FSDP1 run killed after batch 2 and resumed (the profiles scattered back into
     the shards) writes the same snapshots, and so does an FSDP2 one (each rank's profile shards saved beside its
