@@ -1,5 +1,6 @@
 """Session-wide fixtures: the tiny model kit (built once, cached under .cache/), sample data, Ray."""
 
+import functools
 import os
 import pathlib
 
@@ -60,6 +61,7 @@ RAY_FOLDERS = ("convert", "download")
 RAY_GROUP = "ray"
 
 
+@functools.lru_cache(maxsize=None)
 def uses_ray(path: pathlib.Path) -> bool:
     """Whether the test file at ``path`` belongs to the Ray group (decided from the file alone: xdist's
     controller, which assigns the files to workers, sees no fixtures)."""
@@ -73,8 +75,7 @@ def _order(item) -> tuple:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    cache = {}
-    items.sort(key=lambda item: cache.setdefault(item.path, _order(item)))  # stable: ties keep their order
+    items.sort(key=_order)  # stable: ties keep their order
     using = [item for item in items if "ray_local" in item.fixturenames]
     if using:
         using[-1].stash[_LAST_RAY_TEST] = True

@@ -201,7 +201,7 @@ class ClipEmbedder:
     def __init__(self, ref: str, device=None):
         import torch
         from transformers import AutoModel, AutoTokenizer
-        from diffusion.convert.encoders import pick_device_and_dtype
+        from diffusion.models.text_encoder import pick_device_and_dtype
         path, self.width = check_embedder(ref)
         self.device, self.dtype = pick_device_and_dtype(device)
         self.model = AutoModel.from_pretrained(path, dtype=self.dtype, use_safetensors=True).to(self.device).eval()

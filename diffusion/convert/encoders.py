@@ -22,7 +22,7 @@ import numpy as np
 from diffusion import schema
 from diffusion.convert.curate import CURATED_COLUMNS  # --embed's columns, carried through as they came
 from diffusion.models import loading
-from diffusion.models.text_encoder import attention_mask, text_probe, tokenize
+from diffusion.models.text_encoder import attention_mask, pick_device_and_dtype, text_probe, tokenize
 
 if TYPE_CHECKING:
     import torch
@@ -38,15 +38,6 @@ def _inference_mode(method):
         with torch.inference_mode():
             return method(*args, **kwargs)
     return run
-
-
-def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """CUDA with bf16 (or fp16) when available, else CPU with fp32."""
-    import torch
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda":
-        return device, torch.float32
-    return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def normalize_images(images: np.ndarray, device, dtype) -> torch.Tensor:

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from diffusion import schema
-from diffusion.convert.encoders import pick_device_and_dtype
 from diffusion.convert.settings import MAX_NEW_TOKENS
 from diffusion.errors import ModelReferenceError
 from diffusion.models import loading
-from diffusion.models.text_encoder import tokenize
+from diffusion.models.text_encoder import pick_device_and_dtype, tokenize
 
 STAGE_SECONDS = "_recaption_seconds"  # per-row share of the batch's wall time, when timing is on
 

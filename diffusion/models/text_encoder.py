@@ -195,6 +195,14 @@ def encoding_dtype(device_type: str) -> torch.dtype:
     return torch.float32
 
 
+def pick_device_and_dtype(device: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """Where a frozen model encodes (``device``, else CUDA when visible, else CPU) and its :func:`encoding_dtype`:
+    the converter's encoders, captioner and curation tower."""
+    import torch
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, encoding_dtype(device.type)
+
+
 def load_frozen_text_encoder(ref: str, *, text_dim: int, empty_input_ids, empty_text_embeds=None,
                              probe: dict | None = None, where: str = "", empty_tokens: int | None = None,
                              dataset: str = "", dtype: torch.dtype | None = None,
