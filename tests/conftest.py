@@ -218,7 +218,7 @@ def _start_ray():
     # (RAY_ADDRESS) assert on their own output, yet over the Ray group's ~20 minutes and hundreds of worker
     # logs the monitor used ~65 CPU-s, the most of any Ray process of its own (BENCHMARKS, session 23's census).
     # `ray start --include-log-monitor=false` is the same; ray.init has no such argument.
-    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
     if node is not None and hasattr(node, "kill_log_monitor"):
         node.kill_log_monitor(check_alive=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
