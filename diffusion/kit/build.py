@@ -441,8 +441,25 @@ def build_tiny_clip(out: pathlib.Path) -> dict:
     CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).save_pretrained(out)
     write_clip_tokenizer(out)
     CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(out)
-    from diffusion.kit.heads import install_heads  # heads/: aesthetic, nsfw, watermark for the converter's --embed
-    return {"heads": install_heads(out)}
+    return {"heads": install_heads(out)}  # heads/: aesthetic, nsfw, watermark for the converter's --embed
+
+
+HEADS_DIR = "heads"
+HEAD_KINDS = ("aesthetic", "nsfw", "watermark")
+# fitted by diffusion.kit.heads (python -m diffusion.kit.heads refits them; fitting takes a minute)
+HEADS_ASSET = pathlib.Path(__file__).parent / "assets" / "tiny-clip-heads"
+
+
+def install_heads(model_dir) -> dict:
+    """Copy the shipped heads (:data:`HEADS_ASSET`, fitted by :func:`diffusion.kit.heads.fit_heads` to the tiny
+    CLIP, which is seeded, so its embeddings and the fit never change) into ``model_dir/heads/``."""
+    import json
+    import shutil
+    model_dir = pathlib.Path(model_dir)
+    (model_dir / HEADS_DIR).mkdir(exist_ok=True)
+    for kind in HEAD_KINDS:
+        shutil.copyfile(HEADS_ASSET / f"{kind}.safetensors", model_dir / HEADS_DIR / f"{kind}.safetensors")
+    return json.loads((HEADS_ASSET / "fit.json").read_text())
 
 
 # The tiny captioner's vocabulary: BERT's special tokens (BLIP's tokenizer is BERT's), then words, so

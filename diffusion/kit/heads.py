@@ -21,10 +21,10 @@ import tempfile
 
 import numpy as np
 
-HEADS_DIR = "heads"
-HEADS_ASSET = pathlib.Path(__file__).parent / "assets" / "tiny-clip-heads"  # shipped: fitting takes a minute
+from diffusion.kit.build import HEAD_KINDS, HEADS_ASSET, HEADS_DIR, ensure_kit
+
 FIT_ROWS = 128
-_TARGETS = {"aesthetic": "aesthetic", "nsfw": "punsafe", "watermark": "pwatermark"}
+_TARGETS = dict(zip(HEAD_KINDS, ("aesthetic", "punsafe", "pwatermark")))  # each head's sample-data column
 _SHAPES = {"aesthetic": (1024, 128, 64, 16), "nsfw": (16,), "watermark": ()}
 
 
@@ -93,27 +93,14 @@ def fit_heads(model_dir) -> dict:
     return info
 
 
-def install_heads(model_dir) -> dict:
-    """Copy the shipped heads (:data:`HEADS_ASSET`, fitted by :func:`fit_heads` to the tiny CLIP, which is
-    seeded, so its embeddings and the fit never change) into ``model_dir/heads/``."""
-    import json
-    import shutil
-    model_dir = pathlib.Path(model_dir)
-    (model_dir / HEADS_DIR).mkdir(exist_ok=True)
-    for kind in _TARGETS:
-        shutil.copyfile(HEADS_ASSET / f"{kind}.safetensors", model_dir / HEADS_DIR / f"{kind}.safetensors")
-    return json.loads((HEADS_ASSET / "fit.json").read_text())
-
-
 if __name__ == "__main__":  # refit the shipped heads: python -m diffusion.kit.heads
     import json
     import shutil
-    from diffusion.kit.build import ensure_kit
     with tempfile.TemporaryDirectory() as tmp:
         kit = ensure_kit("tiny-clip", pathlib.Path(tmp) / "clip", progress=False)
         info = fit_heads(kit)
         HEADS_ASSET.mkdir(parents=True, exist_ok=True)
-        for kind in _TARGETS:
+        for kind in HEAD_KINDS:
             shutil.copyfile(kit / HEADS_DIR / f"{kind}.safetensors", HEADS_ASSET / f"{kind}.safetensors")
         (HEADS_ASSET / "fit.json").write_text(json.dumps(info, indent=1) + "\n")
         print(info)
