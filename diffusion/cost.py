@@ -102,9 +102,9 @@ def project_recipe(path: str) -> CostProjection:
     """A recipe file's projection: ``name``, ``gpus``, ``price_per_gpu_hour`` and ``phases``, each with
     ``resolution``, ``samples`` and ``samples_per_sec_per_gpu`` (and a ``name``); see yamls/cost/."""
     from diffusion.errors import InputError
-    from diffusion.train.config import _parse_yaml  # the training YAMLs' reader: one line naming line and column
+    from diffusion.yaml_file import parse_yaml  # the training YAMLs' reader: one line naming line and column
     with open(path) as f:
-        recipe = _parse_yaml(f, path) or {}
+        recipe = parse_yaml(f, path) or {}
     if not isinstance(recipe, dict) or not isinstance(recipe.get("phases") or [], list):
         raise InputError(f"{path}: expected a mapping with phases: a list of {{resolution, samples, "
                          f"samples_per_sec_per_gpu}}")

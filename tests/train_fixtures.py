@@ -333,18 +333,19 @@ def launch_ranks(command: list[str], *, processes: int, port: int, timeout: floa
                 process.wait()
         if timed_out:
             raise subprocess.TimeoutExpired(command, timeout, read(0, 0), read(0, 1))
+        # the ranks that failed on their own (not those stopped here after another failed)
+        failed = [rank for rank, p in enumerate(ranks) if p.returncode and -p.returncode not in (signal.SIGKILL,
+                                                                                                  signal.SIGTERM)]
         stdout = [read(0, 0)]
-        for rank, process in enumerate(ranks):
-            if process.returncode != 0 and -process.returncode not in (signal.SIGKILL, signal.SIGTERM):
-                stdout.append(f"Global rank {rank} (PID {process.pid}) exited with code {process.returncode}")
-                if rank:
-                    stdout += [f"----------Begin global rank {rank} STDOUT----------", read(rank, 0),
-                               f"----------End global rank {rank} STDOUT----------",
-                               f"----------Begin global rank {rank} STDERR----------", read(rank, 1),
-                               f"----------End global rank {rank} STDERR----------"]
+        for rank in failed:
+            stdout.append(f"Global rank {rank} (PID {ranks[rank].pid}) exited with code {ranks[rank].returncode}")
+            if rank:
+                stdout += [f"----------Begin global rank {rank} STDOUT----------", read(rank, 0),
+                           f"----------End global rank {rank} STDOUT----------",
+                           f"----------Begin global rank {rank} STDERR----------", read(rank, 1),
+                           f"----------End global rank {rank} STDERR----------"]
         stderr = read(0, 1)
-    failed = [p.returncode for p in ranks if p.returncode and -p.returncode not in (signal.SIGKILL, signal.SIGTERM)]
-    returncode = next(iter(failed), next((p.returncode for p in ranks if p.returncode), 0))
+    returncode = ranks[failed[0]].returncode if failed else next((p.returncode for p in ranks if p.returncode), 0)
     return subprocess.CompletedProcess(command, returncode, "\n".join(stdout), stderr)
 
 
