@@ -298,6 +298,8 @@ def _prefix_of(name: str) -> int | None:
 
 def _shm_users(names: set[str]) -> dict[str, set[int]]:
     """{segment name: pids of the processes on this node that map it or hold it open}, of ``names``.
+    A mapping the kernel marks "(deleted)" is of a removed segment, not of the file now under its name
+    (a prefix is reused once its segments are gone): it is no use of that name.
     Processes whose maps cannot be read (another user's) are left out: they cannot open our segments,
     which are created owner-only."""
     users: dict[str, set[int]] = {name: set() for name in names}
@@ -308,8 +310,8 @@ def _shm_users(names: set[str]) -> dict[str, set[int]]:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     at = line.find(prefix)
-                    if at >= 0:
-                        found.add(line[at + len(prefix):].split(" (deleted)")[0].strip())
+                    if at >= 0 and not line.rstrip().endswith(" (deleted)"):  # a removed file, not the name's
+                        found.add(line[at + len(prefix):].strip())
             fd_dir = f"/proc/{pid}/fd"
             for fd in os.listdir(fd_dir):
                 try:

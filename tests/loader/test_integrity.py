@@ -527,6 +527,31 @@ def test_cleanup_at_start_keeps_another_jobs_shared_memory_and_removes_a_killed_
                 job.wait(timeout=60)
 
 
+def test_a_name_this_process_mapped_before_it_was_removed_does_not_keep_a_killed_jobs_segments():
+    """A prefix is reused once its segments are removed, while a process may still map the removed
+    ones (the kernel lists them as "(deleted)"): that mapping is another file, not a use of the new one."""
+    taken = {shared_memory._prefix_of(name) for name in os.listdir("/dev/shm") + os.listdir(tempfile.gettempdir())}
+    prefix = next(p for p in range(900_000, 999_999) if p not in taken)
+    path = f"/dev/shm/{prefix:06d}_locals"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    earlier = mmap.mmap(fd, 4096)  # this process's earlier dataset at that prefix, its segment since removed
+    os.close(fd)
+    os.unlink(path)
+    killed = [f"/dev/shm/{prefix:06d}_{name}" for name in ("locals", "barrier")]
+    try:
+        for name in killed:  # the prefix taken again by a job that was killed: nothing maps its segments
+            with open(name, "wb") as f:
+                f.write(np.int32(64).tobytes() + bytes(60))
+        shared_memory.clean_shared_memory()
+        assert [name for name in killed if os.path.exists(name)] == []
+    finally:
+        earlier.close()
+        for name in killed:
+            if os.path.exists(name):
+                os.unlink(name)
+
+
 def test_run_py_refuses_a_batch_larger_than_the_dataset_in_one_line(pristine, train_kit, tmp_path, capfd):
     """run.py's refusal through its entry in this process (train_fixtures.run_py_here)."""
     from train_fixtures import run_py_here, tiny_overrides
