@@ -9,8 +9,10 @@ resolution and the text column the run reads (:func:`text_column`), and agree on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import tempfile
 import types
 import urllib.parse
@@ -28,33 +30,45 @@ def is_remote(path: str) -> bool:
     return urllib.parse.urlparse(path).scheme not in ("", "file")
 
 
-def fetch_side_file(path: str, name: str, timeout: float = 120.0) -> str:
-    """A local copy (or the local path) of ``name`` beside the shards' ``index.json``."""
+def side_file_location(path: str, name: str) -> str:
+    """Where ``name`` beside the shards' ``index.json`` is: a local path, or the remote URI (for messages)."""
+    return path.rstrip("/") + "/" + name if is_remote(path) else os.path.join(path, name)
+
+
+@contextlib.contextmanager
+def side_file(path: str, name: str, timeout: float = 120.0):
+    """For the block, a local path to ``name`` beside the shards' ``index.json``: the file itself, or of a
+    remote dataset a download into a temporary folder of this process, removed after the block (a run reads
+    these at every start: each left a folder in the temporary directory)."""
     if not is_remote(path):
-        return os.path.join(path, name)
+        yield os.path.join(path, name)
+        return
     share_endpoint_with_streaming()
-    local = os.path.join(tempfile.mkdtemp(prefix="mds-meta-"), name)  # per process: no download races
-    remote = path.rstrip("/") + "/" + name
+    folder = tempfile.mkdtemp(prefix="mds-meta-")  # per process: no download races
     try:
-        CloudDownloader.direct_download(remote, local, timeout=timeout)
-    except Exception as e:
-        raise FileNotFoundError(f"could not download {remote} ({type(e).__name__}: {e}): "
-                                f"is {path!r} a dataset written by convert/laion_to_mds.py?") from e
-    return local
+        local, remote = os.path.join(folder, name), side_file_location(path, name)
+        try:
+            CloudDownloader.direct_download(remote, local, timeout=timeout)
+        except Exception as e:
+            raise FileNotFoundError(f"could not download {remote} ({type(e).__name__}: {e}): "
+                                    f"is {path!r} a dataset written by convert/laion_to_mds.py?") from e
+        yield local
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def read_dataset_info(path: str, timeout: float = 120.0) -> schema.DatasetInfo:
     """``dataset.json`` of a local directory or a remote URI."""
-    local = fetch_side_file(path, schema.DATASET_JSON, timeout)
-    try:
-        return schema.DatasetInfo.load(os.path.dirname(local))
-    except (FileNotFoundError, UserError):
-        raise
-    except (ValueError, TypeError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
-        where = local if not is_remote(path) else path.rstrip("/") + "/" + schema.DATASET_JSON
-        raise DataIntegrityError(f"{where} is not a dataset.json written by convert/laion_to_mds.py "
-                                 f"({type(e).__name__}: {one_line(e)}): restore it from a copy or re-convert "
-                                 f"the dataset") from e
+    with side_file(path, schema.DATASET_JSON, timeout) as local:
+        try:
+            return schema.DatasetInfo.load(os.path.dirname(local))
+        except (FileNotFoundError, UserError):
+            raise
+        except (ValueError, TypeError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
+            where = side_file_location(path, schema.DATASET_JSON)
+            raise DataIntegrityError(f"{where} is not a dataset.json written by convert/laion_to_mds.py "
+                                     f"({type(e).__name__}: {one_line(e)}): restore it from a copy or re-convert "
+                                     f"the dataset") from e
 
 
 def one_line(error: BaseException) -> str:
@@ -241,15 +255,16 @@ def load_empty_embedding(loader_cfg) -> np.ndarray:
     every other stream (caption dropout substitutes one embedding whatever stream a sample is from)."""
     loaded = []
     for name, entry in loader_streams(loader_cfg):
-        path = fetch_side_file(entry.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout)
-        try:
-            empty = np.load(path)
-        except FileNotFoundError:
-            raise
-        except (ValueError, OSError, EOFError) as e:
-            raise DataIntegrityError(f"{path} is not an array written by convert/laion_to_mds.py "
-                                     f"({type(e).__name__}: {one_line(e)}): restore it from a copy, or re-convert "
-                                     f"the dataset") from e
+        with side_file(entry.path, schema.EMPTY_TEXT_EMBEDS, loader_cfg.download_timeout) as path:
+            try:
+                empty = np.load(path)
+            except FileNotFoundError:
+                raise
+            except (ValueError, OSError, EOFError) as e:
+                where = side_file_location(entry.path, schema.EMPTY_TEXT_EMBEDS)  # not the download's copy
+                raise DataIntegrityError(f"{where} is not an array written by convert/laion_to_mds.py "
+                                         f"({type(e).__name__}: {one_line(e)}): restore it from a copy, or "
+                                         f"re-convert the dataset") from e
         if loaded:
             first_name, first = loaded[0]
             if first.shape != empty.shape or not np.array_equal(first, empty):

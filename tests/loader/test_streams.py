@@ -247,7 +247,13 @@ def s3(monkeypatch):
     server.stop()
 
 
-def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path):
+def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path, monkeypatch):
+    """Its shards come from the bucket into its cache; its side files (dataset.json, the empty caption's
+    embedding) are downloaded for the checks and their temporary folders removed; one that is no array is
+    named by its place in the bucket."""
+    import tempfile
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *args, **kwargs: made.append(mkdtemp(*args, **kwargs)) or made[-1])
     for name in os.listdir(b):
         s3.upload_file(os.path.join(b, name), "mix", f"b/{name}")
     cfg = _cfg({"path": a, "proportion": 0.5}, {"path": "s3://mix/b", "local": str(tmp_path / "cache"),
@@ -257,9 +263,11 @@ def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path):
     shards = sorted(n for n in os.listdir(b) if n.endswith(".mds"))
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(shards + ["index.json"])  # B's, from the bucket
     s3.put_object(Bucket="mix", Key="b/empty_text_embeds.npy", Body=b"not an array")
-    with pytest.raises(DataIntegrityError, match="empty_text_embeds.npy is not an array"):
+    with pytest.raises(DataIntegrityError, match="^s3://mix/b/empty_text_embeds.npy is not an array"):
         mds_source.build_dataloader(_cfg({"path": a}, {"path": "s3://mix/b", "local": str(tmp_path / "cache2")}),
                                     resolution=64, text_dim=dim)
+    downloads = [folder for folder in made if os.path.basename(folder).startswith("mds-meta-")]
+    assert len(downloads) >= 4 and not any(os.path.exists(folder) for folder in downloads)  # 2 reads a build
     gc.collect()
 
 
