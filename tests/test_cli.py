@@ -215,6 +215,24 @@ def test_generate_and_evaluate_name_their_other_inputs(pipeline_dir, tmp_path, c
                                    tmp_path / "no-clip"), "evaluate", tmp_path / "no-clip", "--clip-model")
 
 
+def test_generate_at_a_size_no_memory_holds_is_one_line_naming_the_size_and_batch(tiny_kit, tmp_path, capfd):
+    """The tiny kit's UNet asked for 400,000 px a side: its first allocation (the initial noise, 40 GB) fails, as
+    a run far past the trained size does on any machine. This process's address space is capped above what it
+    maps for the call, so the allocation fails whatever the machine's overcommit policy."""
+    import resource
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 8 * 2 ** 30, limits[1]))
+    try:
+        done = run_here(capfd, "generate", "--checkpoint", tiny_kit, "--prompt", "a red circle", "--steps", "1",
+                        "--width", "400000", "--height", "400000", "--batch-size", "2", "--out", tmp_path / "grid.png")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+    line = assert_one_line_error(done, "generate", "400000x400000 images 2 at a time", "--batch-size")
+    assert "GiB failed" in line and not (tmp_path / "grid.png").exists()
+
+
 def test_train_names_a_missing_yaml_and_a_misspelt_key(tmp_path):
     assert_one_line_error(run("run.py", tmp_path / "nope.yaml"), "run.py", tmp_path / "nope.yaml")
     assert_one_line_error(run("run.py", "yamls/tiny-cpu.yaml", "optimizer.lrr=1e-3"), "run.py", "optimizer.lrr")

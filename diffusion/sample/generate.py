@@ -18,6 +18,7 @@ import argparse
 import errno
 import math
 import os
+import re
 
 import torch
 
@@ -196,8 +197,31 @@ def main(argv=None) -> None:
         parser.error("give at least one --prompt (or --prompts-file)")
     check_output_file(args.out, ".png", "--out")
     check_sampling_args(args)
-    path = generate_grid(args.checkpoint, prompts, args.out, **sample_kwargs(args))
+    kwargs = sample_kwargs(args)
+    try:
+        path = generate_grid(args.checkpoint, prompts, args.out, **kwargs)
+    except (RuntimeError, MemoryError) as e:
+        refused = out_of_memory(e, kwargs["size"], args.batch_size)
+        if refused is None:
+            raise
+        raise refused from None
     print(f"wrote {os.path.abspath(path)} ({len(prompts)} prompts x {args.images_per_prompt})")
+
+
+def out_of_memory(error: BaseException, size, batch_size: int) -> UserError | None:
+    """The one-line refusal for an allocation torch could not make while sampling (on the CPU, or a GPU's
+    ``OutOfMemoryError``, a RuntimeError too), naming the image size and batch asked for; None for any other
+    error. A size far past what the model was trained at asks for memory no machine has."""
+    text = str(error)
+    if not (isinstance(error, MemoryError) or "can't allocate memory" in text or "not enough memory" in text
+            or "out of memory" in text.lower()):
+        return None
+    height, width = size if isinstance(size, (tuple, list)) else (size, size)
+    asked = re.search(r"tried to allocate (\d+) bytes", text)
+    how_much = f" (an allocation of {int(asked.group(1)) / 2 ** 30:.1f} GiB failed)" if asked else ""
+    drawn = f"{width}x{height} images" if height else "images"
+    return UserError(f"not enough memory to draw {drawn} {batch_size} at a time{how_much}: lower "
+                     f"--width/--height (or --size) or --batch-size")
 
 
 def check_output_file(path: str, suffix: str | None, flag: str) -> None:
