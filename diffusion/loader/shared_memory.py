@@ -240,15 +240,20 @@ def register_prefix(streams_local, streams_remote, world, retry: int = 100):
     if world.is_local_leader:
         try:
             with registration_turn():
+                # streaming's find, once (each of its walks leaves every segment it opened open until exit)
+                prefix_int = max(streaming_prefix._check_and_find_retrying(streams_local, streams_remote,
+                                                                           shm_name=name, retry=retry)
+                                 for name in SHM_TO_CLEAN)
                 for _ in range(1 + retry):
-                    prefix_int = max(streaming_prefix._check_and_find_retrying(streams_local, streams_remote,
-                                                                               shm_name=name, retry=retry)
-                                     for name in SHM_TO_CLEAN)
                     data = streaming_prefix._pack_locals(streams_local, prefix_int)
                     try:
                         shm = SharedMemory(_get_path(prefix_int, LOCALS), True, len(data))
                     except FileExistsError:
-                        continue  # another job took it meanwhile: the next free one
+                        # taken: by a job that registered without the lock meanwhile, or a prefix whose locals
+                        # is there while another of its segments is not (a dataset between registering and
+                        # making the rest, a half-removed one), which the find answers again every time
+                        prefix_int += 1
+                        continue
                     shm.buf[:len(data)] = data
                     break
                 else:

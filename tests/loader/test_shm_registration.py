@@ -148,6 +148,32 @@ def _holder(folder: str, mode: str = "hold") -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
+def test_a_prefix_whose_locals_is_there_but_another_segment_is_not_is_passed_over(tmp_path, monkeypatch):
+    """streaming's find answers, for each segment name, the first prefix lacking it; the largest can be a prefix
+    whose locals exists (a dataset between registering and making its other segments, a half-removed one). Taking
+    it failed (FileExistsError) and the same find gave it again: 101 tries, each walk leaving the segments it
+    opened open, until one run's node rank died of "Too many open files" (a make test on this machine). Now the
+    next prefix is taken, after one find."""
+    from streaming.base.shared import prefix as streaming_prefix
+    from streaming.base.world import World
+    taken = {shared_memory._prefix_of(name) for name in os.listdir("/dev/shm") + os.listdir(tempfile.gettempdir())}
+    stuck = next(p for p in range(900_000, 999_998) if p not in taken and p + 1 not in taken)
+    locals_path = f"/dev/shm/{stuck:06d}_locals"
+    with open(locals_path, "wb") as f:  # its locals only, as a dataset has right after registering
+        f.write(bytes(64))
+    finds = []
+    monkeypatch.setattr(streaming_prefix, "_check_and_find_retrying",
+                        lambda local, remote, shm_name, retry: finds.append(shm_name) or stuck)
+    try:
+        prefix_int, shm = shared_memory.register_prefix([str(tmp_path / "local")], [None], World.detect())
+        try:
+            assert prefix_int == stuck + 1 and len(finds) == len(set(finds))  # one find a segment name
+        finally:
+            shm.cleanup()
+    finally:
+        os.unlink(locals_path)
+
+
 def test_a_holder_that_never_lets_go_is_named_in_one_line_within_the_wait(train_kit, tmp_path, lock_folder, monkeypatch):
     mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=8)
     holder = _holder(lock_folder)
