@@ -103,8 +103,12 @@ def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | Non
     yaml, preset, checkpoints, recipe_batches = RECIPES[recipe]
     batches = batches or recipe_batches
     kit = kit or os.path.join(ROOT, ".cache", "kit", preset)
-    raw, mds, ckpts = (os.path.join(out, d) for d in ("raw", "mds", checkpoints))
-    grid = os.path.join(out, "grid.png" if recipe == "unet" else f"grid-{recipe}.png")
+    # Each conversion (square, bucketed, curated) has its own folder, and each recipe on each its own checkpoints
+    # and grid: a --buckets run after a square one in the same --out converted nothing (the square conversion was
+    # found done) and trained and drew on square crops, and a recipe's finished run was taken as this one's.
+    variant = "".join(suffix for suffix, on in (("-buckets", buckets), ("-curated", curate)) if on)
+    raw, mds, ckpts = (os.path.join(out, d) for d in ("raw", "mds" + variant, checkpoints + variant))
+    grid = os.path.join(out, ("grid" if recipe == "unet" else f"grid-{recipe}") + variant + ".png")
     before_after = None if buckets else os.path.join(mds, "visualize.png")
     log: list = []
     start = time.time()
@@ -199,12 +203,14 @@ skipped, so a re-run after an interruption picks up where it stopped.
 Input: nothing (the data and model are made here). Output: under --out, raw/ (sample data), mds/
 (shards, visualize.png: input crops beside VAE decodings), checkpoints-mmdit-flow/, grid-mmdit-flow.png
 and summary.json (paths, samples written and rejected, prompt adherence and the scene judge, seconds per
-step); with --recipe unet, checkpoints/ and grid.png; the kit in --kit."""
+step); with --recipe unet, checkpoints/ and grid.png; with --buckets or --curate, each of mds/, the
+checkpoint folder and the grid with -buckets or -curated after its name (mds-buckets/, grid-buckets.png), so
+every variant keeps its own beside the others in one --out; the kit in --kit."""
 EXAMPLES = """examples:
   python -m diffusion.demo                                   # = make demo, into out/demo
   python -m diffusion.demo --out /tmp/demo --n 256 --batches 200   # a quick, rougher run
   python -m diffusion.demo --recipe unet                      # = make demo RECIPE=unet
-  python -m diffusion.demo --out out/demo-buckets --buckets       # aspect-ratio buckets, grids at 48x80 and 80x48"""
+  python -m diffusion.demo --buckets                          # aspect-ratio buckets (mds-buckets/), grids at 48x80 and 80x48"""
 
 
 def build_parser() -> argparse.ArgumentParser:

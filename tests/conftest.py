@@ -17,6 +17,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Any torch.compile (the aot_eager and eager backends included) imports inductor's compile module, which forks a
+# pool of compile workers for Triton's GPU kernels when triton is installed (torch 2.7's CPU wheel pulls it in):
+# a process importing torch beside each compiling process, ~7 CPU-s each on this machine, unused on a CPU.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
 # `make test` runs one pytest worker per CPU, so every process a test starts shares the CPUs with the other
 # worker's tests: its OpenMP threads wait passively. (diffusion.cpus would choose from the load at the process's
 # own start, and one started in a quiet moment spins beside the other worker's next test: the demo's training
@@ -48,7 +52,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # (--no-loadscope-reorder keeps this order) take them first and the short files fill in beside them, instead of
 # a long one ending the suite alone.
 LONGEST_FIRST = ("test_demo.py", "test_compile_fsdp.py", "test_online.py", "test_pipeline.py", "test_fsdp.py",
-                 "test_fsdp_mmdit.py", "test_recaption.py", "test_demo_buckets.py", "test_fsdp_hybrid.py", "test_multinode.py",
+                 "test_fsdp_mmdit.py", "test_recaption.py", "test_fsdp_hybrid.py", "test_multinode.py",
                  "test_full_disk.py", "test_ray_cluster.py", "test_where_and_dedupe.py",
                  "test_save_folder.py", "test_buckets.py", "test_posthoc_ema.py", "test_streams.py", "test_hostile.py")
 

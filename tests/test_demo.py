@@ -49,7 +49,7 @@ def test_make_demo_trains_the_flow_mmdit_for_2000_batches_by_default():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # `make demo` itself (1,500 batches), twice over, then the UNet: 5-10 min beside a worker
+@pytest.mark.timeout(1800)  # `make demo` itself (1,500 batches), twice over, then the UNet on buckets: 6-11 min beside a worker
 def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, tiny_kit, tmp_path):
     out = tmp_path / "demo"
     summary = run_demo(str(out), n=1024, batches=TEST_BATCHES, kit=tiny_mmdit_kit)
@@ -78,13 +78,25 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, 
     assert again["checkpoint"] == summary["checkpoint"] and os.path.getmtime(again["grid"]) == drawn
     assert again["prompt_adherence"] == summary["prompt_adherence"]
     assert [step["command"].split()[1:3] for step in again["steps"]] == [["-m", "diffusion.kit.build"]]  # the kit check
-    # `make demo RECIPE=unet` after it, on the same converted data: the UNet trains into its own checkpoint
-    # folder and draws its own grid; the flow MMDiT's checkpoint and grid are left as they were
-    before = {path: os.path.getmtime(path) for path in (summary["checkpoint"], summary["grid"])}
-    unet = run_demo(str(out), n=1024, batches=20, kit=tiny_kit, recipe="unet", images_per_prompt=4)
-    assert unet["recipe"] == "unet" and unet["checkpoint"] == str(out / "checkpoints" / "ep0-ba20-rank0.pt")
-    assert unet["grid"] == str(out / "grid.png") and len(read_grid(unet["grid"])[0]) == len(PROMPTS) * 4
+    # `python -m diffusion.demo --recipe unet --buckets` after it in the same --out, on the same sample rows: the
+    # rows are converted again, into the preset buckets beside the square conversion (before, the square one was
+    # found done and the run trained and drew on square crops), and the UNet trains on them into its own
+    # checkpoint folder and draws its grids, square and at the buckets' two other shapes; the flow MMDiT's
+    # conversion, checkpoint and grid are left as they were
+    before = {path: os.path.getmtime(path) for path in (summary["checkpoint"], summary["grid"],
+                                                        out / "mds" / "dataset.json")}
+    unet = run_demo(str(out), n=1024, batches=20, kit=tiny_kit, recipe="unet", buckets=True, images_per_prompt=4)
+    assert unet["recipe"] == "unet" and unet["checkpoint"] == str(out / "checkpoints-buckets" / "ep0-ba20-rank0.pt")
+    assert unet["mds"] == str(out / "mds-buckets") and unet["grid"] == str(out / "grid-buckets.png")
     assert before == {path: os.path.getmtime(path) for path in before}
+    # the sample's scenes of every shape land in the three preset buckets, each a dataset of its own
+    counts = {b["name"]: b["count"] for b in unet["buckets"]}
+    assert sorted(counts) == ["bucket-48x80", "bucket-64x64", "bucket-80x48"] and min(counts.values()) > 100, counts
+    assert sum(counts.values()) == unet["samples"]
+    for name, (width, height) in (("48x80", (48, 80)), ("80x48", (80, 48)), ("square", (64, 64))):
+        images, prompts = read_grid(unet["grids"][name])
+        assert len(images) == len(PROMPTS) * 4 and images[0].size == (width, height), name
+        assert 0.0 <= unet["prompt_adherence_by_grid"][name] <= 1.0
 
 
 def test_a_rerun_keeps_a_grid_drawn_by_the_same_command_from_the_same_checkpoint(tmp_path):
