@@ -204,7 +204,8 @@ Input: nothing (the data and model are made here). Output: under --out, raw/ (sa
 (shards, visualize.png: input crops beside VAE decodings), checkpoints-mmdit-flow/, grid-mmdit-flow.png
 and summary.json (paths, samples written and rejected, prompt adherence and the scene judge, seconds per
 step); with --recipe unet, checkpoints/ and grid.png; with --buckets or --curate, each of mds/, the
-checkpoint folder and the grid with -buckets or -curated after its name (mds-buckets/, grid-buckets.png), so
+checkpoint folder and the grid with -buckets or -curated after its name (mds-buckets/,
+checkpoints-mmdit-flow-buckets/, grid-mmdit-flow-buckets.png), so
 every variant keeps its own beside the others in one --out; the kit in --kit."""
 EXAMPLES = """examples:
   python -m diffusion.demo                                   # = make demo, into out/demo
