@@ -94,21 +94,28 @@ RECIPES = {
 DEFAULT_RECIPE = "mmdit-flow"
 
 
+def demo_paths(out: str, recipe: str = DEFAULT_RECIPE, buckets: bool = False,
+               curate: bool = False) -> tuple[str, str, str, str]:
+    """The demo's sample rows, conversion, checkpoint folder and grid under ``out``. Each conversion (square,
+    bucketed, curated) has its own folder, and each recipe on each its own checkpoints and grid: a --buckets run
+    after a square one in the same --out converted nothing (the square conversion was found done) and trained and
+    drew on square crops, and a recipe's finished run was taken as this one's."""
+    checkpoints = RECIPES[recipe][2]
+    variant = "".join(suffix for suffix, on in (("-buckets", buckets), ("-curated", curate)) if on)
+    grid = ("grid" if recipe == "unet" else f"grid-{recipe}") + variant + ".png"
+    return tuple(os.path.join(out, name) for name in ("raw", "mds" + variant, checkpoints + variant, grid))
+
+
 def run_demo(out: str, n: int = 1024, batches: int | None = None, kit: str | None = None,
              buckets: bool = False, recipe: str = DEFAULT_RECIPE, images_per_prompt: int = IMAGES_PER_PROMPT,
              curate: bool = False) -> dict:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
-    yaml, preset, checkpoints, recipe_batches = RECIPES[recipe]
+    yaml, preset, _, recipe_batches = RECIPES[recipe]
     batches = batches or recipe_batches
     kit = kit or os.path.join(ROOT, ".cache", "kit", preset)
-    # Each conversion (square, bucketed, curated) has its own folder, and each recipe on each its own checkpoints
-    # and grid: a --buckets run after a square one in the same --out converted nothing (the square conversion was
-    # found done) and trained and drew on square crops, and a recipe's finished run was taken as this one's.
-    variant = "".join(suffix for suffix, on in (("-buckets", buckets), ("-curated", curate)) if on)
-    raw, mds, ckpts = (os.path.join(out, d) for d in ("raw", "mds" + variant, checkpoints + variant))
-    grid = os.path.join(out, ("grid" if recipe == "unet" else f"grid-{recipe}") + variant + ".png")
+    raw, mds, ckpts, grid = demo_paths(out, recipe, buckets, curate)
     before_after = None if buckets else os.path.join(mds, "visualize.png")
     log: list = []
     start = time.time()

@@ -99,6 +99,22 @@ def test_demo_runs_end_to_end_and_the_model_follows_its_prompts(tiny_mmdit_kit, 
         assert 0.0 <= unet["prompt_adherence_by_grid"][name] <= 1.0
 
 
+def test_each_recipe_and_conversion_has_its_own_folders_under_one_out():
+    """`make demo`, `make demo RECIPE=unet`, `--buckets` and `--curate` in one --out: none reads another's
+    conversion, checkpoints or grid (the bucketed run is trained end to end above)."""
+    from diffusion.demo import demo_paths
+    names = {(recipe, buckets, curate): tuple(os.path.relpath(p, "o") for p in demo_paths("o", recipe, buckets, curate))
+             for recipe in ("mmdit-flow", "unet") for buckets in (False, True) for curate in (False, True)}
+    assert names[("mmdit-flow", False, False)] == ("raw", "mds", "checkpoints-mmdit-flow", "grid-mmdit-flow.png")
+    assert names[("unet", False, False)] == ("raw", "mds", "checkpoints", "grid.png")
+    assert names[("unet", True, False)] == ("raw", "mds-buckets", "checkpoints-buckets", "grid-buckets.png")
+    assert names[("mmdit-flow", True, True)][1:] == ("mds-buckets-curated", "checkpoints-mmdit-flow-buckets-curated",
+                                                     "grid-mmdit-flow-buckets-curated.png")
+    for part in (1, 2, 3):  # conversions, checkpoint folders, grids: each variant its own
+        kinds = {(k[1], k[2]) if part == 1 else k: v[part] for k, v in names.items()}
+        assert len(set(kinds.values())) == len(kinds), part
+
+
 def test_a_rerun_keeps_a_grid_drawn_by_the_same_command_from_the_same_checkpoint(tmp_path):
     """The demo's grid step is skipped, as its other steps are, only when the grid was drawn by the same
     command from a checkpoint no newer than it: a longer run (a newer checkpoint) or other settings redraw."""
