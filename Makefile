@@ -5,12 +5,25 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= out/demo
 
-.PHONY: setup test test-fast test-transformers5 demo bench clean
+.PHONY: setup room test test-fast test-transformers5 demo bench clean
 
 setup: $(STAMP)
 
+# The pinned set is about 7 GB in .venv (torch's CUDA wheels), and pip keeps the ~3.5 GB of wheels it downloads
+# until they are installed: where the disk has less room, a warning comes first (a full disk stops pip halfway with
+# "No space left on device"; `make setup` again, once there is room, finishes the install). `make room` alone checks.
+SETUP_NEEDS_GB ?= 11
+ROOM := $(PYTHON) -c "import shutil, sys, tempfile; \
+	free = min(shutil.disk_usage(p).free for p in ('.', tempfile.gettempdir())) / 2**30; \
+	free >= $(SETUP_NEEDS_GB) or print(f'make setup: warning: {free:.1f} GB free here; the pinned install needs \
+	about $(SETUP_NEEDS_GB) GB (7 in .venv, the rest while pip downloads)', file=sys.stderr)"
+
+room:
+	@$(ROOM)
+
 # The pinned set (requirements.lock) is what was resolved and verified; the package goes in editable.
 $(STAMP): requirements.lock setup.py
+	@$(ROOM)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.lock
