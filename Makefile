@@ -22,14 +22,22 @@ ROOM := $(PYTHON) -c "import shutil, sys, tempfile; \
 room:
 	@$(ROOM)
 
-# The pinned set (requirements.lock) is what was resolved and verified; the package goes in editable.
+# The pinned set (requirements.lock) is what was resolved and verified; the package goes in editable. pip compiles
+# the 41,800 installed modules one at a time (131 s of a 261 s install here); compileall on every CPU writes the same
+# files in 87 s on two. A module it cannot compile is left as pip leaves it: Python reads its source.
 $(STAMP): requirements.lock setup.py
 	@$(ROOM)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-compile -r requirements.lock
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
+
+# Our own modules' bytecode, written before the tests: where PYTHONDONTWRITEBYTECODE is set (as on this machine),
+# every process of the suite that imports them (ranks, Ray workers, commands) compiles them again, 0.2 CPU-s for
+# the trainer's 61.
+OWN_BYTECODE := $(PY) -m compileall -q diffusion > /dev/null
 
 # One pytest worker per usable CPU (tests/conftest.py), a test file's tests on one worker (they share
 # module fixtures), files in the collection's order (longest first: tests/conftest.py), not xdist's default
@@ -37,9 +45,11 @@ $(STAMP): requirements.lock setup.py
 XDIST := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
+	@$(OWN_BYTECODE)
 	$(PY) -m pytest tests $(XDIST)
 
 test-fast: $(STAMP)
+	@$(OWN_BYTECODE)
 	$(PY) -m pytest tests -m "not slow" $(XDIST)
 
 # The GPU image's stack has transformers 5: the text-encoder, tokenizer, captioning and sampling tests
