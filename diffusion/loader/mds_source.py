@@ -360,6 +360,23 @@ class LatentDataset(StreamingDataset):
             with lock:
                 self._drop_evicted(counts)
 
+    # Streaming counts a prefetch thread's exit only where its loop ends without an error, and the epoch's end waits
+    # for both threads' counts: a shard that failed in the prefetch thread first (before the reading thread reached
+    # it) hung the epoch there for good, where its error was to be raised. A failed thread counts its exit too.
+    def _prepare_thread(self, it) -> None:
+        try:
+            super()._prepare_thread(it)
+        except BaseException:
+            it.on_exit()
+            raise
+
+    def _ready_thread(self, it) -> None:
+        try:
+            super()._ready_thread(it)
+        except BaseException:
+            it.on_exit()
+            raise
+
     def on_exception(self, future) -> None:
         # Streaming re-raises a prefetch thread's error in this callback, where no one sees it, and the
         # epoch then ends early without a word: keep it for the reading thread to raise.

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -153,6 +154,25 @@ def test_a_shard_truncated_after_the_loader_started_fails_when_opened(pristine, 
     path = _shard_file(mds)
     os.truncate(path, os.path.getsize(path) // 2)
     _fails_naming(path, mds, dim, stored, loader)
+
+
+def test_a_prefetch_thread_that_fails_counts_its_exit_so_the_epoch_can_end_with_its_error(pristine, stored, dim,
+                                                                                           tmp_path):
+    """Streaming's epoch end waits until both prefetch threads have counted their exit, and a thread that raised
+    never counted it: when the prefetch thread met the truncated shard before the reading thread did, the epoch
+    hung there for good instead of raising the error (the suite hung so on a fresh clone, 2026-11-29). The
+    prefetch loop run here as streaming's thread runs it."""
+    import threading
+    from streaming.base.dataset import _Iterator
+    mds = _copy(pristine, "none", tmp_path)
+    dataset = mds_source.build_dataloader(_cfg(mds), resolution=64, text_dim=dim).dataset
+    path = _shard_file(mds)
+    os.truncate(path, os.path.getsize(path) // 2)
+    dataset._event = threading.Event()  # what streaming's __iter__ sets at an epoch's start
+    it = _Iterator(np.arange(N, dtype=np.int64))
+    with pytest.raises(DataIntegrityError, match=path):
+        dataset._prepare_thread(it)
+    assert it._num_exited == 1  # the epoch's end (it.exit()) now waits for the ready thread only
 
 
 @pytest.mark.parametrize("kind", ["none", "zstd"])
