@@ -119,6 +119,15 @@ class _ShardLayout:
         return out
 
 
+def _counting_exit(thread, it) -> None:
+    """Run a streaming prefetch thread's loop on ``it``; where it raises, count the thread's exit first."""
+    try:
+        thread(it)
+    except BaseException:
+        it.on_exit()
+        raise
+
+
 class LatentDataset(StreamingDataset):
     """MDS rows → samples: unscaled moments at one resolution, the text column (``text_embeds``, or
     ``input_ids`` when the model encodes them), the sample's key and index, and the epoch it is read in.
@@ -364,18 +373,10 @@ class LatentDataset(StreamingDataset):
     # for both threads' counts: a shard that failed in the prefetch thread first (before the reading thread reached
     # it) hung the epoch there for good, where its error was to be raised. A failed thread counts its exit too.
     def _prepare_thread(self, it) -> None:
-        try:
-            super()._prepare_thread(it)
-        except BaseException:
-            it.on_exit()
-            raise
+        _counting_exit(super()._prepare_thread, it)
 
     def _ready_thread(self, it) -> None:
-        try:
-            super()._ready_thread(it)
-        except BaseException:
-            it.on_exit()
-            raise
+        _counting_exit(super()._ready_thread, it)
 
     def on_exception(self, future) -> None:
         # Streaming re-raises a prefetch thread's error in this callback, where no one sees it, and the
