@@ -191,12 +191,13 @@ class LatentDataset(StreamingDataset):
         self._evictions = shared_evictions(self) if self.cache_limit else None
         self._evictions_seen = 0
         self._views = None  # this process's (pid, access times, eviction counts, lock of _maps)
+        self._prepared: set[int] = set()  # shards this process saw prepared and checked (no cache limit only)
         self._check_files()
 
     def __getstate__(self):  # memory maps and locks stay in the process that made them
         state = self.__dict__.copy()
         state["_maps"] = collections.OrderedDict()
-        state["_locks"], state["_failure"], state["_views"] = {}, None, None
+        state["_locks"], state["_failure"], state["_views"], state["_prepared"] = {}, None, None, set()
         return state
 
     def _resume_incr_epoch(self) -> tuple[int, int]:
@@ -278,6 +279,7 @@ class LatentDataset(StreamingDataset):
         run's first epoch does (for measuring what the checks cost)."""
         self._verified[:] = 0
         self._maps.clear()
+        self._prepared.clear()
 
     def _lock(self, shard_id: int) -> threading.Lock:
         if self._locks_pid != os.getpid():  # a forked worker: locks are per process
@@ -347,7 +349,16 @@ class LatentDataset(StreamingDataset):
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         """Streaming's download/decompress step (run by its prefetch thread ahead of reading), then the
-        shard's check, once its raw file is there; a failure names the file."""
+        shard's check, once its raw file is there; a failure names the file.
+
+        Streaming's prefetch thread calls this once per sample, and streaming's own step makes and takes
+        the node's cache file lock each time (to touch the shard's access time for its evictions). Without
+        a cache limit nothing is evicted, so a shard this process has seen prepared and checked stays so,
+        and the call returns at once: the prefetch threads' CPU in the demo's training went from about 4 s
+        to under 1 s per 300 batches (BENCHMARKS.md, "The loader's cache lock per sample")."""
+        if shard_id in self._prepared and self._verified[shard_id] and \
+                self._shard_states[shard_id] == _ShardState.LOCAL:
+            return
         try:
             super().prepare_shard(shard_id, blocking)
         except DataIntegrityError as e:
@@ -368,6 +379,8 @@ class LatentDataset(StreamingDataset):
             _, _, counts, lock = self._cache_views()
             with lock:
                 self._drop_evicted(counts)
+        elif self._verified[shard_id] and self._shard_states[shard_id] == _ShardState.LOCAL:
+            self._prepared.add(shard_id)
 
     # Streaming counts a prefetch thread's exit only where its loop ends without an error, and the epoch's end waits
     # for both threads' counts: a shard that failed in the prefetch thread first (before the reading thread reached

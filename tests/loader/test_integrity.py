@@ -377,6 +377,36 @@ def test_a_cache_limit_keeps_the_mapped_read_and_the_disk_under_it(pristine, sto
     del dataset
 
 
+def test_without_a_cache_limit_streamings_cache_lock_is_taken_once_a_shard_not_once_a_sample(pristine, stored,
+                                                                                               tmp_path, monkeypatch):
+    """Streaming's prefetch thread prepares each sample's shard, and its step makes and takes the node's
+    cache file lock every time (to touch the shard's access time, which only its evictions read; it means
+    to keep the lock, but looks for it under another name). Without a cache limit a shard prepared and
+    checked stays so: the lock was taken 76 times in 2 epochs of 40 samples (BENCHMARKS.md, "The loader's
+    cache lock per sample"); now at most once a shard, and every sample still reads what was written."""
+    mds = _copy(pristine, "none", tmp_path)
+    dataset = mds_source.LatentDataset(local=mds, resolution=64, batch_size=4, predownload=4)
+    taken = []
+
+    class Counting(FileLock):
+        def acquire(self, *args, **kwargs):
+            if self.lock_file == dataset._cache_filelock_path:
+                taken.append(1)
+            return super().acquire(*args, **kwargs)
+
+    monkeypatch.setattr(streaming.base.dataset, "FileLock", Counting)
+    moments = schema.vae_moments_column(64)
+    for epoch in range(2):
+        read = []
+        for sample in dataset:
+            index = sample[schema.BATCH_SAMPLE_INDEX]
+            np.testing.assert_array_equal(sample[moments], stored[index][moments])
+            read.append(index)
+        assert sorted(read) == list(range(N))
+    assert 0 < len(taken) <= N // PER_SHARD, len(taken)
+    del dataset
+
+
 def test_a_missing_index_names_it(pristine, stored, dim, tmp_path):
     mds = _copy(pristine, "none", tmp_path)
     os.remove(os.path.join(mds, "index.json"))
