@@ -43,6 +43,7 @@ from diffusion.stream.stream_source import build_stream, count_rejects, plan_onl
 
 TRAIN_SPLIT = "train"  # the name of the dataset passed to TorchTrainer and fetched by each worker
 DEFAULT_RUN_NAME = "online"
+ABORT_WAIT_S = 10.0  # how long Ctrl-C waits for Ray Train to abort its workers before killing its controller
 log = logging.getLogger(__name__)
 
 
@@ -204,16 +205,26 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     from ray.train.torch import TorchTrainer
 
     class InterruptibleTrainer(TorchTrainer):
-        """Ctrl-C runs Ray Train's own handler (it aborts the workers, then exits with status 1 and no
-        word), then ends ``fit`` with KeyboardInterrupt, so the command says where it stopped."""
+        """Ctrl-C aborts the workers and ends ``fit`` with KeyboardInterrupt, so the command says where it
+        stopped, within :data:`ABORT_WAIT_S`. Ray Train's own handler waits for its controller's abort with
+        no bound (then exits with status 1 and no word), and the controller cannot abort while it blocks on a
+        worker group that is still starting: up to Ray Train's 60 s start timeout, again and again on a
+        cluster another job fills (a conversion on the same two small nodes: over 180 s). After the bound, or
+        at a second Ctrl-C, the controller is killed; its workers go with it."""
 
         def _register_sigint_handler(self, controller):
-            super()._register_sigint_handler(controller)
-            rays = signal.getsignal(signal.SIGINT)
+            import ray
+            from ray.exceptions import GetTimeoutError, RayActorError
 
             def interrupt(signum, frame):
-                with contextlib.suppress(SystemExit):
-                    rays(signum, frame)
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops the wait
+                log.info("Ctrl-C: aborting the training workers (at most %g s)", ABORT_WAIT_S)
+                try:
+                    ray.get(controller.abort.remote(), timeout=ABORT_WAIT_S)
+                except RayActorError:
+                    pass  # the controller ends itself once its workers are aborted
+                except (GetTimeoutError, KeyboardInterrupt):
+                    ray.kill(controller)
                 raise KeyboardInterrupt
 
             signal.signal(signal.SIGINT, interrupt)
