@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -75,6 +76,7 @@ class ShardBatches:
         self.passes = 0
         self.waits: list[float] = []
         self.stage_seconds: dict[str, float] = collections.defaultdict(float)
+        self._early: Optional[tuple] = None  # (the first pass's iterator, its fetching thread, what it got)
 
     def _columns(self) -> Iterator[dict]:
         # numpy batches, converted by ``to_batch``: the stream also carries columns training ignores
@@ -82,19 +84,48 @@ class ShardBatches:
         return iter(self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=True,
                                             prefetch_batches=self.prefetch_batches))
 
+    def start(self) -> None:
+        """Start the stream now: a thread fetches the first pass's first batch, so the pipeline's actors load
+        their models (the encoders' VAE and text encoder) while this worker builds its trainer, rather than
+        after it. The first pass of :meth:`__iter__` takes that batch; its wait is what is left of the start."""
+        if self._early is not None or self.passes:
+            return
+        columns_of_pass, got = self._columns(), {}
+
+        def fetch():
+            try:
+                got["columns"] = next(columns_of_pass, None)
+            except BaseException as e:  # raised where training asks for the batch
+                got["error"] = e
+
+        thread = threading.Thread(target=fetch, name="online-first-batch", daemon=True)
+        thread.start()
+        self._early = (columns_of_pass, thread, got)
+
+    def _first_of_pass(self) -> tuple[Iterator[dict], Optional[dict]]:
+        """The pass's iterator and its first columns (None: the pass is empty), started early or now."""
+        if self._early is None:
+            columns_of_pass = self._columns()
+            return columns_of_pass, next(columns_of_pass, None)
+        (columns_of_pass, thread, got), self._early = self._early, None
+        thread.join()
+        if "error" in got:
+            raise got["error"]
+        return columns_of_pass, got["columns"]
+
     def __iter__(self) -> Iterator[dict]:
         while self.max_passes is None or self.passes < self.max_passes:
-            yielded, columns_of_pass = 0, self._columns()
-            while True:
-                start = time.perf_counter()
-                columns = next(columns_of_pass, None)
-                if columns is None:
-                    break
+            yielded = 0
+            start = time.perf_counter()
+            columns_of_pass, columns = self._first_of_pass()
+            while columns is not None:
                 self.waits.append(time.perf_counter() - start)
                 for name in [c for c in columns if c.startswith("_") and c.endswith("_seconds")]:
                     self.stage_seconds[name] += float(columns.pop(name).sum())
                 yielded += 1
                 yield self.to_batch(columns, self.passes)
+                start = time.perf_counter()
+                columns = next(columns_of_pass, None)
             self.passes += 1
             if yielded == 0:  # looping again would spin forever on an empty stream
                 raise RuntimeError(
@@ -132,7 +163,8 @@ class LossHistory(Callback):
 
 @dataclasses.dataclass
 class WorkerPlan:
-    """What every training worker needs: picklable, sent through ``train_loop_config``.
+    """What every training worker needs: picklable, put in Ray's object store and sent through
+    ``train_loop_config`` as its reference (:func:`fit_on_ray`).
 
     ``make_trainer(train_dataloader, callbacks)`` builds the Composer trainer (the same builder the
     offline ``run.py`` uses, given this dataloader); ``to_batch`` maps shard columns to model batches.
@@ -150,13 +182,14 @@ def train_worker(loop_config: dict) -> dict:
     Returns this worker's summary since it (re)started: ``batch`` (where training ended),
     ``resumed_from`` (the checkpoint's batch, 0 if none), ``losses`` (``(batch, loss)`` pairs),
     ``batch_times`` (wall time at the end of each), ``passes``, ``rows``, ``batch_waits`` (seconds
-    each batch was waited for: the first includes the pipeline's start) and ``stage_seconds``. Ray
-    Train hands rank 0's to the driver as ``result.return_value``.
+    each batch was waited for: the first includes what is left of the pipeline's start once the trainer is
+    built) and ``stage_seconds``. Ray Train hands rank 0's to the driver as ``result.return_value``.
     """
     import ray.train
 
-    plan: WorkerPlan = loop_config["plan"]
+    plan: WorkerPlan = ray.get(loop_config["plan"])
     loader = ShardBatches(ray.train.get_dataset_shard(TRAIN_SPLIT), plan.batch_size, plan.to_batch)
+    loader.start()  # the pipeline starts while the trainer is built
     history = LossHistory()
     trainer = plan.make_trainer(loader, [history, *plan.callbacks])
     resumed_from = int(trainer.state.timestamp.batch)  # > 0 when autoresume found a checkpoint
@@ -229,10 +262,13 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
 
             signal.signal(signal.SIGINT, interrupt)
 
+    import ray
     previous = signal.getsignal(signal.SIGINT)
     trainer = InterruptibleTrainer(
         train_worker,
-        train_loop_config={"plan": plan},
+        # a reference, not the plan: Ray Train's controller unpickles the loop config, and the plan's classes
+        # would import this module there, Composer and torch with it (11 s on one CPU before any worker started)
+        train_loop_config={"plan": ray.put(plan)},
         scaling_config=placement.scaling_config(),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures)),

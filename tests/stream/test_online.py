@@ -8,6 +8,7 @@ reaches ``max_duration``.
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -154,6 +155,38 @@ def test_shard_batches_loop_over_passes_and_sum_stage_times():
 def test_shard_batches_fail_clearly_on_an_empty_stream():
     with pytest.raises(RuntimeError, match="no full batch of 8 rows"):
         next(iter(ShardBatches(FakeShard(range(3)), batch_size=8, to_batch=lambda c, epoch: c)))
+    early = ShardBatches(FakeShard(range(3)), batch_size=8, to_batch=lambda c, epoch: c)
+    early.start()
+    with pytest.raises(RuntimeError, match="no full batch of 8 rows"):
+        next(iter(early))
+
+
+class SlowStartShard(FakeShard):
+    """A shard whose pipeline takes ``delay`` seconds to give its first batch (the actors loading models)."""
+
+    def __init__(self, rows, delay):
+        super().__init__(rows)
+        self.delay, self.asked = delay, []
+
+    def iter_batches(self, **kwargs):
+        self.asked.append(time.perf_counter())
+        time.sleep(self.delay)
+        yield from super().iter_batches(**kwargs)
+
+
+def test_a_started_stream_loads_while_the_trainer_is_built_and_gives_the_same_batches():
+    """Each training worker starts its shard before building its trainer: the pipeline's start (its actors
+    loading their models) overlaps the build, and training waits only for what is left of it."""
+    shard = SlowStartShard(range(5), delay=1.0)
+    batches = ShardBatches(shard, batch_size=2, to_batch=lambda c, epoch: c["x"].tolist(), max_passes=2)
+    started = time.perf_counter()
+    batches.start()
+    time.sleep(1.2)  # the trainer being built
+    assert len(shard.asked) == 1 and shard.asked[0] - started < 0.5  # the stream was asked at start()
+    assert list(batches) == [[0, 1], [2, 3]] * 2  # the same batches as a stream never started early
+    assert batches.waits[0] < 0.5  # the 1 s start was over by the time training asked
+    assert batches.waits[2] >= 0.9 and shard.passes == 2  # the second pass starts when asked, as before
+    assert batches.stage_seconds == {"_encode_seconds": 4 * 2 * 0.5}
 
 
 def test_fault_injector_stays_quiet_off_its_batch_and_after_it_fired(tmp_path):
