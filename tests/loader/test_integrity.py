@@ -355,8 +355,13 @@ def test_a_cache_limit_keeps_the_mapped_read_and_the_disk_under_it(pristine, sto
             # listing the folder and reading the maps would count twice (once listed, once as mapped and deleted)
             with FileLock(dataset._cache_filelock_path):
                 held, _ = _cache_bytes(cache, sizes)
+                listed = sorted(os.listdir(cache))
+                # streaming's own accounting, for a failure's message (seen once in a loaded fresh clone's run)
+                counted = int(dataset.cache_usage)
+                states = [int(dataset._shard_states[i]) for i in range(dataset.num_shards)]
             assert held <= limit, (f"epoch {epoch}, sample {index}: the cache holds {held} bytes, limit {limit}: "
-                                   f"{sorted(os.listdir(cache))}, {_deleted_maps(cache)}")
+                                   f"{listed}, {_deleted_maps(cache)}; streaming counts {counted} bytes, shard "
+                                   f"states {states} (1 remote, 2 preparing, 3 local)")
             read.append(index)
         assert sorted(read) == list(range(N))
         assert len([f for f in os.listdir(cache) if f in sizes]) <= 4  # some were evicted
