@@ -234,6 +234,8 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     :func:`train_worker`). Ray Data's executor leaves the training workers' resources alone
     (Ray Train's default ``DataConfig``), so the pipeline's pools fit in what is left.
     """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
@@ -246,9 +248,6 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
         at a second Ctrl-C, the controller is killed; its workers go with it."""
 
         def _register_sigint_handler(self, controller):
-            import ray
-            from ray.exceptions import GetTimeoutError, RayActorError
-
             def interrupt(signum, frame):
                 signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops the wait
                 log.info("Ctrl-C: aborting the training workers (at most %g s)", ABORT_WAIT_S)
@@ -262,7 +261,6 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
 
             signal.signal(signal.SIGINT, interrupt)
 
-    import ray
     previous = signal.getsignal(signal.SIGINT)
     trainer = InterruptibleTrainer(
         train_worker,
@@ -276,7 +274,7 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     )
     try:
         result = trainer.fit()
-    finally:  # Ray Train's handler would outlive the run
+    finally:  # the handler would outlive the run
         with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
             signal.signal(signal.SIGINT, previous)
     if result.error is not None:
