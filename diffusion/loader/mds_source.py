@@ -19,7 +19,9 @@ own read does: each read touches the shard's access time (streaming evicts the l
 a shard evicted meanwhile is prepared again, and a map of an evicted shard is dropped (a mapped file
 keeps its disk blocks after it is deleted): at once by the process that evicts it, by any other
 process of the node at its next read or shard preparation (so a worker that waits holds its maps of
-shards evicted meanwhile until then: the disk can pass the limit by those).
+shards evicted meanwhile until then: the disk can pass the limit by those). A download counts against
+the limit from the moment its room is made, not only once it has landed, so shards downloading at once
+(the prefetch and the reading thread, a node's workers) do not each take the same room.
 
 Every shard is checked against index.json before a sample of it is returned, on either path: at
 construction, that each shard is there and each file present has the size the index records; once
@@ -47,7 +49,9 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from filelock import FileLock
 from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.constant import CACHE_FILELOCK
 from streaming.base.dataset import _ShardState
 from streaming.base.format.base.reader import FileInfo
 from streaming.base.format.mds.reader import MDSReader
@@ -360,7 +364,8 @@ class LatentDataset(StreamingDataset):
                 self._shard_states[shard_id] == _ShardState.LOCAL:
             return
         try:
-            super().prepare_shard(shard_id, blocking)
+            if not (self.cache_limit and self._download_in_room(shard_id)):
+                super().prepare_shard(shard_id, blocking)
         except DataIntegrityError as e:
             raise self._fail(e)
         except Exception as e:
@@ -381,6 +386,39 @@ class LatentDataset(StreamingDataset):
                 self._drop_evicted(counts)
         elif self._verified[shard_id] and self._shard_states[shard_id] == _ShardState.LOCAL:
             self._prepared.add(shard_id)
+
+    def _download_in_room(self, shard_id: int) -> bool:
+        """Streaming's download of a missing shard under a cache limit, with its room reserved until it lands.
+        Streaming evicts for a download's room under its cache lock but counts the download only once it has
+        landed, so two shards prepared at once (the prefetch and the reading thread, or two workers of the
+        node) each found room for one and together passed the limit. Here the room is counted before the lock
+        is let go. False where the shard is not missing (streaming's own step waits for it or touches it)."""
+        if not hasattr(self, CACHE_FILELOCK):  # made lazily, as streaming does (a FileLock does not pickle)
+            self._cache_filelock = FileLock(self._cache_filelock_path)
+        lock, states, shard = self._cache_filelock, self._shard_states, self.shards[shard_id]
+        with lock:
+            if states[shard_id] != _ShardState.REMOTE:
+                return False
+            states[shard_id] = _ShardState.PREPARING
+            room = shard.get_max_size()  # the raw and the compressed file: both are there while it decompresses
+            while self.cache_limit < self.cache_usage + room:
+                now = states.numpy()
+                if not (now == _ShardState.LOCAL).any() and (now == _ShardState.PREPARING).sum() > 1:
+                    break  # the room is other downloads' and none has landed: streaming's overshoot, no more
+                self._evict_coldest_shard()  # nothing at all to evict: streaming's "cache limit may be too low"
+            self.cache_usage += room
+        try:
+            landed = self._stream(shard_id).prepare_shard(shard)
+        except BaseException:
+            with lock:
+                self.cache_usage -= room
+                states[shard_id] = _ShardState.REMOTE
+            raise
+        with lock:
+            self.cache_usage += landed - room
+            self._shard_access_times[shard_id] = time.time_ns()
+            states[shard_id] = _ShardState.LOCAL
+        return True
 
     # Streaming counts a prefetch thread's exit only where its loop ends without an error, and the epoch's end waits
     # for both threads' counts: a shard that failed in the prefetch thread first (before the reading thread reached

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -378,6 +379,51 @@ def test_a_cache_limit_keeps_the_mapped_read_and_the_disk_under_it(pristine, sto
         assert _cache_bytes(cache, sizes)[1] == 1  # shard 0 is gone from the cache but still mapped here
         drop()
         assert _cache_bytes(cache, sizes)[1] == 0
+    del dataset
+
+
+def test_two_shards_downloading_at_once_under_a_cache_limit_each_reserve_their_room(pristine, stored, tmp_path):
+    """Streaming checks a download's room under its cache lock but counts the download only once it has
+    landed, so two shards prepared at once (the prefetch and the reading thread, or two workers of a node)
+    each found room for one and together passed the limit by a shard: the test above once saw all 5 shards
+    under its 4-shard limit. The room is reserved before the lock is let go, and the coldest shard makes it."""
+    remote, cache = pristine["none"], str(tmp_path / "cache")
+    sizes = {s["raw_data"]["basename"]: s["raw_data"]["bytes"] for s in _index(remote)["shards"]}
+    index = os.path.getsize(os.path.join(remote, "index.json"))
+    limit = 4 * max(sizes.values()) + index
+    dataset = mds_source.LatentDataset(remote=remote, local=cache, resolution=64, batch_size=4, cache_limit=limit)
+    for shard in (0, 1, 2):  # read in this order: shard 0 is the coldest
+        dataset.prepare_shard(shard)
+    stream, both = dataset.streams[0], threading.Barrier(2, timeout=60)
+    download = stream.prepare_shard
+
+    def gated(shard):
+        both.wait()  # neither download lands before the other has looked for room
+        return download(shard)
+
+    stream.prepare_shard = gated
+    errors = []
+
+    def prepare(shard):
+        try:
+            dataset.prepare_shard(shard)
+        except BaseException as e:  # noqa: BLE001 - the main thread asserts on it
+            errors.append(e)
+
+    threads = [threading.Thread(target=prepare, args=(shard,)) for shard in (3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    on_disk = sorted(f for f in os.listdir(cache) if f in sizes)
+    assert on_disk == [_shard_name(s) for s in (1, 2, 3, 4)], f"limit {limit}: {on_disk}"
+    assert _cache_bytes(cache, sizes)[0] <= limit
+    assert dataset.cache_usage == index + sum(sizes[f] for f in on_disk)  # the reservations settled
+    stream.prepare_shard = download
+    moments = schema.vae_moments_column(64)
+    np.testing.assert_array_equal(dataset[0][moments], stored[0][moments])  # shard 0 again: shard 1 makes room
+    assert sorted(f for f in os.listdir(cache) if f in sizes) == [_shard_name(s) for s in (0, 2, 3, 4)]
     del dataset
 
 
