@@ -364,7 +364,10 @@ class LatentDataset(StreamingDataset):
                 self._shard_states[shard_id] == _ShardState.LOCAL:
             return
         try:
-            if not (self.cache_limit and self._download_in_room(shard_id)):
+            # a missing shard under a cache limit: its room reserved (read unlocked first: the prefetch thread calls
+            # this every sample, and a shard already there takes the cache lock once, in streaming's own step)
+            missing = self.cache_limit and self._shard_states[shard_id] == _ShardState.REMOTE
+            if not (missing and self._download_in_room(shard_id)):
                 super().prepare_shard(shard_id, blocking)
         except DataIntegrityError as e:
             raise self._fail(e)
