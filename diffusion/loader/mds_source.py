@@ -432,6 +432,16 @@ class LatentDataset(StreamingDataset):
     def _ready_thread(self, it) -> None:
         _counting_exit(super()._ready_thread, it)
 
+    # Streaming ends an epoch's prefetch threads only where the epoch is read to its end, another starts or a thread
+    # fails: one left early (a break, eval_subset_num_batches, a run's last batch mid-epoch) kept both for the life of
+    # the process, preparing shards ahead until the read-ahead window filled, then waking every 7 ms. This generator
+    # is the epoch's reading; it is closed (or dropped) as the epoch's loop ends, however it ends.
+    def _each_sample_id(self, it):
+        try:
+            yield from super()._each_sample_id(it)
+        finally:
+            it.non_blocking_exit()  # the threads end at their next step; a new epoch's exit() waits for them
+
     def on_exception(self, future) -> None:
         # Streaming re-raises a prefetch thread's error in this callback, where no one sees it, and the
         # epoch then ends early without a word: keep it for the reading thread to raise.

@@ -463,6 +463,38 @@ def test_without_a_cache_limit_streamings_cache_lock_is_taken_once_a_shard_not_o
     del dataset
 
 
+def _prefetch_threads_end(it, within: float = 5.0) -> bool:
+    """Whether both of an epoch's prefetch threads (streaming's prepare and ready threads) end within ``within`` s."""
+    import time
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if it._num_exited >= 2:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_an_epoch_left_early_stops_its_prefetch_threads(pristine, stored, tmp_path):
+    """Streaming ends an epoch's prepare and ready threads only when the epoch is read to its end, another
+    starts, or a thread fails. An epoch left early without an error (a loop's break,
+    ``eval_subset_num_batches``, a run's last batch mid-epoch) kept both for the life of the process: preparing
+    shards ahead (downloading and hashing them) until the read-ahead window filled, then waking every 7 ms.
+    Now they end as soon as the epoch's reading does, and the next epoch reads every sample as before."""
+    remote = _copy(pristine, "none", tmp_path)
+    dataset = mds_source.LatentDataset(remote=remote, local=str(tmp_path / "cache"), resolution=64, batch_size=4,
+                                       predownload=PER_SHARD)
+    epoch = iter(dataset)
+    moments = schema.vae_moments_column(64)
+    for _ in range(3):
+        sample = next(epoch)
+        np.testing.assert_array_equal(sample[moments], stored[sample[schema.BATCH_SAMPLE_INDEX]][moments])
+    it = dataset._iterator
+    del epoch  # the loop let go of it
+    assert _prefetch_threads_end(it), (it._num_exited, it.prepare_index, it.ready_index, it.yield_index)
+    assert sorted(s[schema.BATCH_SAMPLE_INDEX] for s in dataset) == list(range(N))
+    del dataset
+
+
 def test_a_missing_index_names_it(pristine, stored, dim, tmp_path):
     mds = _copy(pristine, "none", tmp_path)
     os.remove(os.path.join(mds, "index.json"))
