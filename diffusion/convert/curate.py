@@ -231,8 +231,8 @@ class ClipEmbedder:
         if not crops:
             return np.zeros((0, self.width), np.float32)
         with torch.inference_mode():
-            x = torch.stack([torch.from_numpy(np.ascontiguousarray(c)).permute(2, 0, 1) for c in
-                             _same_size(crops)]).to(self.device).float().div(255.0)
+            # one copy, writable (the crops are the object store's read-only views: torch warns on those)
+            x = torch.from_numpy(np.stack(_same_size(crops))).permute(0, 3, 1, 2).to(self.device).float().div(255.0)
             if x.shape[-1] != self.size or x.shape[-2] != self.size:
                 x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bicubic", antialias=True,
                                                     align_corners=False).clamp(0, 1)
