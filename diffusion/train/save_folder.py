@@ -90,11 +90,27 @@ def _write_whole(write, state_dict, filename: str) -> None:
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(partial)
+        interrupt = _interrupt_behind(e)
+        if interrupt is not None and interrupt is not e:
+            # Ctrl-C or SIGTERM in the middle of torch's zip writer (Composer's sys.exit(130) or (143)) comes out as
+            # the writer's own RuntimeError ("unexpected pos"), the interrupt its context: raise what stopped it
+            raise interrupt from None
         if isinstance(e, OSError) and e.errno in _FULL:
             raise OSError(e.errno, f"{os.strerror(e.errno)}: this checkpoint was not saved (its unfinished file is "
                                    f"removed; the checkpoints before it are whole); free space, then re-run with "
                                    f"trainer.autoresume=true to continue from the last one", filename) from None
         raise
+
+
+def _interrupt_behind(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that ``error`` is, or was raised while handling, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def _fsync(path: str) -> None:

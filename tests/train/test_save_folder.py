@@ -218,3 +218,43 @@ def test_a_run_refused_for_its_unreadable_checkpoints_leaves_the_folder_unlocked
     later = SaveFolderLock(str(folder))
     assert later.acquire() == []  # no stale lock to take over
     later.release()
+
+
+def test_ctrl_c_in_the_middle_of_a_checkpoint_write_stops_the_run_as_ctrl_c(tmp_path):
+    """Composer turns Ctrl-C into ``sys.exit(130)`` wherever Python is, and torch's zip writer reports an
+    exception raised in the middle of its write as its own error ("unexpected pos"), the interrupt as that
+    error's context: the run ended with rc 1 and a traceback instead of run.py's line saying where it stopped
+    (tests/train/test_launch_lines.py, when its Ctrl-C landed in a save; a fresh clone, 2026-11-29). The
+    write now raises the interrupt itself, and its unfinished file is removed."""
+    import torch
+    from diffusion.train.save_folder import _write_whole
+
+    class SignalledMidWrite:  # the checkpoint's file, Ctrl-C arriving during its third write
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def composers_write(state_dict, filename):  # composer.utils.checkpoint._write_checkpoint_file's way
+        with open(filename, "wb") as f:
+            torch.save(state_dict, SignalledMidWrite(f))
+
+    def composers_handler(signum, frame):  # composer.core.engine's SIGINT handler
+        sys.exit(128 + signum)
+
+    target = tmp_path / "ep0-ba2-rank0.pt"
+    previous = signal.signal(signal.SIGINT, composers_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            _write_whole(composers_write, {"weight": torch.ones(64, 64)}, str(target))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stopped.value.code == 130
+    assert os.listdir(tmp_path) == []  # neither the checkpoint nor its unfinished file
