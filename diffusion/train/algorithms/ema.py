@@ -5,17 +5,18 @@ keeps a copy of exactly that local shard (no full gather per step), updates all 
 ``torch._foreach_lerp_`` per step, and gathers full tensors only when a checkpoint is written.
 
     ema_t = decay_n * ema_{t-1} + (1 - decay_n) * weights_t            (every ``update_interval`` batches)
-    decay_n = min(smoothing, (1 + n) / (10 + n))    n = 1, 2, ...: the updates since the EMA started
+    decay_n = min(smoothing, (1 + n) / (10 + n)), 0 for n = 0    n = 0, 1, ...: the updates before this one
 
 The EMA starts as a copy of the weights at ``start``: a batch count ("800000ba", or an int), samples
 ("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"), resolved at each fit start against
 that launch's ``max_duration`` (0: at fit start).
 
-The warm-up (``warmup=True``, the default) is the decay schedule of diffusers' ``EMAModel``: its
-``(1 + step) / (10 + step)`` capped at ``smoothing`` (``decay`` there). Early updates follow the weights
-closely, so the average does not hold on to the weights it started from; the decay reaches
-``smoothing`` after ``(10 * smoothing - 1) / (1 - smoothing)`` updates (80 for 0.9, 890 for 0.99,
-~100k for 0.9999). ``warmup=False`` uses ``smoothing`` from the first update, as Composer's EMA does.
+The warm-up (``warmup=True``, the default) is the decay schedule of diffusers' ``EMAModel``, update for
+update: its ``(1 + step) / (10 + step)`` capped at ``smoothing`` (``decay`` there), with ``step`` the
+updates before this one, and 0 at the first (the first update takes the weights as they are: 2/11, 3/12,
+... after it). Early updates follow the weights closely, so the average does not hold on to the weights
+it started from; the decay reaches ``smoothing`` at update ``1 + (10 * smoothing - 1) / (1 - smoothing)``
+(81 for 0.9, 891 for 0.99, ~100k for 0.9999). ``warmup=False`` uses ``smoothing`` from the first update, as Composer's EMA does.
 The update count ``n`` is checkpointed, so a resumed run continues the warm-up exactly.
 
 Evaluation: the raw weights are evaluated as always (label ``eval``: ``metrics/eval/loss``), and once
@@ -205,7 +206,8 @@ class EMA(Algorithm):
         start: when the EMA starts as a copy of the weights: batches ("800000ba", or an int), samples
             ("...sp") or a fraction of ``trainer.max_duration`` ("0.95dur"); 0 starts at fit start.
         update_interval: update every this many batches, counted from the start.
-        warmup: diffusers' EMA warm-up: the decay of update ``n`` is ``min(smoothing, (1+n)/(10+n))``.
+        warmup: diffusers' EMA warm-up: the decay of an update after ``n`` others is
+            ``min(smoothing, (1+n)/(10+n))``, and 0 for the first (``EMAModel.get_decay``).
             False: ``smoothing`` from the first update.
         init_from: a checkpoint of an earlier phase (a staged recipe): a run that does not resume starts
             its average from that checkpoint's EMA (and update count), not from its own first weights.
@@ -261,8 +263,8 @@ class EMA(Algorithm):
         """The weight of the old average in the next update (the warm-up's, then ``smoothing``)."""
         if not self.warmup:
             return self.smoothing
-        n = self.num_updates + 1
-        return min(self.smoothing, (1 + n) / (10 + n))
+        n = self.num_updates  # diffusers' step: the updates before this one; the first takes the weights
+        return min(self.smoothing, (1 + n) / (10 + n)) if n else 0.0
 
     def evaluator(self, dataloader, eval_interval: str | int | Time):
         """A Composer ``Evaluator`` (label ``eval_ema``) of ``dataloader`` on the EMA weights, every

@@ -82,9 +82,15 @@ def fit(ema, duration="6ba", **kwargs):
     return trainer, recorder
 
 
+def diffusers_decay(smoothing: float, updates_before: int) -> float:
+    """The decay diffusers' EMAModel gives the update after ``updates_before`` others (its own get_decay)."""
+    from diffusers.training_utils import EMAModel
+    return EMAModel([torch.nn.Parameter(torch.zeros(1))], decay=smoothing).get_decay(updates_before + 1)
+
+
 def reference_ema(weights, smoothing, start_batch=0, initial=None, interval=1, warmup=True):
-    """Plain Python over the per-batch weights: copy at start_batch, then one update per interval, the
-    n-th with decay min(smoothing, (1 + n) / (10 + n)) (diffusers' EMAModel) when warming up."""
+    """Plain Python over the per-batch weights: copy at start_batch, then one update per interval, each
+    with diffusers' EMAModel's decay when warming up (0 for the first: it takes the weights)."""
     ema = {k: v.clone() for k, v in initial.items()} if start_batch == 0 else None
     n = 0
     for batch, w in enumerate(weights, start=1):
@@ -93,8 +99,8 @@ def reference_ema(weights, smoothing, start_batch=0, initial=None, interval=1, w
                 ema = {k: v.clone() for k, v in w.items()}
             continue
         if (batch - start_batch) % interval == 0:
+            decay = diffusers_decay(smoothing, n) if warmup else smoothing
             n += 1
-            decay = min(smoothing, (1 + n) / (10 + n)) if warmup else smoothing
             ema = {k: decay * ema[k] + (1 - decay) * w[k] for k in w}
     return ema
 
@@ -117,16 +123,21 @@ def test_ema_matches_reference_over_several_steps():
 
 
 def test_warmup_follows_diffusers_schedule_by_default():
-    # decay of update n: min(smoothing, (1 + n) / (10 + n)): 2/11, 3/12, ... until it reaches smoothing
+    # diffusers' EMAModel, update for update: decay 0 (the first takes the weights), then 2/11, 3/12, ...
+    # (min(smoothing, (1 + n) / (10 + n)) after n updates) until it reaches smoothing
+    from diffusers.training_utils import EMAModel
     ema = EMA(smoothing=0.25)
-    assert ema.warmup and ema.decay == pytest.approx(2 / 11)
+    assert ema.warmup and ema.decay == 0.0
     _, rec = fit(ema)
     initial = trainable(TinyRegressor())
-    assert_close(ema.state_dict()["ema_params"], reference_ema(rec.after_batch, 0.25, initial=initial))
-    assert ema.decay == 0.25  # update 7: 8/17 > 0.25
+    theirs = EMAModel([torch.nn.Parameter(v.clone()) for v in initial.values()], decay=0.25)
+    for weights in rec.after_batch:
+        theirs.step([torch.nn.Parameter(w) for w in weights.values()])
+    assert_close(ema.state_dict()["ema_params"], dict(zip(initial, theirs.shadow_params)))
+    assert ema.decay == 0.25 == theirs.get_decay(7)  # update 7: 7/16 > 0.25
     slow = EMA(smoothing=0.9)
     fit(slow)
-    assert slow.decay == pytest.approx(8 / 17)  # still warming up after 6 updates
+    assert slow.decay == pytest.approx(7 / 16)  # still warming up after 6 updates
     warmed = reference_ema(rec.after_batch, 0.9, initial=initial)
     plain = reference_ema(rec.after_batch, 0.9, initial=initial, warmup=False)
     assert_close(slow.state_dict()["ema_params"], warmed)
@@ -252,7 +263,7 @@ def test_checkpoint_holds_ema_and_resume_is_exact(tmp_path):
     resumed = EMA(smoothing=0.9, start="0.3dur")
     fit(resumed, duration="6ba", load_path=str(tmp_path / "ep0-ba3.pt"))
     assert resumed.num_updates == straight.num_updates == 4
-    assert resumed.decay == straight.decay == pytest.approx(6 / 15)
+    assert resumed.decay == straight.decay == pytest.approx(5 / 14)
     assert_close(resumed.state_dict()["ema_params"], straight.state_dict()["ema_params"])
 
 
@@ -319,9 +330,9 @@ def test_init_from_continues_the_earlier_phases_count_unless_restarted(tmp_path)
     assert earlier["num_updates"] == 3
     went_on = EMA(smoothing=0.9, init_from=path)
     _, rec = fit(went_on, duration="2ba")
-    assert went_on.num_updates == 5  # the warm-up went on: update 4's decay 5/14, not update 1's 2/11
+    assert went_on.num_updates == 5  # the warm-up went on: update 4's decay 4/13, not a first update's 0
     expected = dict(earlier["ema_params"])
-    for n, weights in zip((4, 5), rec.after_batch):
+    for n, weights in zip((3, 4), rec.after_batch):
         decay = (1 + n) / (10 + n)
         expected = {k: decay * expected[k] + (1 - decay) * weights[k] for k in weights}
     assert_close(went_on.state_dict()["ema_params"], expected)
@@ -333,7 +344,7 @@ def test_init_from_continues_the_earlier_phases_count_unless_restarted(tmp_path)
                  reference_ema(rec.after_batch, 0.5, initial=earlier["ema_params"], warmup=False))
     warm = EMA(smoothing=0.9, init_from=path, restart=True)
     _, rec = fit(warm, duration="2ba")
-    assert warm.num_updates == 2 and warm.decay == pytest.approx(4 / 13)  # the warm-up again: 2/11, 3/12, ...
+    assert warm.num_updates == 2 and warm.decay == pytest.approx(3 / 12)  # the warm-up again: 0, 2/11, 3/12, ...
     assert_close(warm.state_dict()["ema_params"], reference_ema(rec.after_batch, 0.9, initial=earlier["ema_params"]))
     with pytest.raises(ValueError, match="give algorithms.ema.init_from"):
         EMA(restart=True)
@@ -370,7 +381,7 @@ def test_init_from_reads_an_earlier_phase_on_s3_through_latest(tmp_path, s3_buck
         went_on = EMA(smoothing=0.9, init_from=uri)
         _, rec = fit(went_on, duration="1ba")
         assert went_on.num_updates == 4  # the earlier phase's 3 updates went on
-        decay = 5 / 14
+        decay = 4 / 13
         expected = {k: decay * earlier["ema_params"][k] + (1 - decay) * w for k, w in rec.after_batch[0].items()}
         assert_close(went_on.state_dict()["ema_params"], expected)
     missing = f"s3://{bucket}/unmasked/latest-rank0.pt"
