@@ -743,17 +743,23 @@ def _size(n: int) -> str:
 
 def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: int = 1,
                      seed: int = 0, noise: NoiseDraws | None = None,
-                     text_column: str = schema.TEXT_EMBEDS, tokens: bool = False) -> StreamingDataLoader:
+                     text_column: str = schema.TEXT_EMBEDS, tokens: bool = False,
+                     drop_last: bool = True) -> StreamingDataLoader:
     """A StreamingDataLoader yielding device batches (the global ``batch_size`` split across ranks),
     with each sample's training draws when ``noise`` is given, conditioned on ``text_column``
     (``text_embeds``, or ``input_ids`` for a model with a text encoder: :func:`text_column`), with the
-    captions' token counts (``text_tokens``: attention masks) when ``tokens``."""
+    captions' token counts (``text_tokens``: attention masks) when ``tokens``.
+
+    ``drop_last``: training drops an epoch's last incomplete batch (every step the same size); the eval
+    loader keeps it (False), so the held-out loss scores the whole set (:mod:`diffusion.models.held_out_loss`,
+    which also counts once the samples streaming repeats to even out the ranks' shares)."""
     if loader_cfg.batch_size % world_size:
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
     dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
                             device_batch_size=device_batch_size, text_column=text_column, seed=seed, tokens=tokens)
-    check_batch_fits(loader_cfg, dataset, world_size)
+    if drop_last:  # a loader that keeps its last batch reads a set smaller than a batch as one
+        check_batch_fits(loader_cfg, dataset, world_size)
     check_shared_memory(loader_cfg, dataset)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
@@ -763,7 +769,7 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.
     return StreamingDataLoader(
-        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=True, collate_fn=StackSamples(to_batch, dataset.caption_columns),
+        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=drop_last, collate_fn=StackSamples(to_batch, dataset.caption_columns),
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(), prefetch_factor=loader_cfg.prefetch_factor if workers else None,
         persistent_workers=loader_cfg.persistent_workers and workers > 0)

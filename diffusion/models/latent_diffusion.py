@@ -27,12 +27,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
-from torchmetrics import MeanMetric
 
 from diffusion import schema
 from diffusion.errors import ConfigError
 from diffusion.models import denoisers, loading, objectives, repa as repa_module
 from diffusion.models.description import ModelDescription
+from diffusion.models.held_out_loss import HeldOutLoss
 from diffusion.models.text_encoder import FrozenTextEncoder, attention_mask
 
 # model.eval_protocol with eval_bins: MLPerf's (each held-out sample at one level, round-robin) or every
@@ -247,7 +247,7 @@ class LatentDiffusion(ComposerModel):
         if outputs is not None:
             return outputs
         moments = self.stored(batch)
-        indices = batch.get(schema.BATCH_SAMPLE_INDEX)
+        indices = given = batch.get(schema.BATCH_SAMPLE_INDEX)
         if indices is None:  # a source without indices: pin by position in the batch
             indices = torch.arange(moments.shape[0])
         latents, noise, levels = [], [], []
@@ -271,26 +271,26 @@ class LatentDiffusion(ComposerModel):
                 outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text,
                                                                  pooled=pooled))
                                    for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
+        outputs["sample_index"] = given  # the metrics count each held-out sample once (HeldOutLoss)
         return outputs
 
     def get_metrics(self, is_train: bool = False) -> dict:
         if is_train:
             return {}
-        metrics = {"loss": MeanMetric()}
+        metrics = {"loss": HeldOutLoss()}
         for k in range(self.eval_bins):  # tagged: Composer hands update_metric the metric, not its name
-            metrics[f"loss_bin{k}"] = MeanMetric()
+            metrics[f"loss_bin{k}"] = HeldOutLoss()
             metrics[f"loss_bin{k}"].level_bin = k
         return metrics
 
     def update_metric(self, batch, outputs, metric) -> None:
         k = getattr(metric, "level_bin", None)
-        if k is not None and "bin_of" in outputs:  # MLPerf's protocol: the samples given level k
-            per_sample = outputs["per_sample"][outputs["bin_of"] == k]
-            if per_sample.numel():
-                metric.update(per_sample.mean(), weight=per_sample.numel())
+        index = outputs.get("sample_index")
+        if k is not None and "bin_of" in outputs:  # MLPerf's protocol: the samples given level k (maybe none)
+            chosen = outputs["bin_of"] == k
+            metric.update(outputs["per_sample"][chosen], None if index is None else index.to(chosen.device)[chosen])
             return
-        per_sample = _per_sample_mse(outputs) if k is None else outputs["bins"][k]
-        metric.update(per_sample.mean(), weight=per_sample.numel())
+        metric.update(_per_sample_mse(outputs) if k is None else outputs["bins"][k], index)
 
     # ---- throughput ------------------------------------------------------------------------------------
     def flops_per_batch(self, batch: dict) -> float:

@@ -511,7 +511,8 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
                        world_size=dist.get_world_size(), seed=t.seed, text_column=text_column, tokens=tokens)
     train_loader = (train_dataloader if train_dataloader is not None
                     else mds_source.build_dataloader(cfg.data.train, noise=noise_draws(cfg), **loader_args))
-    eval_loader = mds_source.build_dataloader(cfg.data.eval, **loader_args) if cfg.data.eval else None
+    eval_loader = (mds_source.build_dataloader(cfg.data.eval, drop_last=False, **loader_args)  # the whole set
+                   if cfg.data.eval else None)
 
     optimizer = build_optimizer(cfg, model)
     algorithms = components.build_components("algorithms", cfg.algorithms)

@@ -202,23 +202,39 @@ def test_rerunning_a_finished_run_reports_it_and_exits_zero(train_kit, mds, tmp_
 
 def test_eval_reports_raw_and_ema_loss_apart_and_the_grad_norm_is_logged(train_kit, mds, tmp_path):
     """Held-out loss of the raw weights every eval, of the EMA once it has started (at 3/4 of the run),
-    under their own names; Composer's OptimizerMonitor (callbacks.optimizer_monitor) logs grad norms."""
+    under their own names, over the whole held-out set (its last batch partial: 4 + 4 + 2); Composer's
+    OptimizerMonitor (callbacks.optimizer_monitor) logs grad norms."""
     from composer.loggers import InMemoryLogger
-    held_out = write_latent_mds(str(tmp_path / "eval"), kit=train_kit, n=8, seed=1)
+    from diffusion.loader.mds_source import build_dataloader
+    from diffusion.models.latent_diffusion import _per_sample_mse
+    held_out = write_latent_mds(str(tmp_path / "eval"), kit=train_kit, n=10, seed=1)
     cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=4, extra=(
-        f"data.eval={{path: {held_out}, batch_size: 8, num_workers: 0}}", "trainer.eval_interval=2ba",
-        "algorithms.ema={smoothing: 0.9, start: 0.75dur}", "optimizer.lr=1e-2",
+        f"data.eval={{path: {held_out}, batch_size: 4, num_workers: 0}}", "trainer.eval_interval=2ba",
+        "algorithms.ema={smoothing: 0.9, start: 0.75dur, warmup: false}", "optimizer.lr=1e-2",
         "callbacks={optimizer_monitor: {batch_log_interval: 1}}")))
     trainer = build_trainer(cfg)
     logged = InMemoryLogger()
     logged.init(trainer.state, trainer.logger)
     trainer.logger.destinations = (*trainer.logger.destinations, logged)
     trainer.fit()
-    trainer.close()
     raw, ema = logged.data["metrics/eval/loss"], logged.data["metrics/eval_ema/loss"]
     assert [int(t.batch) for t, _ in raw] == [2, 4]
     assert [int(t.batch) for t, _ in ema] == [4]  # the EMA started after batch 3: nothing of it before
     assert ema[0][1] != raw[1][1]  # two models, two losses, on the same held-out batches and noise
+    # (no warm-up: its first update, at batch 4, would take the weights as they are, as diffusers' does)
+    # the last eval's loss is the mean over all 10 held-out samples (each one's noise and level pinned by its
+    # index), as one batch of the whole set gives it: not over the first 8 (the partial batch dropped)
+    model = trainer.state.model
+    cfg.data.eval.batch_size = 10
+    whole = next(iter(build_dataloader(cfg.data.eval, resolution=cfg.model.resolution, text_dim=model.text_dim,
+                                       drop_last=False)))
+    model.eval()
+    with torch.no_grad():
+        per_sample = _per_sample_mse(model.eval_forward(whole))
+    trainer.close()
+    assert len(per_sample) == 10
+    assert raw[1][1] == pytest.approx(per_sample.mean().item(), rel=1e-5)
+    assert raw[1][1] != pytest.approx(per_sample[:8].mean().item(), rel=1e-4)
     norms = logged.data["l2_norm/grad/global"]
     assert [int(t.batch) for t, _ in norms] == [1, 2, 3, 4]
     assert all(0 < value < float("inf") for _, value in norms)
