@@ -44,6 +44,7 @@ SCORES = (CLIP_SCORE, *HEAD_COLUMNS.values())
 CURATED_COLUMNS = (*SCORES, EMBEDS)  # what the encode stage carries through to the sink
 STAGE_SECONDS = "_curate_seconds"
 REUSED_SECONDS = "_curate_reused_seconds"  # rows whose scores came from --dedupe near/semantic's first pass
+NON_FINITE_SCORE = "non_finite_score"  # a row whose computed score is NaN or infinite: rejected, never written
 # Per score column: (low, high, bins) of its histogram in the parts' stats; values outside fall in the end bins.
 HISTOGRAMS = {CLIP_SCORE: (-0.2, 0.6, 16), "aesthetic_score": (0.0, 10.0, 20), "nsfw": (0.0, 1.0, 10),
               "watermark": (0.0, 1.0, 10)}
@@ -109,6 +110,10 @@ class Head:
         if self.settings["activation"] not in _ACTIVATIONS or self.settings["output"] not in _OUTPUTS:
             raise ConfigError(f"{where}: metadata activation={self.settings['activation']!r} output="
                               f"{self.settings['output']!r}; expected one of {_ACTIVATIONS} and {_OUTPUTS}")
+        for name, tensor in sorted(tensors.items()):  # a NaN weight gives every row a NaN score
+            if not bool(torch.isfinite(tensor).all()):
+                raise ConfigError(f"{where}: tensor {name!r} holds non-finite values (NaN or inf); a head's weights "
+                                  f"must all be finite numbers")
         self.layers = self._layers(tensors, where)
         self.width = int(self.layers[0][0].shape[1])
         if width is not None and self.width != int(width):
@@ -354,10 +359,13 @@ class Curator:
         out.update(scores)
         if self.store_embeddings:
             out[EMBEDS] = embeds
-        if self.where:
-            keep = failing_rows(self.where, scores, keys, self.rejects_dir)
-            if not keep.all():
-                out = {c: np.asarray(v)[keep] for c, v in out.items()}
+        keep = finite_rows(scores, keys, self.rejects_dir)
+        if self.where and keep.any():
+            rows = np.flatnonzero(keep)
+            keep[rows] = failing_rows(self.where, {c: np.asarray(v)[rows] for c, v in scores.items()},
+                                      [keys[i] for i in rows], self.rejects_dir)
+        if not keep.all():
+            out = {c: np.asarray(v)[keep] for c, v in out.items()}
         if self.record_timing:
             n = len(out[schema.KEY])
             share = np.full(n, (time.perf_counter() - start) / max(len(keys), 1))
@@ -365,6 +373,18 @@ class Curator:
             if self.reuse is not None:  # both columns in every batch of this stage: its blocks share a schema
                 out[REUSED_SECONDS] = share if found is not None else np.zeros(n)
         return out
+
+
+def finite_rows(scores: dict, keys: list[str], rejects_dir: str | None) -> np.ndarray:
+    """The rows whose every score is a finite number (a bool mask); the others (an embedding or a head
+    that overflowed) are recorded in ``rejects_dir`` as :data:`NON_FINITE_SCORE`."""
+    keep = np.ones(len(keys), bool)
+    for values in scores.values():
+        keep &= np.isfinite(np.asarray(values, np.float32))
+    if not keep.all() and rejects_dir:
+        from diffusion.rejects import write_rejects
+        write_rejects(rejects_dir, {k: NON_FINITE_SCORE for k, ok in zip(keys, keep) if not ok})
+    return keep
 
 
 def failing_rows(where: str, scores: dict, keys: list[str], rejects_dir: str | None) -> np.ndarray:

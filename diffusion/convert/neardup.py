@@ -157,7 +157,7 @@ class _EmbedFiles:
     def __call__(self, batch: dict):
         import pyarrow as pa
         from diffusion import schema
-        from diffusion.convert.curate import CLIP_SCORE, failing_rows, perceptual_vectors
+        from diffusion.convert.curate import CLIP_SCORE, failing_rows, finite_rows, perceptual_vectors
         from diffusion.convert.dedupe import file_id
         from diffusion.convert.failed_inputs import file_errors
         from diffusion.convert.files import iter_file_batches
@@ -189,6 +189,7 @@ class _EmbedFiles:
                             out["embed"] += [np.asarray(v, np.float16).tobytes() for v in images]
                         if self.where:
                             passes = failing_rows(self.where, scores, keys, None)
+                        passes &= finite_rows(scores, keys, None)  # a NaN score: rejected, no part in the decision
                     vectors = images if self.mode == "semantic" else perceptual_vectors(crops)
                     out["key"] += keys
                     out["order"] += [int(order)] * len(keys)

@@ -323,8 +323,10 @@ class MDSPartSink(Datasink):
                         if c.startswith(EMPTY_COUNTED) and row[c] == "":
                             part["seconds"][EMPTY_PREFIX + c] = part["seconds"].get(EMPTY_PREFIX + c, 0) + 1
                     for c in self.histograms:  # --embed: each written row's score, binned
-                        name = f"hist:{c}:{_bin(self.histograms[c], row[c])}"
-                        part["seconds"][name] = part["seconds"].get(name, 0) + 1
+                        index = _bin(self.histograms[c], row[c])
+                        if index is not None:
+                            name = f"hist:{c}:{index}"
+                            part["seconds"][name] = part["seconds"].get(name, 0) + 1
                     part["keys"].append(str(row[schema.KEY]))
             names = [self._commit(part, start) for part in parts.values()]
         except BaseException:
@@ -351,9 +353,14 @@ class MDSPartSink(Datasink):
         return count
 
 
-def _bin(spec, value) -> int:
+def _bin(spec, value) -> int | None:
+    """The histogram bin of ``value``: outside (low, high), infinities too, the end bins; NaN none (the
+    curation stage rejects such rows, so none should reach here)."""
     low, high, bins = spec
-    return int(min(max(int(np.floor((float(value) - low) / (high - low) * bins)), 0), bins - 1))
+    position = (float(value) - low) / (high - low) * bins
+    if np.isnan(position):
+        return None
+    return int(np.clip(np.floor(position), 0, bins - 1))
 
 
 def _as_mds_value(value, encoding: str = ""):

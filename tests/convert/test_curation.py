@@ -298,3 +298,34 @@ def test_conversion_reuses_the_first_pass_scores_instead_of_a_second_model_pass(
 def _crops(rows):
     from diffusion.convert.transforms import ImageChecks, center_square_crops, decode_image
     return [center_square_crops(decode_image(r["jpg"], 64, ImageChecks())[0], [64])[64] for r in rows]
+
+
+def test_non_finite_heads_are_refused_and_non_finite_scores_rejected(clip_kit, tmp_path):
+    """A head holding a NaN (or inf) weight is refused in one line naming the file and tensor (it was
+    accepted, then every write task crashed: "cannot convert float NaN to integer"); a row whose score is
+    NaN or inf anyway is rejected under its own reason, never written, and the histograms bin what is."""
+    from diffusion.convert.curate import Curator, Head, save_head
+    from diffusion.convert.sink import _bin
+    from diffusion.convert.summary import done_keys
+    from diffusion.errors import ConfigError
+    kit_head = Head(os.path.join(clip_kit, "heads", "aesthetic.safetensors"), "aesthetic", 32)
+    for bad in (float("nan"), float("inf")):
+        layers = [(w.clone(), b.clone()) for w, b in kit_head.layers]
+        layers[0][0][:] = bad
+        path = tmp_path / f"aesthetic-{bad}.safetensors"
+        save_head(str(path), layers, "aesthetic")
+        with pytest.raises(ConfigError, match=rf"--aesthetic-head {path}: tensor 'layers.0.weight' holds non-finite"):
+            Head(str(path), "aesthetic", 32)
+    spec = (0.0, 10.0, 20)
+    assert (_bin(spec, float("inf")), _bin(spec, float("-inf")), _bin(spec, float("nan")), _bin(spec, 5.0)) == (
+        19, 0, None, 10)
+    curator = Curator(clip_kit, 64, where="clip_score >= 0", rejects_dir=str(tmp_path / "rejects"))
+    clip = np.array([0.5, np.nan, np.inf, -0.5], np.float32)
+    curator.scores = lambda crops, captions: ({"clip_score": clip}, np.zeros((4, 32), np.float32))
+    batch = {schema.KEY: np.array(["a", "b", "c", "d"], dtype=object),
+             schema.CAPTION: np.array(["x"] * 4, dtype=object),
+             schema.image_column(64): np.zeros((4, 64, 64, 3), np.uint8)}
+    out = curator(batch)
+    assert list(out[schema.KEY]) == ["a"]
+    assert done_keys(str(tmp_path))[1] == {"b": "non_finite_score", "c": "non_finite_score",
+                                           "d": "filtered: clip_score >= 0"}
