@@ -149,7 +149,10 @@ class ConvertConfig(PipelineSettings):
         if self.visualize_duplicates and self.dedupe not in ("near", "semantic"):
             raise ConfigError("--visualize-duplicates draws what --dedupe near or semantic removed: give one")
         if self.where:
-            self.split_where()  # a rule mixing scores and input columns fails here, naming it
+            scores = self.split_where()[1]  # a rule mixing scores and input columns fails here, naming it
+            if scores:  # as the input's are against their files: a score compared with text fails here
+                from diffusion.convert.curate import check_score_types
+                check_score_types(scores)
         for path in self.exclude or ():
             if not os.path.isfile(os.path.expanduser(path)):
                 raise ConfigError(f"--exclude {path}: no such file")

@@ -80,6 +80,16 @@ def split_where(text: str | None, computed) -> tuple[str | None, str | None]:
     return (" and ".join(meta) or None), (" and ".join(scores) or None)
 
 
+def check_score_types(where: str) -> None:
+    """ConfigError in one line if ``where`` (the rules on computed scores, :func:`split_where`) cannot be
+    evaluated on them (float32: a score compared with text), before any cluster work, as a rule on the
+    input's columns is checked against its files (it was the curation actors' Arrow traceback)."""
+    import pyarrow as pa
+    from diffusion.where import parse_where
+    row_filter = parse_where(where)
+    row_filter.check_types(pa.schema([(c, pa.float32()) for c in row_filter.columns]), "the computed scores")
+
+
 # ---- heads ---------------------------------------------------------------------------------------
 
 class Head:

@@ -212,6 +212,18 @@ def test_heads_refuse_pickles_and_wrong_widths_in_one_line(clip_kit, tmp_path):
         split_where("clip_score > 0.3 or aesthetic > 5", ["clip_score"])
 
 
+def test_a_score_compared_with_text_is_refused_before_ray_starts():
+    """--where on a computed score (float32) compared with a string: one line from the settings' checks, as
+    the same mistake on an input column is (it was a 54-line Arrow traceback from the curation actors,
+    after the output folder was made)."""
+    from diffusion.convert.config import ConvertConfig
+    from diffusion.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"""--where "clip_score >= 'high'" cannot be evaluated on the computed """
+                                          r"scores \(clip_score: float\)"):
+        ConvertConfig(input="x", output="y", model="m", embed="clip", where="aesthetic > 5 and clip_score >= 'high'")
+    ConvertConfig(input="x", output="y", model="m", embed="clip", where="aesthetic > 5 and clip_score >= 0.28")
+
+
 def test_online_mode_runs_the_embed_stage_and_blocklists_from_its_settings(tmp_path):
     """data.online takes the same curation settings (PipelineSettings): the stream's pipeline gets the
     --embed stage, its pool fits 2 CPUs beside the training workers with a CPU for the read, and the
