@@ -10,8 +10,8 @@ Which copy wins: the first in input order (files in their sorted order, rows in 
 the number of workers or which task finishes first. The choice is made by a pass before the
 conversion, with no process holding every hash:
 
-1. one Ray task per input file reads its valid rows (after ``--where``, bad rows and repeated keys,
-   as the conversion reads them) and emits (hash, file order, row position, key) per row;
+1. one Ray task per input file reads its valid rows (after ``--where``, bad rows, repeated keys and
+   ``--exclude``, as the conversion reads them) and emits (hash, file order, row position, key) per row;
 2. Ray Data groups the rows by hash (a hash-partitioned shuffle); in each group every row but the
    one with the smallest (file order, position) is a later copy;
 3. the later copies' keys are written per input file (``dedupe/<fingerprint>/file=<id>/``), so a read
@@ -56,10 +56,13 @@ def file_id(name: str) -> str:
 
 
 class _HashRows:
-    """Ray ``map_batches`` callable: a batch of (path, order) in; (hash, order, pos, file, key) per valid row."""
+    """Ray ``map_batches`` callable: a batch of (path, order) in; (hash, order, pos, file, key) per valid row
+    (``blocklist``: --exclude's keys and image hashes, left out as the conversion drops them; its URLs are
+    ``columns``')."""
 
-    def __init__(self, formats: dict, names: dict, columns, taken: dict):
+    def __init__(self, formats: dict, names: dict, columns, taken: dict, blocklist=None):
         self.formats, self.names, self.columns, self.taken = formats, names, columns, taken
+        self.blocklist = blocklist
 
     def __call__(self, batch: dict):
         import pyarrow as pa
@@ -72,9 +75,10 @@ class _HashRows:
             out = {"hash": [], "order": [], "pos": [], "file": [], "key": []}
             try:  # a file that fails part-way: its rows before the damage, as the conversion reads them
                 for rows in iter_file_batches(uri, self.formats[uri], self.columns, name, None, self.taken):
+                    blocked = self.blocklist.reasons(rows) if self.blocklist is not None else {}
                     for key, image in zip(rows[schema.RAW_KEY], rows[schema.RAW_IMAGE]):
                         position += 1
-                        if image:
+                        if image and key not in blocked:  # an excluded row is no copy's original
                             out["hash"].append(image_hash(image))
                             out["order"].append(int(order))
                             out["pos"].append(position)
@@ -98,11 +102,13 @@ def _later_copies(group):
     return group.filter(pa.array(keep)).select(["file", "key"])
 
 
-def _fingerprint(formats: dict, columns) -> str:
+def _fingerprint(formats: dict, columns, exclude=None) -> str:
     """Of the input files (name, size, modification time) and the settings that decide which rows are
-    read: what the duplicate lists are a function of."""
+    read: what the duplicate lists are a function of (``exclude``: the blocklists' settings,
+    :meth:`~diffusion.convert.config.ConvertConfig.exclude_settings`)."""
     from diffusion.storage import filesystem_for
-    h = hashlib.sha1(json.dumps([columns.image, columns.caption, columns.key, columns.where]).encode())
+    read = [columns.image, columns.caption, columns.key, columns.where]
+    h = hashlib.sha1(json.dumps(read + [exclude] if exclude else read).encode())
     for uri in formats:
         fs, path = filesystem_for(uri)
         info = fs.get_file_info(path)
@@ -115,15 +121,17 @@ def _partitions(files: list[str]) -> int:
     return max(1, min(len(files), 256))
 
 
-def find_duplicates(inputs, columns, out: str) -> str:
+def find_duplicates(inputs, columns, out: str, blocklist=None, exclude=None) -> str:
     """Run the pass (module docstring) unless an earlier run finished it for this input; returns the
-    folder of per-file lists that :func:`later_copies` reads."""
+    folder of per-file lists that :func:`later_copies` reads. ``blocklist``: --exclude's
+    (:class:`diffusion.convert.exclude.Blocklist`), whose rows take no part; ``exclude``: its settings
+    (files, sizes, times), part of the fingerprint, so another blocklist decides again."""
     import ray
     from diffusion.convert.files import file_names, input_files
     from diffusion.convert.shared_keys import keys_taken_by_earlier_files
     formats = input_files(inputs, columns)
     root = os.path.join(out, DEDUPE_DIR)
-    final = os.path.join(root, _fingerprint(formats, columns))
+    final = os.path.join(root, _fingerprint(formats, columns, exclude))
     if os.path.exists(os.path.join(final, _DONE)):
         _remove_others(root, keep=final)
         return final
@@ -133,7 +141,7 @@ def find_duplicates(inputs, columns, out: str) -> str:
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
     ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
                              override_num_blocks=min(len(files), 1024))
-    hashes = ds.map_batches(_HashRows(formats, names, columns, taken), batch_size=1, batch_format="numpy")
+    hashes = ds.map_batches(_HashRows(formats, names, columns, taken, blocklist), batch_size=1, batch_format="numpy")
     later = hashes.groupby("hash", num_partitions=_partitions(files)).map_groups(_later_copies, batch_format="pyarrow")
     later.write_parquet(tmp, partition_cols=["file"], min_rows_per_file=1 << 20)
     os.makedirs(tmp, exist_ok=True)

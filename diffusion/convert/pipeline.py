@@ -388,7 +388,7 @@ def _convert_into(cfg: ConvertConfig, out: str, settings: dict, columns: dict,
         from diffusion.convert.exclude import load_blocklists
         blocklist = load_blocklists(cfg.exclude)
     if cfg.dedupe == "bytes":
-        duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out)
+        duplicates = find_duplicates(cfg.input, cfg.raw_columns(), out, blocklist, cfg.exclude_settings())
         wait_for_free_cpus(ray)
     elif cfg.dedupe in ("near", "semantic"):  # the first pass: decode, embed, decide; then convert the rest
         removed = find_near_duplicates(cfg, out, blocklist)

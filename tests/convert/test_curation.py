@@ -341,3 +341,29 @@ def test_non_finite_heads_are_refused_and_non_finite_scores_rejected(clip_kit, t
     assert list(out[schema.KEY]) == ["a"]
     assert done_keys(str(tmp_path))[1] == {"b": "non_finite_score", "c": "non_finite_score",
                                            "d": "filtered: clip_score >= 0"}
+
+
+def test_bytes_dedupe_leaves_excluded_rows_out_of_the_comparison(sample_data, manifest, tmp_path, ray_local):
+    """--dedupe bytes with --exclude: a row excluded by key is no original of its copies, so its
+    byte-identical copy under another key is written (it was rejected as duplicate_image too: the image
+    was gone entirely, while excluding by URL kept the copy); another blocklist decides again."""
+    from diffusion.convert.dedupe import _fingerprint, find_duplicates, later_copies
+    from diffusion.convert.exclude import load_blocklists
+    from diffusion.convert.files import RawColumns, input_files
+    from diffusion.convert.readers import iter_rows
+    good = [r for r in iter_rows(sample_data) if r[schema.RAW_KEY] not in manifest["bad_keys"]][:3]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    keys = ["k0", "k1", "k2", "copy1", "copy2"]
+    images = [r[schema.RAW_IMAGE] for r in good] + [good[1][schema.RAW_IMAGE], good[2][schema.RAW_IMAGE]]
+    pq.write_table(pa.table({"key": keys, "jpg": images, "caption": ["x"] * 5}), raw / "0.parquet")
+    blocklist = tmp_path / "block.txt"
+    blocklist.write_text("key:k1\n")
+    stat = os.stat(blocklist)
+    exclude = [[str(blocklist), stat.st_size, stat.st_mtime_ns]]
+    out = str(tmp_path / "out")
+    excluded = find_duplicates(str(raw), RawColumns(), out, load_blocklists([str(blocklist)]), exclude)
+    assert set(later_copies(excluded, "0.parquet")) == {"copy2"}  # copy1's original is excluded: copy1 stays
+    formats = input_files(str(raw), RawColumns())  # another blocklist (or none) is not the cached decision
+    assert os.path.basename(excluded) == _fingerprint(formats, RawColumns(), exclude) != _fingerprint(formats,
+                                                                                                      RawColumns())
