@@ -9,6 +9,11 @@ A blocklist is a text file, one entry a line (blank lines and ``#`` comments ski
 
 or a parquet file with any of the columns ``url_sha256``, ``image_sha256``, ``key``.
 
+The kinds are read in any case (``URL_SHA256:``), and a file may start with a UTF-8 byte-order mark.
+Refused, naming the file and line: a ``word:`` prefix of another kind, a bad hex value after a hash
+kind, and a bare line of 32 to 128 hex digits other than 64 (a damaged hash; ``key:`` before it keeps it
+as a key). A key with a colon in it is written ``key:KEY``.
+
 Where each applies, always before the image is decoded:
 
 - keys and URLs: in the downloader, before the URL is fetched (:mod:`diffusion.download.select`); in the
@@ -30,6 +35,10 @@ from diffusion.errors import ConfigError
 
 EXCLUDED_KEY, EXCLUDED_URL, EXCLUDED_IMAGE = "excluded: key", "excluded: url", "excluded: image"
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+# a bare line of this many hex digits, not 64, is a damaged SHA-256 rather than a key (LAION's keys are 9 digits)
+_HASH_LIKE = re.compile(r"[0-9a-fA-F]{32,128}")
+_PREFIX = re.compile(r"([A-Za-z][A-Za-z0-9_]*)\s*:")  # "word:" before an entry: one of the kinds below
+_KINDS = ("url_sha256", "image_sha256", "url", "key")
 
 
 def url_digest(url: str) -> bytes:
@@ -100,7 +109,7 @@ def _load(paths: tuple[str, ...]) -> Blocklist:
             _parquet(path, keys, urls, images)
             continue
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of the first entry
                 lines = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"--exclude {path}: cannot be read as text ({type(e).__name__})") from None
@@ -108,17 +117,26 @@ def _load(paths: tuple[str, ...]) -> Blocklist:
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
-            kind, _, value = line.partition(":")
+            prefix = _PREFIX.match(line)
+            kind = prefix.group(1).lower() if prefix else None
+            value = line[prefix.end():].strip() if prefix else line
             if kind == "url_sha256":
-                urls.add(_hex(value.strip(), path, n))
+                urls.add(_hex(value, path, n))
             elif kind == "image_sha256":
-                images.add(_hex(value.strip(), path, n))
+                images.add(_hex(value, path, n))
             elif kind == "url":
-                urls.add(url_digest(value.strip()))
+                urls.add(url_digest(value))
             elif kind == "key":
-                keys.add(value.strip())
+                keys.add(value)
+            elif kind is not None:  # a misspelt kind was a key that never matched
+                raise ConfigError(f"--exclude {path}, line {n}: {line[:80]!r} starts with {prefix.group(1)!r}:, not "
+                                  f"one of {', '.join(k + ':' for k in _KINDS)} (a URL is written url:URL, a key with "
+                                  f"a colon key:KEY)")
             elif _HEX64.fullmatch(line):
                 urls.add(bytes.fromhex(line))
+            elif _HASH_LIKE.fullmatch(line):  # a hash that lost or gained a digit was a key that never matched
+                raise ConfigError(f"--exclude {path}, line {n}: {line[:80]!r} is {len(line)} hex digits, not a "
+                                  f"SHA-256 (64); write key: before it if it is a key")
             else:
                 keys.add(line)
     return Blocklist(frozenset(keys), frozenset(urls), frozenset(images))

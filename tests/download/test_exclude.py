@@ -22,3 +22,23 @@ def test_blocklisted_urls_and_keys_are_dropped_before_fetching(tmp_path):
     drops = plan_drops(fs, formats, shards, InputColumns(), None, True, load_blocklists([str(blocklist)]))
     assert drops == {0: {2: "excluded: url"}, 1: {1: "excluded: key", 3: "excluded: url"}}
     assert plan_drops(fs, formats, shards, InputColumns(), None, False, None) == {}  # off: nothing dropped
+
+
+def test_blocklist_lines_that_would_never_match_are_read_or_refused(tmp_path):
+    """A Re-LAION list saved with a byte-order mark, a kind in capitals, a bare key and a derived key with
+    a colon work; a hash one digit short, or an unknown kind, is refused naming the file and line (each
+    became a key that never matched: nothing excluded, nothing counted, no error)."""
+    import pytest
+    from diffusion.errors import ConfigError
+    digest = hashlib.sha256(b"http://example.com/a.jpg").hexdigest()
+    good = tmp_path / "good.txt"
+    good.write_text(f"{digest}\nURL_SHA256:{digest.upper()}\nKey: k1\n000000010\np0.parquet:000000002\n",
+                    encoding="utf-8-sig")
+    blocklist = load_blocklists([str(good)])
+    assert blocklist.urls == {bytes.fromhex(digest)}
+    assert blocklist.keys == {"k1", "000000010", "p0.parquet:000000002"}
+    for name, line in (("short.txt", digest[:-1]), ("kind.txt", f"sha256:{digest}")):
+        bad = tmp_path / name
+        bad.write_text("key:k0\n" + line + "\n")
+        with pytest.raises(ConfigError, match=rf"--exclude {bad}, line 2: "):
+            load_blocklists([str(bad)])
