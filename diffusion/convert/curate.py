@@ -10,8 +10,8 @@ decoded twice, and adds per row:
 - ``clip_score``: the cosine of the image embedding and the caption's text embedding, as LAION-5B
   computed it (it kept pairs >= 0.28 with CLIP ViT-B/32);
 - one score per head given (``--aesthetic-head`` -> ``aesthetic_score``, ``--nsfw-head`` -> ``nsfw``,
-  ``--watermark-head`` -> ``watermark``): a small MLP on the L2-normalised image embedding, read from a
-  safetensors file (:class:`Head`; never a pickle);
+  ``--watermark-head`` -> ``watermark``): a small MLP on the image embedding (L2-normalised unless the
+  head's metadata says ``normalize=false``), read from a safetensors file (:class:`Head`; never a pickle);
 - with ``--store-embeddings``, the image embedding itself (``clip_embeds``, float16).
 
 Scores are stored as MDS columns (float32) and can be filtered on with ``--where``, in the same grammar
@@ -129,6 +129,9 @@ class Head:
         if width is not None and self.width != int(width):
             raise ConfigError(f"{where} reads {self.width}-wide embeddings, but the --embed model's are {width} wide: "
                               f"use a head made for that model")
+        if self.settings["normalize"].lower() not in ("true", "false"):
+            raise ConfigError(f"{where}: metadata normalize={self.settings['normalize']!r}; expected true (read the "
+                              f"L2-normalised embedding) or false (the model's features as they come)")
         self.normalize = self.settings["normalize"].lower() == "true"
         self._torch = torch
 
@@ -240,8 +243,13 @@ class ClipEmbedder:
         return self._torch.nn.functional.normalize(features.float(), dim=-1).cpu().numpy()
 
     def images(self, crops: list[np.ndarray]) -> np.ndarray:
-        """(B, D) float32 unit vectors of uint8 HWC crops (each resized to the tower's size: a square crop
-        is what CLIP's processor makes of it too)."""
+        """(B, D) float32 unit vectors of uint8 HWC crops (:meth:`image_features`, L2-normalised)."""
+        return unit_vectors(self.image_features(crops))
+
+    def image_features(self, crops: list[np.ndarray]) -> np.ndarray:
+        """(B, D) float32 projected image features of uint8 HWC crops, as the model gives them (not
+        normalised: a head whose metadata says ``normalize=false`` reads these), each crop resized to the
+        tower's size (a square crop is what CLIP's processor makes of it too)."""
         torch = self._torch
         if not crops:
             return np.zeros((0, self.width), np.float32)
@@ -252,7 +260,9 @@ class ClipEmbedder:
                 x = torch.nn.functional.interpolate(x, size=(self.size, self.size), mode="bicubic", antialias=True,
                                                     align_corners=False).clamp(0, 1)
             x = ((x - self.mean) / self.std).to(self.dtype)
-            return self._normalised(self.model.get_image_features(pixel_values=x))
+            features = self.model.get_image_features(pixel_values=x)
+            features = getattr(features, "pooler_output", features)  # transformers 5 may return a model output
+            return features.float().cpu().numpy()
 
     def texts(self, captions) -> np.ndarray:
         torch = self._torch
@@ -266,6 +276,12 @@ class ClipEmbedder:
             if "attention_mask" in tokens:
                 kwargs["attention_mask"] = tokens["attention_mask"]
             return self._normalised(self.model.get_text_features(**kwargs))
+
+
+def unit_vectors(x: np.ndarray) -> np.ndarray:
+    """Each row of ``x`` scaled to unit length (torch's ``normalize``: a zero row stays zero)."""
+    x = np.asarray(x, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def _same_size(crops: list[np.ndarray]) -> list[np.ndarray]:
@@ -344,14 +360,16 @@ class Curator:
         self._model = None
 
     def scores(self, crops: list[np.ndarray], captions) -> tuple[dict, np.ndarray]:
-        """({score column: (B,) float32}, (B, D) image embeddings) of one batch."""
+        """({score column: (B,) float32}, (B, D) L2-normalised image embeddings) of one batch; the heads
+        read the model's features, normalised or not as each one's metadata says."""
         if self._model is not None:  # reuse mode, a batch its first pass did not score
             self._load()
-        images = self.embedder.images(crops)
+        features = self.embedder.image_features(crops)
+        images = unit_vectors(features)
         texts = self.embedder.texts(captions)
         scores = {CLIP_SCORE: (images * texts).sum(axis=1).astype(np.float32)}
-        for kind, head in self.heads.items():
-            scores[HEAD_COLUMNS[kind]] = head(images)
+        for kind, head in self.heads.items():  # each normalises them as its metadata says (normalize)
+            scores[HEAD_COLUMNS[kind]] = head(features)
         return scores, images
 
     def __call__(self, batch: dict) -> dict:

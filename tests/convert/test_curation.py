@@ -367,3 +367,34 @@ def test_bytes_dedupe_leaves_excluded_rows_out_of_the_comparison(sample_data, ma
     formats = input_files(str(raw), RawColumns())  # another blocklist (or none) is not the cached decision
     assert os.path.basename(excluded) == _fingerprint(formats, RawColumns(), exclude) != _fingerprint(formats,
                                                                                                       RawColumns())
+
+
+def test_a_head_saved_with_normalize_false_reads_the_unnormalised_features(clip_kit, tmp_path):
+    """normalize=false in a head's metadata: the head reads the model's image features as they come (it
+    got the L2-normalised embedding anyway, so the setting changed nothing); the default (true), clip_score
+    and the stored embedding stay on the unit vectors. A linear probe without bias shows it: its score
+    scales with the features' length."""
+    import torch
+    from diffusion.convert.curate import Curator, Head, save_head
+    from diffusion.errors import ConfigError
+    probe = [(torch.linspace(-1, 1, 32).view(1, 32), torch.zeros(1))]
+    paths = {}
+    for normalize in ("true", "false"):
+        paths[normalize] = str(tmp_path / f"aesthetic-{normalize}.safetensors")
+        save_head(paths[normalize], probe, "aesthetic", normalize=normalize)
+    crops = list(np.random.default_rng(0).integers(0, 256, (3, 64, 64, 3), dtype=np.uint8))
+    captions = ["a red square"] * 3
+    curator = Curator(clip_kit, 64, {"aesthetic": paths["true"]})
+    unit, images = curator.scores(crops, captions)
+    curator.heads = {"aesthetic": Head(paths["false"], "aesthetic", 32)}
+    raw, raw_images = curator.scores(crops, captions)
+    assert not np.allclose(raw["aesthetic_score"], unit["aesthetic_score"], rtol=1e-3)
+    norms = np.linalg.norm(curator.embedder.image_features(crops), axis=1)
+    assert not np.allclose(norms, 1, atol=1e-3)  # the tiny CLIP's features are not unit vectors
+    np.testing.assert_allclose(raw["aesthetic_score"], unit["aesthetic_score"] * norms, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(unit["aesthetic_score"], images @ probe[0][0][0].numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(raw["clip_score"], unit["clip_score"], atol=1e-6)
+    np.testing.assert_allclose(raw_images, images, atol=1e-6)
+    save_head(str(tmp_path / "maybe.safetensors"), probe, "aesthetic", normalize="maybe")
+    with pytest.raises(ConfigError, match="metadata normalize='maybe'"):
+        Head(str(tmp_path / "maybe.safetensors"), "aesthetic", 32)
