@@ -103,11 +103,15 @@ class _ReadFiles:
 
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
                  rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
-                 taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None, blocklist=None):
+                 taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None, blocklist=None,
+                 mark: bool = False):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
         self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
         self.duplicates = duplicates
         self.blocklist = blocklist  # --exclude: keys and image hashes (diffusion.convert.exclude.Blocklist)
+        # --limit: duplicates and excluded rows are kept, their reason in DROP, so the limit counts them as
+        # rows read and only those within it are recorded and dropped (_DropMarked, after the limit)
+        self.mark = mark
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -125,13 +129,15 @@ class _ReadFiles:
             try:
                 for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
                                                self.taken):
-                    pending.update({k: reasons.get(k, DUPLICATE_IMAGE) for k in batch[schema.RAW_KEY] if k in copies})
-                    blocked = self.blocklist.reasons(batch) if self.blocklist is not None else {}
-                    pending.update(blocked)
+                    dropped = {k: reasons.get(k, DUPLICATE_IMAGE) for k in batch[schema.RAW_KEY] if k in copies}
+                    dropped.update(self.blocklist.reasons(batch) if self.blocklist is not None else {})
+                    if self.mark:
+                        batch = {**batch, DROP: [dropped.get(k, "") for k in batch[schema.RAW_KEY]]}
+                        dropped = {}
+                    pending.update(dropped)
                     self._flush(pending)
                     rows_read += len(batch[schema.RAW_KEY])
-                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY])
-                            if k not in self.skip_keys and k not in copies and k not in blocked]
+                    keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys and k not in dropped]
                     if keep:
                         yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
             except errors as e:
@@ -144,13 +150,33 @@ class _ReadFiles:
                 clear_failed_input(self.failed_dir, name)
 
 
+DROP = "_drop"  # with --limit: a read row's reason to be dropped after the limit ("" to keep it)
+
+
+class _DropMarked:
+    """Ray ``map_batches`` callable after ``--limit``: the rows marked in :data:`DROP` (duplicates, excluded)
+    recorded in ``rejects_dir`` (leaving out ``recorded``) and dropped; the column removed."""
+
+    def __init__(self, rejects_dir: str | None, recorded: frozenset):
+        self.rejects_dir, self.recorded = rejects_dir, recorded
+
+    def __call__(self, batch):
+        import pyarrow as pa
+        reasons = batch.column(DROP).to_pylist()
+        new = {k: r for k, r in zip(batch.column(schema.RAW_KEY).to_pylist(), reasons) if r and k not in self.recorded}
+        if new and self.rejects_dir:
+            write_rejects(self.rejects_dir, new)
+        return batch.filter(pa.array([not r for r in reasons])).drop_columns([DROP])
+
+
 def _arrow_batch(batch: dict):
     """A pyarrow table with a fixed schema, so blocks from different files always concatenate."""
     import pyarrow as pa
     arrow_schema = pa.schema([(schema.RAW_KEY, pa.string()), (schema.RAW_CAPTION, pa.string()),
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
                               (schema.HEIGHT, pa.int64()),
-                              *((c, pa.string()) for c in batch if c.startswith(schema.EXTRA_CAPTION_PREFIX))])
+                              *((c, pa.string()) for c in batch if c.startswith(schema.EXTRA_CAPTION_PREFIX)),
+                              *((c, pa.string()) for c in batch if c == DROP)])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
 
 
@@ -189,7 +215,8 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
 
     ``skip_keys`` (rows already written or rejected by an earlier run) are dropped before anything is
     decoded; ``limit`` caps the rows read (counted before skipping, so a re-run with the same limit
-    resumes the same rows). Rows rejected while reading go to ``rejects_dir``; files that cannot be
+    resumes the same rows; and before dropping duplicates and excluded rows, which are recorded only
+    within it). Rows rejected while reading go to ``rejects_dir``; files that cannot be
     read are recorded in ``failed_inputs_dir`` (default: ``failed_inputs/`` beside ``rejects_dir``).
     ``duplicates(file name)``: that file's keys to drop as ``duplicate_image`` (--dedupe: the later
     copies of an image, found by :func:`diffusion.convert.dedupe.find_duplicates`; or ``{key: reason}``, the
@@ -211,5 +238,6 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
                                          duplicates, blocklist), batch_size=1, batch_format="numpy", zero_copy_batch=True,
                               **cpus)
     ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
-                                   duplicates, blocklist), batch_size=1, batch_format="numpy", **cpus)
-    return ds.limit(limit).filter(lambda row: row[schema.RAW_KEY] not in skip, **cpus)
+                                   duplicates, blocklist, mark=True), batch_size=1, batch_format="numpy", **cpus)
+    ds = ds.limit(limit).map_batches(_DropMarked(rejects_dir, skip), batch_format="pyarrow", **cpus)
+    return ds.filter(lambda row: row[schema.RAW_KEY] not in skip, **cpus)

@@ -398,3 +398,23 @@ def test_a_head_saved_with_normalize_false_reads_the_unnormalised_features(clip_
     save_head(str(tmp_path / "maybe.safetensors"), probe, "aesthetic", normalize="maybe")
     with pytest.raises(ConfigError, match="metadata normalize='maybe'"):
         Head(str(tmp_path / "maybe.safetensors"), "aesthetic", 32)
+
+
+def test_limit_counts_the_first_rows_read_and_excludes_only_among_them(tmp_path, ray_local):
+    """--limit 4 with --exclude of a key within the first 4 rows and one beyond them: the read yields rows
+    0-3 less the excluded one, and only that one is recorded (the blocklist's rows were dropped before
+    the limit, for whole files: rows 0-4 were read and the row beyond the limit counted as excluded)."""
+    from diffusion.convert.exclude import load_blocklists
+    from diffusion.convert.readers import read_raw
+    from diffusion.convert.summary import done_keys
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    keys = [f"k{i}" for i in range(8)]
+    pq.write_table(pa.table({"key": keys, "jpg": [b"not decoded here %d" % i for i in range(8)],
+                             "caption": ["x"] * 8}), raw / "0.parquet")
+    blocklist = tmp_path / "block.txt"
+    blocklist.write_text("key:k1\nkey:k6\n")
+    ds = read_raw(str(raw), limit=4, rejects_dir=str(tmp_path / "rejects"),
+                  blocklist=load_blocklists([str(blocklist)]))
+    assert sorted(r[schema.RAW_KEY] for r in ds.take_all()) == ["k0", "k2", "k3"]
+    assert done_keys(str(tmp_path))[1] == {"k1": "excluded: key"}
