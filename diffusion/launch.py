@@ -22,7 +22,7 @@ DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
 TRAIN_HELP = """Train the Stable Diffusion UNet with Composer on MDS shards written by convert/laion_to_mds.py.
 
 Input: a YAML config (sections model, data, optimizer, scheduler, algorithms, callbacks, loggers,
-trainer; see diffusion/config.py) and any number of section.key=value overrides. Output: checkpoints
+trainer; see diffusion/train/config.py) and any number of section.key=value overrides. Output: checkpoints
 in trainer.save_folder (Composer format, EMA weights included), logs through the configured loggers."""
 TRAIN_EXAMPLES = """examples:
   composer run.py yamls/sd2-base-256.yaml                       # every GPU of this node

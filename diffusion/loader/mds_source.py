@@ -42,6 +42,7 @@ import collections
 import math
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -646,13 +647,21 @@ def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_si
     if pooled and captions is not None:
         raise DatasetMismatchError(f"{section_name(loader_cfg)}.captions: the datasets store a pooled vector of the "
                                    f"first caption only (Flux's two text encoders): leave the captions out")
-    dataset = LatentDataset(
-        streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
-        captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
-        pooled=pooled,
-        shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
-        cache_limit=loader_cfg.cache_limit, num_canonical_nodes=canonical_nodes(loader_cfg),
-        download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
+    try:
+        dataset = LatentDataset(
+            streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
+            captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
+            pooled=pooled,
+            shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
+            cache_limit=loader_cfg.cache_limit, num_canonical_nodes=canonical_nodes(loader_cfg),
+            download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
+    except RuntimeError as error:  # streaming's own words, with a traceback: a conversion that wrote nothing
+        empty = re.match(r"Stream contains no samples: (.*?)/?index\.json\.?$", str(error))
+        if empty is None:
+            raise
+        raise DatasetMismatchError(f"{section_name(loader_cfg)}: {empty.group(1) or '.'} holds no samples (its "
+                                   f"index.json lists none: the conversion wrote none, see its summary's rejects); "
+                                   f"convert rows into it, or leave it out") from None
     dataset.empty_pooled = info.empty_pooled() if pooled else None  # what caption dropout substitutes
     return dataset
 

@@ -441,10 +441,11 @@ _DURATION = re.compile(r"^(?P<number>\d+|\d*\.\d+|\d+\.\d*)(?P<unit>ba|sp|dur)$"
 
 def _check_duration(key: str, value: str, positive: bool = True) -> None:
     match = _DURATION.match(value.strip()) if isinstance(value, str) else None
-    if match is None:
+    whole_run = key == "trainer.max_duration"  # the run's length: what a "dur" fraction is of
+    if match is None or (whole_run and match.group("unit") == "dur"):
+        fraction = "" if whole_run else ", or as a fraction of trainer.max_duration ('0.1dur')"
         raise ConfigError(f"{key}={value!r}: give it as a number and a unit, in batches ('1000ba') or samples "
-                          f"('...sp'), or as a fraction of trainer.max_duration ('0.1dur'); streaming epochs "
-                          f"change length on resumption")
+                          f"('...sp'){fraction}; streaming epochs change length on resumption")
     number, unit = match.group("number"), match.group("unit")
     if unit != "dur" and not number.isdigit():
         raise ConfigError(f"{key}={value!r}: batches and samples are whole numbers")

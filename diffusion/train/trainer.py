@@ -483,6 +483,9 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     and ``extra_callbacks`` of its own; everything else is built exactly as for offline training.
     """
     t = cfg.trainer
+    if t.device == "gpu" and not torch.cuda.is_available():  # Composer's DeviceGPU raised it as a traceback
+        raise ConfigError("trainer.device=gpu: torch sees no CUDA device on this machine; use trainer.device=cpu, "
+                          "or leave trainer.device unset to train on the GPU wherever there is one")
     device = t.device or ("gpu" if torch.cuda.is_available() else "cpu")
     dist.initialize_dist(device, timeout=t.dist_timeout)
     check_compiled_fsdp1_microbatches(cfg, dist.get_world_size())

@@ -98,6 +98,14 @@ def test_a_dataset_larger_than_dev_shm_is_refused_at_start_naming_the_size_it_ne
     del loader
 
 
+def test_a_dataset_of_no_samples_is_refused_in_one_line_naming_it(train_kit, dim, tmp_path):
+    """A conversion whose every row was rejected writes a dataset of no samples (its summary says so); training
+    on it was streaming's RuntimeError with a traceback."""
+    empty = write_latent_mds(str(tmp_path / "empty"), kit=train_kit, n=0)
+    with pytest.raises(mds_source.DatasetMismatchError, match=rf"^data.train: {empty} holds no samples .*convert rows"):
+        mds_source.build_dataloader(_loader_cfg(empty), resolution=64, text_dim=dim)
+
+
 def test_text_dim_mismatch_is_a_clear_error(mds, dim):
     with pytest.raises(mds_source.DatasetMismatchError, match="dimension 64.*1024"):
         mds_source.build_dataset(_loader_cfg(mds), resolution=64, text_dim=1024, device_batch_size=8)

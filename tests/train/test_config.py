@@ -154,6 +154,7 @@ def test_run_py_reports_config_errors_without_a_traceback():
     ("trainer.max_duration=xyzba", "trainer.max_duration"),
     ("trainer.max_duration=0ba", "trainer.max_duration"),
     ("trainer.max_duration=1.5ba", "trainer.max_duration"),
+    ("trainer.max_duration=0.5dur", "trainer.max_duration"),  # a fraction of itself: was Composer's traceback
     ("trainer.save_interval=ba", "trainer.save_interval"),
     ("scheduler.t_warmup=abc", "scheduler.t_warmup"),
     ("scheduler.t_warmup=10ep", "scheduler.t_warmup"),

@@ -342,3 +342,13 @@ def test_a_compiled_run_with_evals_steps_its_spinning_threads_down_when_work_arr
         assert len(lines) == 1 and "torch threads 2 -> 1" in lines[0], lines
     finally:
         torch.set_num_threads(threads)
+
+
+def test_trainer_device_gpu_without_cuda_is_refused_in_one_line(train_kit, mds, monkeypatch):
+    """Composer's DeviceGPU raised it from deep in the start as a traceback."""
+    from diffusion.errors import ConfigError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(TINY, tiny_overrides(train_kit, mds, batches=1, extra=("trainer.device=gpu",)))
+    with pytest.raises(ConfigError, match=r"^trainer.device=gpu: torch sees no CUDA device on this machine; use "
+                                          r"trainer.device=cpu"):
+        build_trainer(cfg)
