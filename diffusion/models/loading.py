@@ -87,11 +87,29 @@ def _has_weights(path: str) -> bool:
 
 def require_weights(ref: str, components=("vae", "text_encoder")) -> None:
     """Fail early, in one line, when a component of ``ref`` has a config but no weights (e.g. the
-    ``sd2-base`` kit, whose VAE and text encoder come from the hub)."""
+    ``sd2-base`` kit, whose VAE and text encoder come from the hub), or weights that do not read whole."""
     for name in components:
         path = component_path(ref, name)
         if not _has_weights(path):
             raise ModelReferenceError(f"{path} has a config but no weights: point --model at a copy with weights")
+        check_weight_files(path)
+
+
+def check_weight_files(path: str) -> None:
+    """Each ``.safetensors`` file of the component folder ``path`` reads whole: its header parses and the file
+    is as long as the header says (``safe_open`` checks both; no tensor is read). A copy cut short or damaged
+    is then one line naming the file, where the loaders raised three chained tracebacks (in the converter,
+    from a Ray actor after the cluster had started)."""
+    from safetensors import safe_open
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # SafetensorError, OSError: whatever a damaged file raises
+            raise ModelReferenceError(f"{file} does not read as a whole safetensors file ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())[:200]}): the copy is damaged or cut short; copy "
+                                      f"or download it again") from None
 
 
 # Text encoders by their config's ``model_type``: CLIP's text tower (SD2) or an encoder-only T5 (long

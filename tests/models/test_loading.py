@@ -24,6 +24,28 @@ def test_config_only_components_say_weights_are_missing(sd2_kit):
         loading.load_text_encoder(sd2_kit)
 
 
+@pytest.mark.parametrize("damage", ["cut in half", "a junk header"])
+def test_weights_cut_short_or_damaged_are_one_line_naming_the_file(tiny_kit, tmp_path, damage):
+    """The converter's start checks (``require_weights``), the VAE's and text encoder's loads, and a denoiser's
+    (generate, export): one line naming the file, where diffusers and transformers raised chained tracebacks
+    (the converter's from a Ray actor, after the cluster had started)."""
+    import shutil
+    from diffusion.models import denoisers
+    kit = shutil.copytree(tiny_kit, tmp_path / "kit")
+    for component in ("vae", "unet"):
+        weights = kit / component / "diffusion_pytorch_model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) // 2] if damage == "cut in half" else b"junk" * 10 + data[40:])
+    message = rf"^{kit}/vae/diffusion_pytorch_model.safetensors does not read as a whole safetensors file .*copy"
+    with pytest.raises(ModelReferenceError, match=message):
+        loading.require_weights(str(kit), ("text_encoder", "vae"))
+    with pytest.raises(ModelReferenceError, match=message):
+        loading.load_vae(str(kit))
+    adapter = denoisers.adapter("UNet2DConditionModel")
+    with pytest.raises(ModelReferenceError, match=rf"^{kit}/unet/diffusion_pytorch_model.safetensors does not read"):
+        adapter.from_pretrained(str(kit))
+
+
 def test_unknown_sampler_is_named(sd2_kit):
     with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
         loading.load_scheduler(sd2_kit, "heun")

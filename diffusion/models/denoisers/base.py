@@ -49,6 +49,7 @@ class DenoiserAdapter:
         path = pretrained
         if not os.path.isfile(os.path.join(path, "config.json")):
             path = loading.component_path(pretrained, self.component)
+        loading.check_weight_files(path)
         return self.mark_blocks(self.model_class.from_pretrained(path))
 
     def mark_blocks(self, module: torch.nn.Module) -> torch.nn.Module:
