@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 from diffusion import cpus
 from diffusion.errors import UserError
 
 AUTH_MODE = "RAY_AUTH_MODE"  # Ray 2.60: "token" sends the token in ~/.ray/auth_token (or RAY_AUTH_TOKEN)
+# How long joining an explicit address waits for its host to be found and its port to take a TCP connection
+# (a head's port answers in milliseconds; Ray 2.60's ray.init retries an address where nothing answers forever)
+ANSWER_WAIT_S = 5.0
 
 
 def init_ray(address: str | None = None, log_to_driver: bool = False):
@@ -32,7 +37,8 @@ def init_ray(address: str | None = None, log_to_driver: bool = False):
             auth.addFilter(drop_token_note)
         address = address or os.environ.get("RAY_ADDRESS")
         joins = _joins(address)
-        if joins:
+        if joins:  # an address where nothing answers: one line within seconds (ray.init waits forever)
+            _check_answers(address, "RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") else "--address")
             _token_for_cluster()
         try:
             ray.init(address=address, log_to_driver=log_to_driver, num_cpus=_local_cpus(address),
@@ -60,6 +66,62 @@ def _joins(address: str | None) -> bool:
         return canonicalize_bootstrap_address(address) is not None
     except Exception:  # no cluster where the address says: ray.init reports that itself
         return bool(address)
+
+
+def _check_answers(address: str, source: str = "RAY_ADDRESS", wait_s: float = ANSWER_WAIT_S) -> None:
+    """Raise a one-line :class:`~diffusion.errors.UserError` unless something takes a TCP connection at the
+    explicit ``address`` (``host:port`` or ``ray://host:port``) within ``wait_s`` seconds, host name lookup
+    included: Ray 2.60's ``ray.init`` waits forever on an address where no cluster answers (a warning every
+    ~40 s). The port probed is the one Ray connects to (``127.0.0.1``/``localhost`` become this host's
+    address, as Ray makes them). ``auto``, ``local`` and no address (a new local cluster) are not checked;
+    ``source`` names where the address came from (``RAY_ADDRESS`` or ``--address``)."""
+    if not address or address in ("auto", "local"):
+        return
+    from ray._common.network_utils import parse_address
+    client = address.startswith("ray://")
+    target = address[len("ray://"):] if client else address
+    parsed = parse_address(target)
+    if client and parsed is None:
+        return  # ray://HOST: Ray Client's default port, its own connection retries
+    if parsed is None or not str(parsed[1]).isdigit():
+        raise UserError(f"{source}={address}: not a Ray cluster address; give the head's HOST:PORT "
+                        f"(e.g. HEAD:6379, the port of its ray start --head --port)")
+    host, port = parsed[0], int(parsed[1])
+    if not client:  # where ray.init connects: a loopback name becomes this host's address
+        from ray._private.services import resolve_ip_for_localhost
+        try:
+            host = resolve_ip_for_localhost(host)
+        except Exception:
+            pass
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=wait_s).close()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+    # in a thread: the name lookup has no timeout of its own
+    probe = threading.Thread(target=connect, name="ray-address-probe", daemon=True)
+    probe.start()
+    probe.join(wait_s + 1)
+    if outcome and outcome[0] is None:
+        return
+    error = outcome[0] if outcome else None
+    if isinstance(error, socket.gaierror):
+        why = f"host {host} not found"
+    elif isinstance(error, ConnectionRefusedError):
+        why = "connection refused"
+    elif error is None or isinstance(error, (TimeoutError, socket.timeout)):
+        why = f"no answer within {wait_s:g} s"
+    else:
+        why = (str(error).splitlines() or [type(error).__name__])[0][:160]
+    tried = f"{host}:{port}"
+    where = "" if tried == target else f", tried {tried}"
+    start = "the Ray Client server (ray start --head runs one on port 10001)" if client else \
+        f"ray start --head --port={port}"
+    raise UserError(f"no Ray cluster answers at {address} ({source}{where}: {why}): is {start} running there? "
+                    f"check the host, that the port is open to this machine, and {source}")
 
 
 def _token_for_cluster() -> None:

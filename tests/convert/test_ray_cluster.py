@@ -175,3 +175,81 @@ def test_ray_start_and_join_failures_are_one_line():
                          "~/.ray/auth_token to this host (or set RAY_AUTH_TOKEN) and set RAY_AUTH_MODE=token")
     other = RuntimeError("something else")
     assert _start_failure(other, None) is other
+
+
+@pytest.mark.timeout(180)
+def test_joining_an_address_where_no_cluster_answers_ends_in_one_line(sample_data, tiny_kit, tmp_path):
+    """``RAY_ADDRESS`` naming a port where no cluster runs: the real command ends within seconds with one
+    line naming the address (``ray.init`` kept retrying it, over 10 minutes, a Ray warning every ~40 s). No Ray
+    starts: the address is checked before ``ray.init``."""
+    [port] = _free_ports(1)  # nobody listens there
+    address = f"127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_ADDRESS=address, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    command = [sys.executable, os.path.join(ROOT, "convert", "laion_to_mds.py"), "--input", sample_data,
+               "--output", str(tmp_path / "out"), "--model", tiny_kit, "--resolutions", "64"]
+    started = time.monotonic()
+    try:  # the bound is mostly the interpreter's start and imports on a busy machine; the check takes ~0 s
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"still running after 90 s with RAY_ADDRESS={address}: {err[-2000:]}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"laion_to_mds: error: no Ray cluster answers at {address} (RAY_ADDRESS"), lines[0]
+    assert f"ray start --head --port={port}" in lines[0], lines[0]
+    assert time.monotonic() - started < 90
+
+
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """``ray.init`` (and the token switch before it) replaced: reaching it raises :class:`_Reached`."""
+    import ray
+
+    from diffusion import cluster
+
+    def reached(**kwargs):
+        raise _Reached(kwargs.get("address"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", reached)
+    monkeypatch.setattr(cluster, "_token_for_cluster", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return cluster
+
+
+class _Reached(Exception):
+    pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["unknown host", "closed port", "ray client"])
+def test_an_address_where_nothing_answers_is_refused_before_ray_init(no_ray_start, kind):
+    """A host name that does not resolve, a closed port, a ``ray://`` address: one ``UserError`` naming the
+    address and where it came from (``--address``), within seconds, and ``ray.init`` is never called."""
+    from diffusion.errors import UserError
+    [port] = _free_ports(1)
+    address = {"unknown host": "nonsense.invalid:1", "closed port": f"127.0.0.1:{port}",
+               "ray client": f"ray://127.0.0.1:{port}"}[kind]
+    started = time.monotonic()
+    with pytest.raises(UserError) as raised:
+        no_ray_start.init_ray(address)
+    assert time.monotonic() - started < no_ray_start.ANSWER_WAIT_S + 5
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"no Ray cluster answers at {address} (--address"), message
+    assert ("host nonsense.invalid not found" if kind == "unknown host" else "connection refused") in message
+
+
+def test_an_address_that_answers_goes_on_to_ray_init(no_ray_start):
+    """A port that takes the connection (here a plain listener on every interface) is left to ``ray.init``
+    as before, with the address as given; ``127.0.0.1`` is probed where Ray connects (this host's address)."""
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(1)
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(_Reached) as reached:
+            no_ray_start.init_ray(address)
+        assert reached.value.args == (address,)
+    finally:
+        listener.close()
