@@ -1,13 +1,18 @@
 """CostProjection callback: what the configured schedule will cost at the throughput this run measures.
 
-Times its own training batches (wall clock between batch ends, the first ``warmup_batches`` skipped so
-compilation and data-loader start-up do not count) and logs, every ``interval`` and at fit end:
+Times the run (wall clock from the end of batch ``warmup_batches``, so compilation and data-loader start-up
+do not count, to each projection) and logs, every ``interval`` and at fit end:
 
     cost/samples_per_sec_per_gpu, cost/gpu_hours, cost/days, cost/dollars
 
 for this run's ``max_duration`` (in samples: batches x global batch) plus any ``extra_phases`` (e.g. the
 512 px phase while the 256 px phase runs), on ``gpus`` GPUs (default: this run's world size) at
 ``price_per_gpu_hour``. The numbers come from :func:`diffusion.cost.project_cost`.
+
+The evals, checkpoints and image grids of the timed span count in its rate, as they count in the run's
+wall time and bill: the rate is the schedule's as it runs, not the training step's alone (Composer's
+``throughput/device/samples_per_sec``, which ``diffusion.cost --from-run`` prefers, pauses for evals). A
+projection logged just after an eval holds that eval whole in a short span: the later ones spread it.
 """
 
 from __future__ import annotations
