@@ -59,7 +59,7 @@ import shutil
 import tempfile
 import time
 
-from diffusion.errors import KitError
+from diffusion.errors import KitError, UserError
 from diffusion.kit import vae_fit
 from diffusion.kit.vae_fit import FIT_INFO, HELD_OUT_SEED, TINY_VAE, TINY_VAE_ASSET, VAE_SEED  # noqa: F401
 from diffusion.kit.tokenizer import MAX_LENGTH, VOCAB_SIZE, write_clip_tokenizer
@@ -557,8 +557,18 @@ def read_stamp(out) -> dict | None:
 
 
 def is_complete(preset: str, out) -> bool:
+    """The kit ``preset`` of this kit version is at ``out``, its weight files whole (a copy cut short or
+    damaged since, which every loader would refuse, is built again)."""
     stamp = read_stamp(out)
-    return bool(stamp) and stamp.get("preset") == preset and stamp.get("kit_version") == kit_version(preset)
+    if not (stamp and stamp.get("preset") == preset and stamp.get("kit_version") == kit_version(preset)):
+        return False
+    from diffusion.models.loading import check_weight_files
+    try:
+        for folder in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
+            check_weight_files(str(folder))
+    except (UserError, OSError):  # a damaged file, or the kit being replaced under us: look again under the lock
+        return False
+    return True
 
 
 @contextlib.contextmanager

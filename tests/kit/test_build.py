@@ -70,6 +70,20 @@ def test_stale_kit_is_rebuilt(tmp_path):
     assert kit.read_stamp(out)["kit_version"] == kit.KIT_VERSION
 
 
+def test_a_kit_whose_weights_were_cut_short_is_built_again(tiny_kit, tmp_path):
+    """`python -m diffusion.kit` again on a kit whose weights were damaged since (a copy cut short) builds it
+    again: it reported the kit complete, and every loader then refused the file."""
+    import shutil
+    from diffusion.models.loading import check_weight_files
+    out = shutil.copytree(tiny_kit, tmp_path / "kit")
+    weights = out / "unet" / "diffusion_pytorch_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:len(whole) // 2])
+    assert ensure_kit("tiny", out) == out
+    check_weight_files(str(out / "unet"))
+    assert weights.read_bytes() == whole  # seeded: the same weights again
+
+
 def test_legacy_kit_without_a_file_list_is_replaced_only_if_it_holds_nothing_else(tmp_path):
     def make_legacy(out):  # what kit version 2 wrote: a stamp without "files"
         ensure_kit("sd2-base", out, force=True)
