@@ -439,11 +439,11 @@ def _check_components(cfg: Config) -> None:
 _DURATION = re.compile(r"^(?P<number>\d+|\d*\.\d+|\d+\.\d*)(?P<unit>ba|sp|dur)$")
 
 
-def _check_duration(key: str, value: str, positive: bool = True) -> None:
+def _check_duration(key: str, value: str, positive: bool = True, fraction: bool = True) -> None:
+    """``fraction``: whether a fraction of trainer.max_duration ("0.1dur") is allowed (not for max_duration)."""
     match = _DURATION.match(value.strip()) if isinstance(value, str) else None
-    whole_run = key == "trainer.max_duration"  # the run's length: what a "dur" fraction is of
-    if match is None or (whole_run and match.group("unit") == "dur"):
-        fraction = "" if whole_run else ", or as a fraction of trainer.max_duration ('0.1dur')"
+    if match is None or (not fraction and match.group("unit") == "dur"):
+        fraction = ", or as a fraction of trainer.max_duration ('0.1dur')" if fraction else ""
         raise ConfigError(f"{key}={value!r}: give it as a number and a unit, in batches ('1000ba') or samples "
                           f"('...sp'){fraction}; streaming epochs change length on resumption")
     number, unit = match.group("number"), match.group("unit")
@@ -661,5 +661,5 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("trainer.fsdp.state_dict_type=sharded with algorithms.posthoc_ema needs "
                           "trainer.fsdp.version=2 (under FSDP1 its averages are checkpointed as full tensors only): "
                           "use trainer.fsdp.version=2, or trainer.fsdp.state_dict_type=full")
-    for key in ("max_duration", "eval_interval", "save_interval"):
-        _check_duration(f"trainer.{key}", getattr(t, key))
+    for key in ("max_duration", "eval_interval", "save_interval"):  # the run's length is no fraction of itself
+        _check_duration(f"trainer.{key}", getattr(t, key), fraction=key != "max_duration")
