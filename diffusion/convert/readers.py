@@ -104,7 +104,7 @@ class _ReadFiles:
     def __init__(self, formats: dict, columns: RawColumns, names: dict, skip_keys: frozenset,
                  rejects_dir: str | None = None, failed_dir: str | None = None, recorded: frozenset = frozenset(),
                  taken: dict | None = None, duplicates: Callable[[str], frozenset] | None = None, blocklist=None,
-                 mark: bool = False):
+                 mark: bool = False, positions: dict | None = None):
         self.formats, self.columns, self.names, self.skip_keys = formats, columns, names, skip_keys
         self.rejects_dir, self.failed_dir, self.recorded, self.taken = rejects_dir, failed_dir, recorded, taken
         self.duplicates = duplicates
@@ -112,6 +112,9 @@ class _ReadFiles:
         # --limit: duplicates and excluded rows are kept, their reason in DROP, so the limit counts them as
         # rows read and only those within it are recorded and dropped (_DropMarked, after the limit)
         self.mark = mark
+        # {uri: its place in the input}: each row carries it (ORDER) and its place among the file's rows read
+        # (POS), for --dedupe near/semantic's first pass over the rows --limit reads (diffusion.convert.neardup)
+        self.positions = positions
 
     def _flush(self, pending: dict) -> None:
         new = {k: v for k, v in pending.items() if k not in self.recorded}
@@ -134,6 +137,9 @@ class _ReadFiles:
                     if self.mark:
                         batch = {**batch, DROP: [dropped.get(k, "") for k in batch[schema.RAW_KEY]]}
                         dropped = {}
+                    if self.positions is not None:
+                        n = len(batch[schema.RAW_KEY])
+                        batch = {**batch, ORDER: [self.positions[uri]] * n, POS: list(range(rows_read, rows_read + n))}
                     pending.update(dropped)
                     self._flush(pending)
                     rows_read += len(batch[schema.RAW_KEY])
@@ -151,6 +157,7 @@ class _ReadFiles:
 
 
 DROP = "_drop"  # with --limit: a read row's reason to be dropped after the limit ("" to keep it)
+ORDER, POS = "_order", "_pos"  # read_raw(positions=True): a row's file (its place in the input), its place in it
 
 
 class _DropMarked:
@@ -176,7 +183,8 @@ def _arrow_batch(batch: dict):
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
                               (schema.HEIGHT, pa.int64()),
                               *((c, pa.string()) for c in batch if c.startswith(schema.EXTRA_CAPTION_PREFIX)),
-                              *((c, pa.string()) for c in batch if c == DROP)])
+                              *((c, pa.string()) for c in batch if c == DROP),
+                              *((c, pa.int64()) for c in (ORDER, POS) if c in batch)])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
 
 
@@ -209,7 +217,8 @@ def check_inputs(inputs, columns: RawColumns = RawColumns()) -> tuple[str, int]:
 
 def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), limit: int | None = None,
              rejects_dir: str | None = None, failed_inputs_dir: str | None = None,
-             duplicates: Callable[[str], frozenset] | None = None, blocklist=None, num_cpus: float | None = None):
+             duplicates: Callable[[str], frozenset] | None = None, blocklist=None, num_cpus: float | None = None,
+             positions: bool = False):
     """A Ray Dataset of raw rows (``RAW_*`` columns), one read task per input file, each asking for
     ``num_cpus`` (None: Ray's whole CPU).
 
@@ -221,7 +230,8 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     ``duplicates(file name)``: that file's keys to drop as ``duplicate_image`` (--dedupe: the later
     copies of an image, found by :func:`diffusion.convert.dedupe.find_duplicates`; or ``{key: reason}``, the
     rows --dedupe near/semantic removed). ``blocklist``: --exclude's keys and image hashes, dropped unread
-    (:class:`diffusion.convert.exclude.Blocklist`).
+    (:class:`diffusion.convert.exclude.Blocklist`). ``positions``: each row also carries its file's place
+    in the input (column :data:`ORDER`) and its place among that file's rows read (:data:`POS`).
     """
     import ray
     formats = input_files(inputs, columns)
@@ -232,12 +242,14 @@ def read_raw(inputs, columns: RawColumns = RawColumns(), skip_keys=frozenset(), 
     taken = keys_taken_by_earlier_files(formats, names, columns)
     files = list(formats)
     cpus = {} if num_cpus is None else {"num_cpus": num_cpus}
+    places = {f: i for i, f in enumerate(files)} if positions else None
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=min(len(files), 1024))
     if limit is None:
         return ds.map_batches(_ReadFiles(formats, columns, names, skip, rejects_dir, failed_inputs_dir, skip, taken,
-                                         duplicates, blocklist), batch_size=1, batch_format="numpy", zero_copy_batch=True,
-                              **cpus)
+                                         duplicates, blocklist, positions=places), batch_size=1, batch_format="numpy",
+                              zero_copy_batch=True, **cpus)
     ds = ds.map_batches(_ReadFiles(formats, columns, names, frozenset(), rejects_dir, failed_inputs_dir, skip, taken,
-                                   duplicates, blocklist, mark=True), batch_size=1, batch_format="numpy", **cpus)
+                                   duplicates, blocklist, mark=True, positions=places), batch_size=1,
+                        batch_format="numpy", **cpus)
     ds = ds.limit(limit).map_batches(_DropMarked(rejects_dir, skip), batch_format="pyarrow", **cpus)
     return ds.filter(lambda row: row[schema.RAW_KEY] not in skip, **cpus)
