@@ -238,16 +238,20 @@ class ConvertConfig(PipelineSettings):
         """The settings that decide what a sample holds or whether a row is kept: a re-run into an
         existing output must match them, or its new parts would not belong with the old ones."""
         model = os.path.abspath(os.path.expanduser(self.model)) if os.path.isdir(self.model) else self.model
-        return {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
-                "caption_column": self.caption_column, "key_column": self.key_column,
-                "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
-                "max_bytes": self.max_bytes, "max_scans": self.max_scans, "max_caption_chars": self.max_caption_chars,
-                "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
-                "dedupe": self.dedupe, "text": self.text, "text_length": self.text_length,
-                "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
-                "captions": list(self.input_captions()),
-                "recaption": self.recaption_settings(), "embed": self.curation_settings(),
-                "dedupe_threshold": self.threshold(), "exclude": self.exclude_settings()}
+        settings = {"model": model, "resolutions": list(self.resolutions), "image_column": self.image_column,
+                    "caption_column": self.caption_column, "key_column": self.key_column,
+                    "min_size": self.min_size, "max_aspect": float(self.max_aspect), "max_pixels": self.max_pixels,
+                    "max_bytes": self.max_bytes, "max_scans": self.max_scans,
+                    "max_caption_chars": self.max_caption_chars,
+                    "key_scheme": KEY_SCHEME, "where": parse_where(self.where).text if self.where else None,
+                    "dedupe": self.dedupe, "text": self.text, "text_length": self.text_length,
+                    "buckets": [list(b) for b in self.bucket_sizes()] if self.buckets else None,
+                    "captions": list(self.input_captions()),
+                    "recaption": self.recaption_settings(), "embed": self.curation_settings(),
+                    "dedupe_threshold": self.threshold(), "exclude": self.exclude_settings()}
+        if self.dedupe in ("near", "semantic"):  # decided over the rows --limit reads: another limit, another
+            settings["limit"] = self.limit  # decision (without those, a re-run may change --limit)
+        return settings
 
     def exclude_settings(self) -> list | None:
         """The blocklists (path, size, modification time): another list is another set of rows."""

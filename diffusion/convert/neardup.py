@@ -34,6 +34,13 @@ k-means seeded): a re-run, or a run resumed after a kill at any point, makes the
 ``--deterministic`` keeps the same set. Steps 1-2 are kept under a fingerprint of the input files and
 the settings (``curate/<fingerprint>/``, complete once ``_done`` is written); a pass killed half-way
 is redone whole.
+
+With ``--limit N`` step 1 reads the rows the conversion reads: its own read, limit and drops
+(:func:`~diffusion.convert.readers.read_raw`: rows rejected as a file is read are not among the N, rows
+excluded by key or image hash are), in input order, the embedding actors fed those rows; so the decision
+is the one over an input holding only them, and a copy beyond the N never removes one within them. The
+limit is part of the fingerprint, and of the output's recorded settings (a re-run with another limit is
+refused before anything is touched: the rows written so far were decided among other rows).
 """
 
 from __future__ import annotations
@@ -116,9 +123,10 @@ def duplicate_groups(vectors: np.ndarray, priority: np.ndarray | None, threshold
 # ---- the first pass ------------------------------------------------------------------------------------
 
 class _EmbedFiles:
-    """Ray ``map_batches`` callable (an actor: the models load once): a batch of (path, order) in; per
-    valid, decodable row of each file its key, file, order, position, priority score, whether it passes
-    ``--where``'s score rules, and its vector (float16 bytes)."""
+    """Ray ``map_batches`` callable (an actor: the models load once): a batch of (path, order) in -- or,
+    over the rows ``--limit`` reads, a batch of those rows as :func:`~diffusion.convert.readers.read_raw`
+    gives them with their places (``positions=True``) -- and per valid, decodable row its key, file, order,
+    position, priority score, whether it passes ``--where``'s score rules, and its vector (float16 bytes)."""
 
     def __init__(self, formats: dict, names: dict, columns, taken: dict, resolution: int, checks,
                  mode: str, embed: str | None, heads: dict, where: str | None, blocklist=None,
@@ -154,10 +162,49 @@ class _EmbedFiles:
             captions.append(caption)  # the cleaned text, as the conversion's curation stage reads it
         return keys, crops, positions, captions
 
-    def __call__(self, batch: dict):
-        import pyarrow as pa
-        from diffusion import schema
+    def _new(self) -> dict:
+        out = {"key": [], "file": [], "order": [], "pos": [], "score": [], "passes": [], "vec": [], "embed": []}
+        out.update({c: [] for c in self.scored})
+        return out
+
+    def _embed(self, out: dict, keys: list, crops: list, captions: list) -> None:
+        """Append the scores, whether they pass, the vectors (and embeddings) of decoded rows to ``out``."""
         from diffusion.convert.curate import CLIP_SCORE, failing_rows, finite_rows, perceptual_vectors
+        passes = np.ones(len(keys), bool)
+        score = np.zeros(len(keys), np.float32)
+        if self.curator is not None:
+            scores, images = self.curator.scores(crops, captions)
+            score = scores[CLIP_SCORE]
+            for c in self.scored:
+                out[c].append(np.asarray(scores[c], np.float32))
+            if self.embeds:
+                out["embed"] += [np.asarray(v, np.float16).tobytes() for v in images]
+            if self.where:
+                passes = failing_rows(self.where, scores, keys, None)
+            passes &= finite_rows(scores, keys, None)  # a NaN score: rejected, no part in the decision
+        vectors = images if self.mode == "semantic" else perceptual_vectors(crops)
+        out["key"] += keys
+        out["score"] += [float(s) for s in score]
+        out["passes"] += [bool(p) for p in passes]
+        out["vec"] += [np.asarray(v, np.float16).tobytes() for v in vectors]
+
+    def _table(self, out: dict):
+        import pyarrow as pa
+        table = {"key": pa.array(out["key"], pa.string()), "file": pa.array(out["file"], pa.string()),
+                 "order": pa.array(out["order"], pa.int64()), "pos": pa.array(out["pos"], pa.int64()),
+                 "score": pa.array(out["score"], pa.float32()), "passes": pa.array(out["passes"], pa.bool_()),
+                 "vec": pa.array(out["vec"], pa.binary())}
+        for c in self.scored:  # every score as the stage computes it (float32), for the conversion to reuse
+            table[c] = pa.array(np.concatenate(out[c]) if out[c] else np.zeros(0, np.float32), pa.float32())
+        if self.embeds:
+            table["embed"] = pa.array(out["embed"], pa.binary())
+        return pa.table(table)
+
+    def __call__(self, batch: dict):
+        if "path" not in batch:
+            yield self._read_rows(batch)
+            return
+        from diffusion import schema
         from diffusion.convert.dedupe import file_id
         from diffusion.convert.failed_inputs import file_errors
         from diffusion.convert.files import iter_file_batches
@@ -165,8 +212,7 @@ class _EmbedFiles:
         for uri, order in zip(batch["path"], batch["order"]):
             uri, position = str(uri), 0
             name = self.names[uri]
-            out = {"key": [], "order": [], "pos": [], "score": [], "passes": [], "vec": [], "embed": []}
-            out.update({c: [] for c in self.scored})
+            out = self._new()
             try:
                 for rows in iter_file_batches(uri, self.formats[uri], self.columns, name, None, self.taken):
                     if self.blocklist is not None:
@@ -175,40 +221,31 @@ class _EmbedFiles:
                             keep = [i for i, k in enumerate(rows[schema.RAW_KEY]) if k not in blocked]
                             rows = {c: [v[i] for i in keep] for c, v in rows.items()}
                     keys, crops, positions, captions = self._crops(rows)
-                    if not keys:
-                        position += len(rows[schema.RAW_KEY])
-                        continue
-                    passes = np.ones(len(keys), bool)
-                    score = np.zeros(len(keys), np.float32)
-                    if self.curator is not None:
-                        scores, images = self.curator.scores(crops, captions)
-                        score = scores[CLIP_SCORE]
-                        for c in self.scored:
-                            out[c].append(np.asarray(scores[c], np.float32))
-                        if self.embeds:
-                            out["embed"] += [np.asarray(v, np.float16).tobytes() for v in images]
-                        if self.where:
-                            passes = failing_rows(self.where, scores, keys, None)
-                        passes &= finite_rows(scores, keys, None)  # a NaN score: rejected, no part in the decision
-                    vectors = images if self.mode == "semantic" else perceptual_vectors(crops)
-                    out["key"] += keys
-                    out["order"] += [int(order)] * len(keys)
-                    out["pos"] += [position + p for p in positions]
-                    out["score"] += [float(s) for s in score]
-                    out["passes"] += [bool(p) for p in passes]
-                    out["vec"] += [np.asarray(v, np.float16).tobytes() for v in vectors]
+                    if keys:
+                        self._embed(out, keys, crops, captions)
+                        out["order"] += [int(order)] * len(keys)
+                        out["pos"] += [position + p for p in positions]
                     position += len(rows[schema.RAW_KEY])
             except errors:
                 pass  # the conversion records the file as failed; its rows read before the damage count
-            table = {"key": pa.array(out["key"], pa.string()), "file": [file_id(name)] * len(out["key"]),
-                     "order": pa.array(out["order"], pa.int64()), "pos": pa.array(out["pos"], pa.int64()),
-                     "score": pa.array(out["score"], pa.float32()), "passes": pa.array(out["passes"], pa.bool_()),
-                     "vec": pa.array(out["vec"], pa.binary())}
-            for c in self.scored:  # every score as the stage computes it (float32), for the conversion to reuse
-                table[c] = pa.array(np.concatenate(out[c]) if out[c] else np.zeros(0, np.float32), pa.float32())
-            if self.embeds:
-                table["embed"] = pa.array(out["embed"], pa.binary())
-            yield pa.table(table)
+            out["file"] = [file_id(name)] * len(out["key"])
+            yield self._table(out)
+
+    def _read_rows(self, batch: dict):
+        """The rows ``--limit`` reads (read, limited and their excluded rows dropped as the conversion
+        reads them), with their file's place in the input and their place in it."""
+        from diffusion.convert.dedupe import file_id
+        from diffusion.convert.readers import ORDER, POS
+        if not hasattr(self, "_ids"):
+            self._ids = [file_id(self.names[uri]) for uri in self.formats]  # by the file's place in the input
+        out = self._new()
+        keys, crops, positions, captions = self._crops(batch)
+        if keys:
+            self._embed(out, keys, crops, captions)
+            out["order"] = [int(batch[ORDER][i]) for i in positions]
+            out["pos"] = [int(batch[POS][i]) for i in positions]
+            out["file"] = [self._ids[o] for o in out["order"]]
+        return self._table(out)
 
 
 def _fingerprint(formats: dict, columns, settings: dict) -> str:
@@ -231,6 +268,8 @@ def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
                 "where": cfg.split_where()[1] if cfg.where else None, "resolution": max(cfg.resolutions),
                 "exclude": cfg.exclude_settings(), "checks": [cfg.min_size, cfg.max_aspect, cfg.max_pixels,
                                                              cfg.max_scans]}
+    if cfg.limit is not None:  # decided over the first N rows read: another limit, another set of rows
+        settings["limit"] = cfg.limit  # (absent without one: a whole-input decision keeps its fingerprint)
     root = os.path.join(out, CURATE_DIR)
     final = os.path.join(root, _fingerprint(formats, columns, settings))
     if os.path.exists(os.path.join(final, _DONE)):
@@ -239,7 +278,6 @@ def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
     os.makedirs(root, exist_ok=True)
     _remove_others(root, keep=None)  # a killed pass's leftovers, or another input's lists
     names = file_names(formats)
-    taken = keys_taken_by_earlier_files(formats, names, columns)
     files = list(formats)
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
     cpus = float(ray.cluster_resources().get("CPU", 1))
@@ -247,17 +285,25 @@ def find_near_duplicates(cfg, out: str, blocklist=None) -> str:
     actors = max(1, int(gpus)) if gpus else max(1, int(cpus - max(1.0, 0.1 * cpus)))  # a CPU left for the writes
     checks = ImageChecks(min_size=cfg.min_size, max_aspect=cfg.max_aspect, max_pixels=cfg.max_pixels,
                          max_scans=cfg.max_scans)
-    ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
-                             override_num_blocks=min(len(files), 1024))
+    if cfg.limit is None:  # whole files, read and embedded by one actor each
+        ds = ray.data.from_items([{"path": f, "order": i} for i, f in enumerate(files)],
+                                 override_num_blocks=min(len(files), 1024))
+        batch_size, taken = 1, keys_taken_by_earlier_files(formats, names, columns)
+    else:  # the rows the conversion's --limit reads: its own read, limit and drops, in input order
+        from diffusion.convert.readers import read_raw
+        from diffusion.convert.rows import ROWS_PER_BATCH
+        ray.data.DataContext.get_current().execution_options.preserve_order = True  # the first N, every run
+        ds = read_raw(cfg.input, columns, limit=cfg.limit, blocklist=blocklist, num_cpus=1, positions=True)
+        batch_size, taken = ROWS_PER_BATCH, None  # read_raw gives the rows their repeated keys left
     vectors = ds.map_batches(
-        _EmbedFiles, batch_size=1, batch_format="numpy",
+        _EmbedFiles, batch_size=batch_size, batch_format="numpy",
         fn_constructor_kwargs=dict(formats=formats, names=names, columns=columns, taken=taken,
                                    resolution=max(cfg.resolutions), checks=checks, mode=cfg.dedupe, embed=cfg.embed,
                                    heads=cfg.heads(), where=settings["where"], blocklist=blocklist,
                                    cpu_threads=None if gpus else 1, store_embeddings=cfg.store_embeddings),
         compute=ActorPoolStrategy(size=actors), num_cpus=1, **({"num_gpus": 1} if gpus else {}))
     vectors.write_parquet(os.path.join(tmp, "vectors"))
-    decide(tmp, cfg.dedupe, cfg.threshold())
+    decide(tmp, cfg.dedupe, cfg.threshold(), limit=cfg.limit)
     if cfg.embed:
         write_first_pass_scores(tmp, cfg.dedupe)
     with open(os.path.join(tmp, _DONE), "w") as f:
@@ -295,9 +341,10 @@ def load_vectors(folder: str):
     return meta, (vectors if vectors is not None else np.zeros((0, 1), np.float16))
 
 
-def decide(folder: str, mode: str, threshold: float, seed: int = 0) -> dict:
+def decide(folder: str, mode: str, threshold: float, seed: int = 0, limit: int | None = None) -> dict:
     """Step 2: the removed rows of the passing ones, written per input file as ``removed/file=<id>/``
-    (key, reason, the kept row's key); returns counts."""
+    (key, reason, the kept row's key); returns counts (``decision.json`` records them, with the ``--limit``
+    whose rows the first pass read)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     meta, vectors = load_vectors(folder)
@@ -322,7 +369,7 @@ def decide(folder: str, mode: str, threshold: float, seed: int = 0) -> dict:
     os.makedirs(out, exist_ok=True)
     counts = {"rows": int(len(meta)), "passing": int(len(passing)), "removed": int(removed.sum())}
     with open(os.path.join(folder, "decision.json"), "w") as f:
-        json.dump({"mode": mode, "threshold": threshold, **counts}, f)
+        json.dump({"mode": mode, "threshold": threshold, "limit": limit, **counts}, f)
     return counts
 
 

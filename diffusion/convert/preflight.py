@@ -111,12 +111,15 @@ def check_output_settings(out: str, settings: dict) -> None:
     if recorded:  # recorded before these settings existed: made without them
         recorded = {"where": None, "dedupe": "none", "text": schema.TEXT_BOTH, "buckets": None, "captions": [],
                     "recaption": None, "text_length": schema.MAX_TOKENS, "text_tokens": False,
-                    "embed": None, "dedupe_threshold": None, "exclude": None, **recorded}
+                    "embed": None, "dedupe_threshold": None, "exclude": None,
+                    "limit": None, **recorded}  # --dedupe near/semantic decided over the whole input then
     differ = [k for k in settings if k in recorded and recorded[k] != settings[k]]
     if differ:
         what = "; ".join(f"{k}: output has {recorded[k]!r}, this run asks for {settings[k]!r}" for k in differ)
+        why = (f" --dedupe {settings['dedupe']} decided its duplicates among the rows --limit read (None: all of "
+               f"them), so another --limit would need another decision." if "limit" in differ else "")
         raise OutputMismatchError(
-            f"{out} was converted with other settings ({what}). A re-run resumes a conversion only with "
+            f"{out} was converted with other settings ({what}).{why} A re-run resumes a conversion only with "
             f"the same settings: repeat them, or write to a new --output.")
 
 

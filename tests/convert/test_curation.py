@@ -40,10 +40,13 @@ def _crop_scores(rows, clip_kit):
 def curated(sample_data, manifest, convert_config, clip_kit, tmp_path_factory, ray_local):
     """(out, first summary, summary, input rows, truth, scores by key, where, blocklist rows) of a
     conversion with --embed (three heads, stored embeddings), a --where on scores and an input column,
-    --dedupe near, --exclude: killed after 6 rows (limit), a stale first pass left behind, then resumed."""
+    --dedupe near, --exclude: "killed" (its largest part lost), a stale first pass left behind, then resumed."""
+    import shutil
     from diffusion.convert.pipeline import run_conversion
     from diffusion.convert.planted import planted_rows
     from diffusion.convert.readers import iter_rows
+    from diffusion.convert.sink import KEYS_RECORD
+    from diffusion.convert.summary import summarize
     tmp = tmp_path_factory.mktemp("curation")
     good = [r for r in iter_rows(sample_data) if r[schema.RAW_KEY] not in manifest["bad_keys"]][:ROWS]
     rows, truth = planted_rows(good, COPIES, seed=1)
@@ -67,8 +70,16 @@ def curated(sample_data, manifest, convert_config, clip_kit, tmp_path_factory, r
     options = dict(input=str(raw), resolutions=(64,), embed=clip_kit, store_embeddings=True, where=where,
                    dedupe="near", exclude=[str(blocklist)], visualize_duplicates=3, **heads)
     out = tmp / "mds"
-    # the "kill": stopped after 6 rows (duplicates.png is drawn by the run that finishes)
-    first = run_conversion(convert_config(out, limit=6, **{**options, "visualize_duplicates": 0}))
+    # the "kill": the output less its largest part (on 2 CPUs its only one), its index.json and dataset.json:
+    # a write task killed before it committed that part, after the first pass and the rejects were recorded.
+    # (Not a first run with --limit: that decides the duplicates among the rows it reads, a decision the
+    # run without it would not resume.) duplicates.png is drawn by the run that finishes
+    run_conversion(convert_config(out, **{**options, "visualize_duplicates": 0}))
+    parts = sorted(out.glob("part-*"))
+    shutil.rmtree(max(parts, key=lambda p: len(json.loads((p / KEYS_RECORD).read_text()))))
+    for made_at_the_end in (out / "index.json", out / schema.DATASET_JSON, out / "duplicates.png"):
+        made_at_the_end.unlink(missing_ok=True)
+    first = summarize(str(out))
     stale = out / "curate" / "0123456789abcdef.tmp-deadbeef"  # a first pass killed half-way
     stale.mkdir()
     summary = run_conversion(convert_config(out, **options))
@@ -150,13 +161,13 @@ def test_blocklists_counted_before_decoding(curated):
 
 
 def test_kill_and_resume_gives_the_clean_result(curated, convert_config):
-    """The first run stopped after 6 rows; the resumed one reused the first pass's decision (one
-    folder, its stale sibling gone) and wrote the rest: every input row is written or rejected once."""
+    """The first run lost its (largest) part; the resumed one reused the first pass's decision (one folder,
+    its stale sibling gone) and wrote the rest: every input row is written or rejected once."""
     from diffusion.convert.neardup import CURATE_DIR
     from diffusion.errors import OutputMismatchError
     from diffusion.convert.pipeline import run_conversion
     out, first, summary, rows, truth, by_key, where, blocked = curated
-    assert 0 < first.written < summary.written
+    assert 0 <= first.written < summary.written and first.rejects == summary.rejects
     assert summary.written_this_run == summary.written - first.written
     written = [s[schema.KEY] for s in _samples(out)]
     assert len(written) == len(set(written))
@@ -418,3 +429,100 @@ def test_limit_counts_the_first_rows_read_and_excludes_only_among_them(tmp_path,
                   blocklist=load_blocklists([str(blocklist)]))
     assert sorted(r[schema.RAW_KEY] for r in ds.take_all()) == ["k0", "k2", "k3"]
     assert done_keys(str(tmp_path))[1] == {"k1": "excluded: key"}
+
+
+def _removed(folder):
+    from diffusion.convert.neardup import removed_groups
+    return {k for removed in removed_groups(folder).values() for k in removed}
+
+
+def _first_pass_here(config, folder, blocklist):
+    """The first pass of ``config``'s --dedupe over its whole input (no --limit), its files embedded and
+    decided in this process as find_near_duplicates' actor and driver do (a Ray job costs ~10 s more)."""
+    from diffusion.convert.files import file_names, input_files
+    from diffusion.convert.neardup import _EmbedFiles, decide
+    from diffusion.convert.shared_keys import keys_taken_by_earlier_files
+    from diffusion.convert.transforms import ImageChecks
+    columns = config.raw_columns()
+    formats = input_files(config.input, columns)
+    names = file_names(formats)
+    embed = _EmbedFiles(formats, names, columns, keys_taken_by_earlier_files(formats, names, columns),
+                        max(config.resolutions), ImageChecks(), config.dedupe, config.embed, config.heads(),
+                        config.split_where()[1], blocklist)
+    os.makedirs(os.path.join(folder, "vectors"))
+    for i, table in enumerate(embed({"path": list(formats), "order": list(range(len(formats)))})):
+        pq.write_table(table, os.path.join(folder, "vectors", f"{i}.parquet"))
+    decide(folder, config.dedupe, config.threshold())
+    return folder
+
+
+def test_limit_decides_near_duplicates_among_the_rows_it_reads(curated, convert_config, clip_kit, tmp_path):
+    """--limit N with --dedupe near: the first pass reads the N rows the conversion reads (a row failing
+    --where on an input column is not among them, an excluded one is) and decides among them alone, as
+    over an input holding only those rows. A planted pair straddles the limit, its lower clip_score copy
+    within the N: that copy is written (it was removed as a duplicate of the copy beyond the N, which is
+    never written: the image was lost), and the decision's counts are of the N rows. A re-run with the
+    same --limit reuses the decision; another --limit is refused in one line naming it."""
+    from diffusion.convert.exclude import load_blocklists
+    from diffusion.convert.neardup import CURATE_DIR, find_near_duplicates, load_vectors
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import OutputMismatchError
+    out, first, summary, rows, truth, by_key, where, blocked = curated
+    (folder,) = [os.path.join(out, CURATE_DIR, d) for d in os.listdir(os.path.join(out, CURATE_DIR))]
+    meta, vectors = load_vectors(folder)
+    index = {k: i for i, k in enumerate(meta.column("key").to_pylist())}
+    score = meta.column("score").to_numpy()
+    unit = vectors.astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+
+    def similar(a, b):
+        return float(unit[index[a]] @ unit[index[b]]) >= 0.9
+
+    pair = next((c, o) for c, (o, _) in truth.items() if c in index and o in index and similar(c, o)
+                and score[index[c]] != score[index[o]])
+    loser, winner = sorted(pair, key=lambda k: score[index[k]])
+    related = set(truth) | {o for o, _ in truth.values()} | set(blocked.values())
+    fillers = []  # unplanted rows unlike the pair and each other
+    for k in index:
+        if len(fillers) < 5 and k not in related and not any(similar(k, o) for o in (loser, winner, *fillers)):
+            fillers.append(k)
+    by_row = {r["key"]: r for r in rows}
+
+    def write(path, keys, aesthetic=None):
+        pq.write_table(pa.table({"key": keys, "caption": [by_row[k]["caption"] for k in keys],
+                                 "jpg": [by_row[k]["jpg"] for k in keys],
+                                 "aesthetic": aesthetic or [6.0] * len(keys)}), path)
+
+    f0, low, f1, excluded, f3 = fillers
+    raw, cut = tmp_path / "raw", tmp_path / "cut"
+    raw.mkdir()
+    cut.mkdir()
+    # the first 4 rows read: f0, loser, f1 (low fails --where as it is read), the excluded row; then winner
+    write(raw / "0.parquet", [f0, low, loser, f1], [6.0, 1.0, 6.0, 6.0])
+    write(raw / "1.parquet", [excluded, winner, f3])
+    write(cut / "0.parquet", [f0, loser, f1, excluded])  # an input holding only those 4 rows
+    blocklist = tmp_path / "block.txt"
+    blocklist.write_text(f"key:{excluded}\n")
+    options = dict(resolutions=(64,), embed=clip_kit, dedupe="near", where="aesthetic >= 5",
+                   exclude=[str(blocklist)])
+    limited = run_conversion(convert_config(tmp_path / "limited", input=str(raw), limit=4, **options))
+    alone = _first_pass_here(convert_config(tmp_path / "alone", input=str(cut), **options),
+                             str(tmp_path / "alone"), load_blocklists([str(blocklist)]))
+    written = {s[schema.KEY] for s in _samples(str(tmp_path / "limited"))}
+    assert loser in written and winner not in written
+    assert written == {f0, loser, f1} - _removed(alone)
+    assert _rejects(str(tmp_path / "limited")) == {low: "filtered: aesthetic >= 5", excluded: "excluded: key"}
+    (decided,) = [os.path.join(tmp_path, "limited", CURATE_DIR, d)
+                  for d in os.listdir(tmp_path / "limited" / CURATE_DIR)]
+    assert _removed(decided) == _removed(alone)
+    (meta, vectors), (meta_alone, vectors_alone) = load_vectors(decided), load_vectors(alone)
+    assert meta.column("key").to_pylist() == meta_alone.column("key").to_pylist()
+    assert np.array_equal(vectors, vectors_alone)
+    with open(os.path.join(decided, "decision.json")) as f, open(os.path.join(alone, "decision.json")) as g:
+        assert {**json.load(f), "limit": None} == json.load(g)
+    assert limited.written == len(written)
+    config = convert_config(tmp_path / "limited", input=str(raw), limit=4, **options)
+    assert find_near_duplicates(config, str(tmp_path / "limited"), load_blocklists([str(blocklist)])) == decided
+    for other in (5, None):  # refused before anything is touched
+        with pytest.raises(OutputMismatchError, match=rf"limit: output has 4, this run asks for {other}.*--limit"):
+            run_conversion(convert_config(tmp_path / "limited", input=str(raw), limit=other, **options))
