@@ -108,6 +108,11 @@ class LatentDiffusion(ComposerModel):
         # Which phase of a staged recipe this run is: 0 from scratch, one more than the run whose weights
         # it starts from (recorded in checkpoints; the per-sample draws are salted with it).
         self.phase = 0
+        # A compiled denoiser (trainer.compile under FSDP) compiles a graph set per batch shape: the eval set's
+        # last, partial batch is padded to the eval's full batch (its rows repeated, their outputs dropped), so it
+        # runs the full batch's graphs instead of compiling its own (:meth:`_eval_rows`)
+        self.pad_eval_batches = False
+        self._full_eval_rows: dict[tuple, int] = {}
         self.run_identity: dict | None = None  # set by the trainer (diffusion.train.resume)
 
     @property
@@ -263,16 +268,32 @@ class LatentDiffusion(ComposerModel):
         if round_robin:  # MLPerf: sample i at level i mod bins (σ = k/bins), its only denoiser call
             bin_of = indices.to("cpu", torch.long) % self.eval_bins
             levels = self.objective.equidistant_levels(self.eval_bins)[bin_of].to(moments.device)
+        n, rows = len(latents), self._eval_rows(latents)
+        if rows > n:
+            latents, noise, levels, pooled = (_repeat_rows(x, rows) for x in (latents, noise, levels, pooled))
+            text = tuple(_repeat_rows(x, rows) for x in text)
         with torch.no_grad():
-            outputs = self._denoise(latents, noise, noise, levels, *text, pooled=pooled)
+            outputs = _first_rows(self._denoise(latents, noise, noise, levels, *text, pooled=pooled), n)
             if round_robin:
                 outputs["bin_of"], outputs["per_sample"] = bin_of.to(moments.device), _per_sample_mse(outputs)
             elif self.eval_bins:  # all_levels: every held-out sample at each bin's level, same latent and noise
-                outputs["bins"] = [_per_sample_mse(self._denoise(latents, noise, noise, level.expand(len(latents)), *text,
-                                                                 pooled=pooled))
+                outputs["bins"] = [_per_sample_mse(_first_rows(self._denoise(
+                    latents, noise, noise, level.expand(len(latents)), *text, pooled=pooled), n))
                                    for level in self.objective.bin_levels(self.eval_bins).to(moments.device)]
         outputs["sample_index"] = given  # the metrics count each held-out sample once (HeldOutLoss)
         return outputs
+
+    def _eval_rows(self, latents: torch.Tensor) -> int:
+        """How many rows the eval's denoiser call takes for these latents: their own number, or, with
+        :attr:`pad_eval_batches`, the most an eval batch of their shape has had (the loader's batch size from
+        the set's first batch on: streaming hands each rank its eval samples in full batches, and only the
+        last may be partial)."""
+        n = len(latents)
+        if not self.pad_eval_batches:
+            return n
+        shape = tuple(latents.shape[1:])  # a bucketed set: each latent shape its own batches
+        self._full_eval_rows[shape] = max(self._full_eval_rows.get(shape, 0), n)
+        return self._full_eval_rows[shape]
 
     def get_metrics(self, is_train: bool = False) -> dict:
         if is_train:
@@ -369,6 +390,18 @@ def _randn(shape, generator, device) -> torch.Tensor:
         return torch.randn(shape, device=device)
     # a CPU generator (eval) gives the same numbers on any device
     return torch.randn(shape, generator=generator, device=generator.device).to(device)
+
+
+def _repeat_rows(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``x`` with its rows repeated in turn up to ``rows`` rows (None stays None)."""
+    if x is None:
+        return None
+    return x[torch.arange(rows, device=x.device) % len(x)]
+
+
+def _first_rows(outputs: dict, n: int) -> dict:
+    """The per-sample outputs of a padded batch, cut back to its ``n`` real rows."""
+    return {k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in outputs.items()}
 
 
 def _per_sample_mse(outputs: dict) -> torch.Tensor:

@@ -267,8 +267,8 @@ def _compile_options(t) -> dict:
 
 
 # The (batch size, grad mode) pairs a block sees per latent shape in one run, at most: the train microbatch
-# and its remainder (grad), the eval batch and its last partial batch (no_grad; the EMA's eval and the
-# eval_bins levels reuse them), and the image logger's classifier-free-guidance batch (no_grad or inference
+# and its remainder (grad), the eval batch (no_grad; its last partial batch padded to it, the EMA's eval and the
+# eval_bins levels reuse it), and the image logger's classifier-free-guidance batch (no_grad or inference
 # mode), with room to spare. A finite set: every eval and every resume reuses the same graphs.
 SHAPES_PER_BUCKET = 8
 
@@ -294,6 +294,7 @@ def compile_blocks(model: LatentDiffusion, t, buckets: int = 1) -> int:
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, limit)
     for block in blocks:
         block.compile(fullgraph=True, dynamic=False, **_compile_options(t))
+    model.pad_eval_batches = True  # the eval's last, partial batch runs the full batch's graphs
     return len(blocks)
 
 

@@ -107,6 +107,28 @@ def test_eval_noise_is_pinned_per_sample(train_kit):
     assert len(set(first["levels"].tolist())) > 1  # but different samples differ
 
 
+def test_a_compiled_denoisers_partial_eval_batch_runs_padded_to_the_full_batch(train_kit):
+    """With compiled blocks (``pad_eval_batches``, set by trainer.compile under FSDP) the eval's last, partial
+    batch reaches the denoiser as many rows as the full batches before it (a graph set per batch shape
+    otherwise), and its outputs are its own rows' as unpadded."""
+    model = _model(train_kit, eval_bins=2, eval_protocol="all_levels").eval()
+    seen = _unet_inputs(model)
+    full, partial = _batch(n=4), _batch(n=3, seed=1)
+    partial[schema.BATCH_SAMPLE_INDEX] += 4
+    plain = model.eval_forward(partial)
+    model.pad_eval_batches = True
+    model.eval_forward(full)
+    seen.clear()
+    padded = model.eval_forward(partial)
+    assert [len(x) for x in seen] == [4, 4, 4]  # the loss's call and each of the 2 bins' levels
+    assert padded.keys() == plain.keys()
+    for key in ("prediction", "target", "levels", "noise", "latents"):
+        assert len(padded[key]) == 3
+        torch.testing.assert_close(padded[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    for with_pad, without in zip(padded["bins"], plain["bins"]):
+        torch.testing.assert_close(with_pad, without, rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoint_state_describes_the_model(train_kit):
     from diffusion.models.description import ModelDescription
     model = _model(train_kit)

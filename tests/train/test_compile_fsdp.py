@@ -33,7 +33,7 @@ class GraphsAtEval(Callback):
     gradient's norm after each backward (the last microbatch's: the batch's norm before clipping)."""
 
     def __init__(self):
-        self.graphs, self.norms, self.last = [], [], None
+        self.graphs, self.norms, self.last, self.first_batch = [], [], None, None
 
     def after_backward(self, state, logger):
         model = state.model.denoiser
@@ -50,6 +50,8 @@ class GraphsAtEval(Callback):
 
     def batch_end(self, state, logger):
         self.norms.append(self.last)
+        if self.first_batch is None:  # the train step's graphs, before any eval
+            self.first_batch = counters["stats"]["unique_graphs"]
 
     def eval_end(self, state, logger):
         self.graphs.append(counters["stats"]["unique_graphs"])
@@ -78,8 +80,9 @@ for variant in json.loads(os.environ["VARIANTS"]):
     record = {"phases": {"build": built, "fit": time.time() - started - built, "cpu": time.process_time() - cpu0,
                          "compile": {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}},
               "breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-              "at_eval": at_eval.graphs, "seconds": time.time() - started, "full_norms": at_eval.norms,
+              "at_eval": at_eval.graphs, "first_batch": at_eval.first_batch, "seconds": time.time() - started, "full_norms": at_eval.norms,
               "before_clip": [v for _, v in logged.data["l2_norm/grad/global_before_clip"]],
+              "evals": {k: [float(v) for _, v in logged.data[k]] for k in logged.data if k.startswith("metrics/eval")},
               "checkpointed": sum(1 for m in model.denoiser.modules() if type(m).__name__ == "CheckpointWrapper"),
               "compiled": sum(1 for m in model.denoiser.modules() if getattr(m, "_compiled_call_impl", None))}
     if variant["fsdp"] == 1:
@@ -124,7 +127,8 @@ def unet_blocks(kit: str) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(2100)  # the launches' own limits: the aot_eager variants take 4-5 min each on a loaded 2-core box
 def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a_resume(train_kit, tiny_kit, tmp_path):
-    """FSDP1 and FSDP2 with ``trainer.compile``, an eval set whose last batch is partial, EMA (its own eval)
+    """FSDP1 and FSDP2 with ``trainer.compile``, an eval set whose last batch is partial (run padded to the full
+    batch: no graphs of its own, the held-out losses eager's), EMA (its own eval)
     and (FSDP2) a microbatch size with a remainder: every block compiled whole, no graph breaks, no graph
     compiled after the first eval, the eager run's weights and EMA; FSDP1 refuses to accumulate
     microbatches compiled; with per-block activation checkpointing the eager weights too: compiled FSDP2
@@ -197,6 +201,16 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
             # every block compiled, none broken: one graph per distinct block and shape (some share one)
             assert compiled["compiled"] == blocks and compiled["breaks"] == 0, (version, compiled["breaks"])
             assert len(compiled["at_eval"]) == 4 and len(set(compiled["at_eval"])) == 1, compiled["at_eval"]
+            # the eval's 6 samples a rank as 4 + 2: the partial batch runs padded to the full batch's graphs, so
+            # the first eval compiled one shape's graphs beside the train step's (FSDP1 takes the 4 whole,
+            # FSDP2 as 3 + 1: two shapes); before, another set for the 2 (FSDP1 22 -> 33 graphs)
+            train_shapes = version
+            assert compiled["at_eval"][0] * train_shapes == compiled["first_batch"] * (train_shapes + 1), (
+                compiled["first_batch"], compiled["at_eval"])
+            # and scores the held-out set as eager does (raw weights and EMA, each eval)
+            assert compiled["evals"].keys() == eager["evals"].keys() == {"metrics/eval/loss", "metrics/eval_ema/loss"}
+            for key, losses in eager["evals"].items():
+                assert len(losses) == 2 and compiled["evals"][key] == pytest.approx(losses, rel=1e-4), key
             final = {name.replace("_checkpoint_wrapped_module.", ""): w for name, w in compiled["final"].items()}
             assert final.keys() == eager["final"].keys()
             for name, weight in eager["final"].items():
@@ -231,6 +245,7 @@ def test_compile_under_fsdp_trains_as_eager_through_evals_ema_microbatches_and_a
     assert len(sd2_run["at_eval"]) == 4  # 2 evals, each the raw weights' and the EMA's
     assert sd2_run["at_eval"][0] > max(8, sd2_blocks)  # beyond the old limit: the first eval failed
     assert len(set(sd2_run["at_eval"])) == 1, sd2_run["at_eval"]  # no eval compiles anything new
+    assert sd2_run["at_eval"][0] == 2 * sd2_run["first_batch"]  # the train step's graphs and the eval's (56)
 
 
 def test_compile_without_fsdp_compiles_the_whole_step_and_trains_as_eager(train_kit, tmp_path):
