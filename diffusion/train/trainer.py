@@ -120,6 +120,14 @@ def mesh_degrees(cfg: Config, world_size: int, local_world_size: int) -> tuple[i
         shard = world_size // replicate if world_size % replicate == 0 else 0
     if replicate * shard != world_size:
         raise ConfigError(f"{keys}: a (replicate, shard) mesh must hold the world size, {world_size} ranks")
+    if fsdp.version == 1 and shard == 1 and replicate > 1:
+        # torch's FSDP1 runs a shard group of one rank as NO_SHARD, which all-reduces each gradient within that
+        # group only: the replicas would never average their gradients, each rank training a model of its own
+        why = "one rank a node, each node a shard group" if local_world_size == 1 else "shard degree 1"
+        raise ConfigError(f"trainer.fsdp.sharding_strategy={fsdp.sharding_strategy} under FSDP1 with a (replicate "
+                          f"{replicate}, shard 1) mesh ({why}) would not average gradients across the replicas "
+                          f"(torch's FSDP1 runs a shard group of one rank as NO_SHARD): use trainer.fsdp.version=2, "
+                          f"which replicates over (replicate, 1), or sharding_strategy=FULL_SHARD")
     return replicate, shard
 
 

@@ -27,6 +27,15 @@ def test_hybrid_mesh_from_the_yaml_keys():
     assert degrees("{sharding_strategy: HYBRID_SHARD, data_parallel_shard_degree: 4}", 16, 8) == (4, 4)
     assert degrees("{sharding_strategy: _HYBRID_SHARD_ZERO2, data_parallel_replicate_degree: 8}", 16, 8) == (8, 2)
     assert degrees("{sharding_strategy: FULL_SHARD}", 16, 8) == (None, -1)  # Composer's flat mesh
+    # FSDP1 runs a shard group of one rank as NO_SHARD, which never all-reduces across the replicas (2 real ranks:
+    # their weights 8e-5 apart after 3 batches, each logging its own norm): refused, on one-rank nodes too;
+    # FSDP2 replicates over (2, 1), and one process has no replicas
+    for fsdp, world, local in (("{sharding_strategy: HYBRID_SHARD}", 2, 1),
+                               ("{sharding_strategy: _HYBRID_SHARD_ZERO2, data_parallel_shard_degree: 1}", 16, 8)):
+        with pytest.raises(ConfigError, match="would not average gradients across the replicas"):
+            degrees(fsdp, world, local)
+    assert degrees("{version: 2, sharding_strategy: HYBRID_SHARD}", 2, 1) == (2, 1)
+    assert degrees("{sharding_strategy: HYBRID_SHARD}", 1, 1) == (1, 1)
     with pytest.raises(ConfigError, match="must hold the world size, 16 ranks"):
         degrees("{sharding_strategy: HYBRID_SHARD, data_parallel_shard_degree: 3}", 16, 8)
     with pytest.raises(ConfigError, match="must be the world size"):
