@@ -254,10 +254,21 @@ def prepare_model(cfg: Config, model: LatentDiffusion) -> LatentDiffusion:
     if cfg.trainer.channels_last and model.adapter.channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
     if cfg.trainer.activation_checkpointing and cfg.trainer.fsdp is None:
-        model.denoiser.enable_gradient_checkpointing()
+        checkpoint_blocks(model)
     if cfg.trainer.compile and cfg.trainer.fsdp is not None:
         compile_blocks(model, cfg.trainer, buckets=_shape_buckets(cfg))
     return model
+
+
+def checkpoint_blocks(model: LatentDiffusion) -> None:
+    """``trainer.activation_checkpointing`` without FSDP: the per-block wrapper Composer applies under FSDP1 and
+    FSDP2 (torch's non-reentrant ``checkpoint_wrapper`` around each of the adapter's blocks), so every path
+    recomputes the same blocks the same way. A hook on a block (masking's and routing's token cut) then runs
+    outside the recomputed region; diffusers' own gradient checkpointing recomputed the block inside the
+    model's forward after those hooks were gone (``CheckpointError``: a different number of tensors saved).
+    State dicts keep their names (the wrapper strips its prefix)."""
+    from composer.distributed.activation_checkpointing import apply_ac, generate_composer_model_check_fn
+    apply_ac(model, True, False, generate_composer_model_check_fn(model))
 
 
 def _shape_buckets(cfg: Config) -> int:

@@ -32,12 +32,15 @@ def test_every_production_yaml_microbatch_fits_an_80gb_gpu(sd2_kit, flux_schnell
 @pytest.mark.parametrize("kit", ["train_kit", "mmdit_train_kit", "tiny_flux_kit", "tiny_sana_kit"])
 def test_activation_checkpointing_per_block_gives_the_same_gradients(kit, request):
     """The UNet, the MMDiT, Flux and SANA: the per-block wrapper FSDP1/FSDP2 runs apply (Composer's check
-    function over the adapter's blocks) and diffusers' own checkpointing (the path without FSDP) wrap
-    every block, and the gradients equal the plain step's; checkpointed, the step saves less."""
+    function over the adapter's blocks), and the same wrapper on the path without FSDP (``checkpoint_blocks``),
+    wrap every block, and the gradients equal the plain step's; the MMDiT's also with masking's and routing's
+    token cuts (diffusers' own checkpointing, the path without FSDP before, recomputed the blocks after those
+    hooks were gone: CheckpointError); checkpointed, the step saves less."""
     import torch
     from composer.distributed.activation_checkpointing import apply_ac, generate_composer_model_check_fn
     from diffusion.models import denoisers
     from diffusion.train.activation_memory import count_saved
+    from diffusion.train.trainer import checkpoint_blocks
     ref = request.getfixturevalue(kit)
     adapter = denoisers.adapter(denoisers.resolve_class(ref))
     config = adapter.load_config(ref)
@@ -48,28 +51,36 @@ def test_activation_checkpointing_per_block_gives_the_same_gradients(kit, reques
     pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
     pooled = {"pooled": torch.randn(2, pooled_dim, generator=g)} if pooled_dim else {}
 
-    def gradients(how):
+    def gradients(how, **cut):
         denoiser = adapter.build(config, seed=0)
         blocks = sum(1 for m in denoiser.modules() if type(m).__name__ in adapter.blocks)
         holder = torch.nn.Module()  # as the model holds its denoiser: Composer asks the root's children
         holder.denoiser = denoiser
         if how == "fsdp-wrapper":
             apply_ac(holder, True, False, generate_composer_model_check_fn(holder))
+        elif how == "no-fsdp":
+            checkpoint_blocks(holder)
+        if how != "plain":
             assert sum(1 for m in denoiser.modules() if type(m).__name__ == "CheckpointWrapper") == blocks
-        elif how == "diffusers":
-            denoiser.enable_gradient_checkpointing()
         denoiser.train()
-        adapter(holder.denoiser, noisy, timesteps, text, **pooled).pow(2).mean().backward()
+        adapter(holder.denoiser, noisy, timesteps, text, **pooled, **cut).pow(2).mean().backward()
         return {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in denoiser.named_parameters()}
 
-    plain = gradients("plain")
-    for how in ("fsdp-wrapper", "diffusers"):
-        other = gradients(how)
-        assert other.keys() == plain.keys()
-        for name, grad in plain.items():
-            if grad is None:
-                assert other[name] is None, name
-            else:
-                torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-7, msg=f"{how} {name}")
+    cuts = [{}]
+    if adapter.masking:  # the MMDiT: 4 of its 16 patches kept after one mixer block; 8 routed past blocks 1-2
+        keep = torch.stack([torch.randperm(16, generator=g)[:4].sort().values for _ in range(2)])
+        route = torch.stack([torch.randperm(16, generator=g)[:8].sort().values for _ in range(2)])
+        cuts += [{"keep": keep, "mixer_blocks": 1},
+                 {"route": route, "route_span": adapter.route_span(adapter.build(config, seed=0), (1, -1))}]
+    for cut in cuts:
+        plain = gradients("plain", **cut)
+        for how in ("fsdp-wrapper", "no-fsdp"):
+            other = gradients(how, **cut)
+            assert other.keys() == plain.keys()
+            for name, grad in plain.items():
+                if grad is None:
+                    assert other[name] is None, name
+                else:
+                    torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-7, msg=f"{how} {name} {cut}")
     saved = count_saved(adapter, config, latent, 7, text_dim)
     assert 0 < saved.checkpointed < saved.plain
