@@ -419,6 +419,34 @@ def check_loads(cfg: Config, model: LatentDiffusion) -> str | None:
     return latest
 
 
+@contextlib.contextmanager
+def _own_remote_run(cfg: Config, model: LatentDiffusion, claimed: list):
+    """A remote save folder's autoresume checks the checkpoint it loads is this run's own (as
+    :func:`check_loads` does a local folder's): Composer downloads the ``latest`` checkpoint to every node in
+    its constructor and loads it there, so the check runs between the two, on the downloaded file; refused,
+    the folder is left unlocked. (A sharded checkpoint's remote folder Composer reads in place: not checked.)"""
+    t = cfg.trainer
+    if not (t.autoresume and t.save_folder and "://" in t.save_folder):
+        yield
+        return
+    download = Trainer._get_autoresume_checkpoint
+
+    def downloaded_and_checked(self, *args, **kwargs):
+        path = download(self, *args, **kwargs)
+        if path is not None:
+            resume.check_own_run(path, t.save_folder, model, model.run_identity["data"],
+                                 model.run_identity["text_encoder"])
+        return path
+
+    try:
+        with mock.patch.object(Trainer, "_get_autoresume_checkpoint", downloaded_and_checked):
+            yield
+    except ConfigError:
+        for lock in claimed:
+            lock.release()
+        raise
+
+
 def check_checkpoint_kind(cfg: Config, path: str, where: str) -> None:
     """A sharded checkpoint (a folder) loads only into a run that saves sharded ones, and a file only
     into one that does not: Composer picks its reader by the run's ``state_dict_type``."""
@@ -575,7 +603,7 @@ def build_trainer(cfg: Config, train_dataloader=None, info: schema.DatasetInfo |
     # a local folder is pruned by the folder's contents, earlier runs' checkpoints counted (Composer's
     # own rotation counts only what this process saved); a remote one after each upload
     pruners = local_pruner(t.save_folder, t.save_num_checkpoints_to_keep)
-    with _fsdp_device(device, cfg):
+    with _fsdp_device(device, cfg), _own_remote_run(cfg, model, claimed):
         trainer = Trainer(
             model=model, train_dataloader=train_loader, eval_dataloader=build_evaluators(cfg, eval_loader, algorithms),
             max_duration=t.max_duration,

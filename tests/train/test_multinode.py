@@ -178,7 +178,8 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     end) or at the run's end, so a run killed in between left none (this run's checkpoint object, uploaded
     as such a run leaves it) and the next launch started over, its first upload failing on the object
     already there ("overwrite was set to False"); autoresume now points it at the newest checkpoint
-    uploaded. A save folder each node has its own of is refused in one line before anything trains."""
+    uploaded; a run on other data in that folder is refused (the own-run check, on the downloaded checkpoint). A
+    save folder each node has its own of is refused in one line before anything trains."""
     client, bucket, s3_env = s3_bucket
     mds = write_latent_mds(str(tmp_path / "mds"), kit=mmdit_train_kit, n=64)
     other = shutil.copytree(mds, tmp_path / "mds-copy")  # the refused run's dataset (never closed)
@@ -191,7 +192,11 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
          "kill": True}]
     resumed = [{"name": "shared", "overrides": [*resume, f"trainer.save_folder={shared}"]},  # launch 2
                # stopped after its first batch: the resume is what is new here (the next save at batch 4)
-               {"name": "s3", "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/run"], "stop_at": 3}]
+               {"name": "s3", "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/run"], "stop_at": 3},
+               # the same s3:// folder, another dataset: refused once Composer has downloaded the checkpoint
+               # (before, the own-run check read local folders only, and this run resumed the other's)
+               {"name": "s3-other", "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/run",
+                                                  f"data.train.path={other}"]}]
     # Adam with eps = 1 (smooth in the gradient: see tests/train/test_fsdp.py), no clipping, no EMA
     args = [YAML, *tiny_overrides(mmdit_train_kit, mds, batches=4, batch_size=8, extra=(
         "model.prediction_type=null", "model.objective=flow", "optimizer.eps=1.0", "optimizer.lr=0.05",
@@ -211,6 +216,9 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     assert not [n for n in os.listdir(tmp_path / "node0" / "ckpt") if n.endswith(".pt")]
     assert re.search(r"taking over the lock of pid \d+ on \S+, which exited without removing it", results[0][1])
     assert all(r["s3"]["resumed_from"] == 2 and r["s3"]["stopped"] == 3 for r in ranks), [r["s3"] for r in ranks]
+    refused = f"trainer.save_folder=s3://{bucket}/run holds another run's checkpoint"
+    assert all(refused in r["s3-other"].get("error", "") and "training data" in r["s3-other"]["error"]
+               for r in ranks), [r["s3-other"] for r in ranks]
     assert (f"s3://{bucket}/run/latest-rank0.pt.symlink now names run/ep0-ba2-rank0.pt, the newest checkpoint "
             f"uploaded whole (it was missing: the run stopped before Composer moved it)") in results[0][1]
 
