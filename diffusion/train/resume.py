@@ -102,12 +102,20 @@ def check_own_run(path: str, shown_folder: str, model, data: str | None, text_en
     saved = extra_state_of(path)
     if saved is None:
         return  # Composer's own format without our model: its load says what it holds
+    check_own_state(saved, os.path.basename(os.path.normpath(os.path.realpath(path))), shown_folder, model, data,
+                    text_encoder)
+
+
+def check_own_state(saved: dict, name: str, shown_folder: str, model, data: str | None, text_encoder: str | None,
+                    loaded: bool = False) -> None:
+    """:func:`check_own_run` on the checkpoint ``name``'s extra state ``saved``; ``loaded``: read as Composer
+    loaded it (a remote sharded checkpoint, read in place), nothing trained yet."""
     found = differences(saved, model, data, text_encoder)
     if not found:
         return
-    name = os.path.basename(os.path.normpath(os.path.realpath(path)))
     more = f" (and {len(found) - 1} more difference{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
+    done = "its weights were loaded and nothing was trained" if loaded else "nothing was loaded or trained"
     raise ConfigError(f"trainer.save_folder={shown_folder} holds another run's checkpoint ({name}): {found[0]}{more}; "
-                      f"autoresume continues only the run that wrote it, so nothing was loaded or trained: give this "
+                      f"autoresume continues only the run that wrote it, so {done}: give this "
                       f"run its own trainer.save_folder (to start from those weights, also "
-                      f"trainer.load_path={os.path.join(shown_folder, name)})")
+                      f"trainer.load_path={shown_folder.rstrip('/')}/{name})")

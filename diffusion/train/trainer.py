@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import posixpath
 from unittest import mock
 
 import torch
@@ -422,24 +423,37 @@ def check_loads(cfg: Config, model: LatentDiffusion) -> str | None:
 @contextlib.contextmanager
 def _own_remote_run(cfg: Config, model: LatentDiffusion, claimed: list):
     """A remote save folder's autoresume checks the checkpoint it loads is this run's own (as
-    :func:`check_loads` does a local folder's): Composer downloads the ``latest`` checkpoint to every node in
-    its constructor and loads it there, so the check runs between the two, on the downloaded file; refused,
-    the folder is left unlocked. (A sharded checkpoint's remote folder Composer reads in place: not checked.)"""
+    :func:`check_loads` does a local folder's). A full checkpoint: Composer downloads the ``latest`` one to
+    every node in its constructor and loads it there, so the check runs between the two, on the downloaded
+    file. A sharded one Composer reads in place, from the store: the check runs on the extra state it loaded,
+    before anything trains. Refused, the folder is left unlocked."""
     t = cfg.trainer
     if not (t.autoresume and t.save_folder and "://" in t.save_folder):
         yield
         return
-    download = Trainer._get_autoresume_checkpoint
+    from composer.utils import checkpoint as composer_checkpoint, parse_uri
+    identity = (model, model.run_identity["data"], model.run_identity["text_encoder"])
+    download, load = Trainer._get_autoresume_checkpoint, composer_checkpoint.load_checkpoint
+    given = parse_uri(t.load_path)[2] if t.load_path else None
 
     def downloaded_and_checked(self, *args, **kwargs):
         path = download(self, *args, **kwargs)
         if path is not None:
-            resume.check_own_run(path, t.save_folder, model, model.run_identity["data"],
-                                 model.run_identity["text_encoder"])
+            resume.check_own_run(path, t.save_folder, *identity)
         return path
 
+    def loaded_and_checked(*args, **kwargs):  # a sharded checkpoint: autoresume's, not trainer.load_path's
+        out = load(*args, **kwargs)
+        path = str(kwargs.get("path") or "")
+        if path and path != given and model.loaded_extra_state is not None:
+            resume.check_own_state(model.loaded_extra_state, posixpath.basename(path.rstrip("/")), t.save_folder,
+                                   *identity, loaded=True)
+        return out
+
+    sharded = t.fsdp is not None and t.fsdp.state_dict_type == "sharded"
     try:
-        with mock.patch.object(Trainer, "_get_autoresume_checkpoint", downloaded_and_checked):
+        with mock.patch.object(Trainer, "_get_autoresume_checkpoint", downloaded_and_checked), \
+                mock.patch.object(composer_checkpoint, "load_checkpoint", loaded_and_checked if sharded else load):
             yield
     except ConfigError:
         for lock in claimed:

@@ -82,8 +82,10 @@ def main():  # imports in here: Composer's S3 uploader spawns processes, which i
         record["resumed_from"] = int(trainer.state.timestamp.batch)
         try:
             trainer.fit()
-            record["weights"] = {k: v.clone() for k, v in trainer.state.model.module.state_dict().items()
-                                if k != "_extra_state"}
+            record["finished"] = int(trainer.state.timestamp.batch)
+            if hasattr(trainer.state.model, "module"):  # DDP's (an FSDP2 run's are shards: not recorded)
+                record["weights"] = {k: v.clone() for k, v in trainer.state.model.module.state_dict().items()
+                                    if k != "_extra_state"}
         except Stopped:
             pass
         trainer.close()
@@ -185,6 +187,7 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     other = shutil.copytree(mds, tmp_path / "mds-copy")  # the refused run's dataset (never closed)
     shared = str(tmp_path / "shared")
     resume = ["trainer.autoresume=true", "trainer.save_interval=2ba", "trainer.run_name=two-nodes"]
+    sharded = "trainer.fsdp={version: 2, sharding_strategy: FULL_SHARD, state_dict_type: sharded}"
     killed = [  # launch 1: the killed run comes last
         # relative: in each node's own working directory, as on a node-local disk
         {"name": "local", "overrides": [*resume, "trainer.save_folder=ckpt", f"data.train.path={other}"]},
@@ -196,7 +199,11 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
                # the same s3:// folder, another dataset: refused once Composer has downloaded the checkpoint
                # (before, the own-run check read local folders only, and this run resumed the other's)
                {"name": "s3-other", "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/run",
-                                                  f"data.train.path={other}"]}]
+                                                  f"data.train.path={other}"]},
+               # sharded checkpoints (FSDP2), which Composer reads from the store in place: a run, then one on
+               # other data in its folder, refused once the extra state is loaded, before it trains
+               *({"name": name, "overrides": [*resume, f"trainer.save_folder=s3://{bucket}/sharded", sharded, *more]}
+                 for name, more in (("s3-sharded", []), ("s3-sharded-other", [f"data.train.path={other}"])))]
     # Adam with eps = 1 (smooth in the gradient: see tests/train/test_fsdp.py), no clipping, no EMA
     args = [YAML, *tiny_overrides(mmdit_train_kit, mds, batches=4, batch_size=8, extra=(
         "model.prediction_type=null", "model.objective=flow", "optimizer.eps=1.0", "optimizer.lr=0.05",
@@ -219,6 +226,10 @@ def test_two_nodes_resume_on_shared_storage_and_train_what_one_process_trains(mm
     refused = f"trainer.save_folder=s3://{bucket}/run holds another run's checkpoint"
     assert all(refused in r["s3-other"].get("error", "") and "training data" in r["s3-other"]["error"]
                for r in ranks), [r["s3-other"] for r in ranks]
+    refused = f"trainer.save_folder=s3://{bucket}/sharded holds another run's checkpoint (ep0-ba4)"
+    assert all(r["s3-sharded"]["resumed_from"] == 0 and r["s3-sharded"]["finished"] == 4 for r in ranks)
+    assert all(refused in r["s3-sharded-other"].get("error", "") and "nothing was trained" in
+               r["s3-sharded-other"]["error"] for r in ranks), [r["s3-sharded-other"] for r in ranks]
     assert (f"s3://{bucket}/run/latest-rank0.pt.symlink now names run/ep0-ba2-rank0.pt, the newest checkpoint "
             f"uploaded whole (it was missing: the run stopped before Composer moved it)") in results[0][1]
 
