@@ -63,7 +63,9 @@ class ShardBatches:
         shard: ``ray.train.get_dataset_shard(...)`` (a ``ray.data.DataIterator``).
         batch_size: rows per batch on this worker; the last partial batch of a pass is dropped.
         to_batch: ``to_batch(columns, epoch)`` turns a dict of numpy columns into the batch (of tensors)
-            the model consumes (:class:`~diffusion.loader.batches.ToModelBatch`); the pass is its epoch.
+            the model consumes (:class:`~diffusion.loader.batches.ToModelBatch`); the pass is its epoch, after
+            :attr:`first_epoch` (a restarted worker group's: the checkpoint's batch, so its passes draw noise,
+            levels and caption dropout anew instead of replaying the first run's).
         max_passes: stop after this many passes (None: never stop).
     """
 
@@ -74,6 +76,7 @@ class ShardBatches:
         self.shard, self.batch_size, self.to_batch = shard, int(batch_size), to_batch
         self.max_passes, self.prefetch_batches = max_passes, prefetch_batches
         self.passes = 0
+        self.first_epoch = 0
         self.waits: list[float] = []
         self.stage_seconds: dict[str, float] = collections.defaultdict(float)
         self._early: Optional[tuple] = None  # (the first pass's iterator, its fetching thread, what it got)
@@ -123,7 +126,7 @@ class ShardBatches:
                 for name in [c for c in columns if c.startswith("_") and c.endswith("_seconds")]:
                     self.stage_seconds[name] += float(columns.pop(name).sum())
                 yielded += 1
-                yield self.to_batch(columns, self.passes)
+                yield self.to_batch(columns, self.first_epoch + self.passes)
                 start = time.perf_counter()
                 columns = next(columns_of_pass, None)
             self.passes += 1
@@ -193,10 +196,14 @@ def train_worker(loop_config: dict) -> dict:
     history = LossHistory()
     trainer = plan.make_trainer(loader, [history, *plan.callbacks])
     resumed_from = int(trainer.state.timestamp.batch)  # > 0 when autoresume found a checkpoint
+    # the stream starts again from its first rows: their per-sample draws are salted anew. Each pass before the
+    # checkpoint gave at least one of its batches, so its epochs (0 to resumed_from - 1) are not drawn again
+    loader.first_epoch = resumed_from
     from diffusion.train.trainer import finished_message
     finished = finished_message(trainer)
     # Spinning the stream forward to the checkpoint's batch would re-run the pipeline for data that is
-    # thrown away; a stream has no order to preserve, so training just continues on fresh batches.
+    # thrown away; a stream has no order to preserve, so training continues from the stream's start, as a new
+    # pass of it with draws of its own (first_epoch above).
     if not finished:
         trainer.fit(spin_dataloaders=False)
     summary = {"finished": finished,"batch": int(trainer.state.timestamp.batch), "resumed_from": resumed_from,

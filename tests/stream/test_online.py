@@ -152,6 +152,18 @@ def test_shard_batches_loop_over_passes_and_sum_stage_times():
     assert len(batches.waits) == 6 and batches.passes == 3
 
 
+def test_a_restarted_worker_groups_passes_draw_anew():
+    """A worker group restarted from a checkpoint at batch B reads the stream from its start again: its passes are
+    epochs B, B + 1, ... of the per-sample draws (noise, levels, caption dropout), not 0, 1, ... again, which replayed
+    the first run's batches draw for draw (train_worker sets ``first_epoch``)."""
+    import inspect
+    from diffusion.stream import ray_workers
+    batches = ShardBatches(FakeShard(range(4)), batch_size=2, to_batch=lambda c, epoch: epoch, max_passes=2)
+    batches.first_epoch = 3
+    assert list(batches) == [3, 3, 4, 4]
+    assert "loader.first_epoch = resumed_from" in inspect.getsource(ray_workers.train_worker)
+
+
 def test_shard_batches_fail_clearly_on_an_empty_stream():
     with pytest.raises(RuntimeError, match="no full batch of 8 rows"):
         next(iter(ShardBatches(FakeShard(range(3)), batch_size=8, to_batch=lambda c, epoch: c)))
