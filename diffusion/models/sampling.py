@@ -46,7 +46,7 @@ class TrainedModel:
 
     denoiser: torch.nn.Module
     description: ModelDescription
-    ema_used: bool = False
+    ema_used: bool | None = None  # a Composer checkpoint's: whether its EMA weights were loaded; None for an export
 
     # the description's parts, for the callers that read them
     @property
@@ -265,6 +265,10 @@ class Sampler:
         """
         if guidance_rescale is None:
             guidance_rescale = default_guidance_rescale(self.zero_terminal_snr)
+        elif guidance_rescale and self.description.objective == "flow":  # the flow pipelines take no such argument
+            raise UserError(f"--guidance-rescale {guidance_rescale}: rescaling applies to DDPM models (epsilon or "
+                            f"v-prediction); this checkpoint was trained with rectified flow, whose sampler has none")
+        self.guidance_rescale = guidance_rescale  # what this call applied (the protocol's record)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts to sample")

@@ -19,6 +19,7 @@ import errno
 import math
 import os
 import re
+import sys
 
 import torch
 
@@ -43,10 +44,14 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
     if sample_kwargs.get("size") is None and trained.resolution:
         sample_kwargs["size"] = trained.resolution
     sampler = sampling.Sampler(trained.description, scheduler=scheduler)
-    if protocol is not None:
+    if ema and trained.ema_used is False:
+        print(f"note: {checkpoint} holds no EMA weights: sampling its raw weights", file=sys.stderr, flush=True)
+    images = sampler(trained.denoiser, prompts, progress=True, **sample_kwargs)
+    if protocol is not None:  # what was sampled: the EMA only where the checkpoint had one, the rescale applied
         protocol.update(sampler=type(sampler.scheduler).__name__, size=sample_kwargs.get("size"),
-                        timestep_spacing=sampler.scheduler.config.get("timestep_spacing"))
-    return sampler(trained.denoiser, prompts, progress=True, **sample_kwargs)
+                        timestep_spacing=sampler.scheduler.config.get("timestep_spacing"), ema=trained.ema_used,
+                        guidance_rescale=sampler.guidance_rescale)
+    return images
 
 
 def generate_grid(checkpoint: str, prompts: list[str], out: str, *, images_per_prompt: int = 1,

@@ -39,6 +39,19 @@ def test_checkpoint_describes_an_mmdit_trained_with_flow(flow_checkpoint):
         sampling.Sampler(trained.description, scheduler="ddim")
 
 
+def test_guidance_rescale_on_a_flow_model_is_refused_and_the_protocol_records_what_was_sampled(flow_checkpoint):
+    """--guidance-rescale on a flow model was accepted and changed nothing (rc 0, the same pixels); the protocol
+    evaluate writes records the EMA and the rescale the sampler used, not the flags as given."""
+    from diffusion.errors import UserError
+    with pytest.raises(UserError, match="--guidance-rescale 0.7: rescaling applies to DDPM models"):
+        generate.generate_images(flow_checkpoint, ["a red circle"], steps=1, guidance_rescale=0.7, size=32)
+    protocol = {}
+    generate.generate_images(flow_checkpoint, ["a red circle"], steps=1, size=32, protocol=protocol)
+    assert protocol["ema"] is True and protocol["guidance_rescale"] == 0.0
+    generate.generate_images(flow_checkpoint, ["a red circle"], steps=1, size=32, protocol=protocol, ema=False)
+    assert protocol["ema"] is False
+
+
 def test_a_model_reference_with_another_kind_of_text_encoder_is_refused(flow_checkpoint, tiny_t5_kit):
     """``--model`` naming a T5 kit for a checkpoint trained on CLIP's embeddings sampled with rc 0 and no word."""
     from diffusion.errors import UserError
