@@ -281,12 +281,34 @@ def fit_on_ray(dataset, plan: WorkerPlan, placement: TrainPlacement, *, storage_
     )
     try:
         result = trainer.fit()
+    except Exception as e:  # Ray Train 2.60 raises the worker group's failure from fit()
+        raise users_error(e) or e
     finally:  # the handler would outlive the run
         with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
             signal.signal(signal.SIGINT, previous)
     if result.error is not None:
-        raise result.error
+        raise users_error(result.error) or result.error
     return result
+
+
+def users_error(error: BaseException | None):
+    """The user's error (:class:`~diffusion.errors.UserError`, e.g. a config a worker's ``build_trainer`` refused)
+    behind a failed worker group, or None: Ray Train wraps it in ``WorkerGroupError`` (each rank's in
+    ``worker_failures``, as ``UserExceptionWithTraceback``) or Ray's task error, and the command would print
+    those tracebacks, not its one line."""
+    from diffusion.errors import UserError
+    seen, todo = set(), [error]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        cause = getattr(error, "cause", None)  # a Ray task error's own exception
+        if isinstance(error, UserError) and not isinstance(cause, UserError):
+            return error
+        todo += [cause, error.__cause__, error.__context__, getattr(error, "_base_exc", None),  # Train's wrapper
+                 *dict(getattr(error, "worker_failures", None) or {}).values()]
+    return None
 
 
 # ---- the driver: launching the stream source's training ranks ------------------------------------

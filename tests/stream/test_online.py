@@ -164,6 +164,24 @@ def test_a_restarted_worker_groups_passes_draw_anew():
     assert "loader.first_epoch = resumed_from" in inspect.getsource(ray_workers.train_worker)
 
 
+def test_a_config_a_worker_refuses_reaches_the_command_as_its_own_one_line_error():
+    """A ConfigError raised in a Ray Train worker (build_trainer's refusal) arrives wrapped in Ray's task error and
+    Train's WorkerGroupError: the command printed 37 lines with two tracebacks; fit_on_ray now raises the
+    worker's own error, which the command prints as one line."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+    from diffusion.errors import ConfigError
+    from diffusion.stream.ray_workers import users_error
+    refused = ConfigError("model.text_encoder=kit is read only when model.text=ids")
+    wrapped = RayTaskError("train_worker", "Traceback (most recent call last): ...", refused).as_instanceof_cause()
+    group = WorkerGroupError("rank 0 failed", {0: wrapped, 1: RuntimeError("rank 1 stopped with it")})
+    assert users_error(group) is refused and str(users_error(group)) == str(refused)
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback  # how 2.60 hands a rank's error back
+    group = WorkerGroupError("ranks 0, 1 failed", {0: UserExceptionWithTraceback(refused, "Traceback ...")})
+    assert users_error(group) is refused
+    assert users_error(WorkerGroupError("rank 0 failed", {0: RuntimeError("out of memory")})) is None
+
+
 def test_shard_batches_fail_clearly_on_an_empty_stream():
     with pytest.raises(RuntimeError, match="no full batch of 8 rows"):
         next(iter(ShardBatches(FakeShard(range(3)), batch_size=8, to_batch=lambda c, epoch: c)))
