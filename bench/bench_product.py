@@ -34,6 +34,9 @@ VARIANTS = {  # name -> run.py overrides on top of the YAML's
     "fsdp-compile": ["trainer.compile=true"],
     "eager": ["trainer.fsdp=null"],
     "compile": ["trainer.fsdp=null", "trainer.compile=true"],
+    # the FSDP eager run without the per-step extras: the optimizer and memory monitors, the pre-clip norm each step
+    "fsdp-eager-lean": ["callbacks.optimizer_monitor=null", "callbacks.memory_monitor=null",
+                        "trainer.grad_norm_log_interval=1000"],
 }
 
 
@@ -55,7 +58,7 @@ def run_variant(name: str, args, train: str, heldout: str, out: str) -> dict:
         "trainer.autoresume=false", f"trainer.run_name=product-{name}",
         "loggers.wandb=null", "loggers.progress_bar=null", f"loggers.console={{log_interval: {window}ba}}",
         f"callbacks.speed_monitor={{window_size: {window}}}", f"callbacks.cost_projection.resolution={args.resolution}",
-        *VARIANTS[name],
+        *VARIANTS[name], *args.overrides,
     ]
     if args.device == "cpu":
         overrides.append("trainer.precision=fp32")  # Composer has no bf16 autocast on CPU
@@ -111,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-loop", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--overrides", nargs="*", default=[], help="more run.py key=value for every variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out/product"))
     args = p.parse_args(argv)
     import torch
