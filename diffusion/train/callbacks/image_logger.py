@@ -67,6 +67,22 @@ class ImageLogger(Callback):
         self.saved: list[str] = []
         self._eval_logged_at: int | None = None
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        """The VAE and text encoders the grid needs have weights, checked before the first batch: a model reference
+        with configs only (the sd2-base kit) would otherwise stop the run at its first eval, hours in, and an
+        autoresumed run there again."""
+        model = _unwrap(state.model)
+        ref = self.model_ref or getattr(getattr(model, "description", None), "model_ref", None) \
+            or getattr(model, "model_ref", None)
+        if ref:
+            from diffusion.errors import ModelReferenceError
+            from diffusion.models import loading
+            try:
+                loading.require_weights(ref, ("vae", *loading.text_components(ref)))
+            except ModelReferenceError as e:
+                raise ModelReferenceError(f"callbacks.image_logger: {e} (or drop the image logger: "
+                                                  f"callbacks.image_logger=null)") from None
+
     def eval_end(self, state: State, logger: Logger) -> None:
         # EVAL_END comes once per evaluator (raw and EMA evaluators): one grid per eval is enough.
         batch = int(state.timestamp.batch)

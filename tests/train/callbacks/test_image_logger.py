@@ -243,3 +243,26 @@ def test_bad_settings_fail_at_construction():
         ImageLogger([])
     with pytest.raises(ValueError, match="unknown scheduler"):
         ImageLogger(PROMPTS, scheduler="plms")
+
+
+def test_a_model_without_vae_weights_is_refused_before_the_first_batch(tiny_kit, tmp_path):
+    """The sd2-base kit (configs only) trained through run.py with the YAML's image logger stopped at the first
+    eval, after the batches before it (seen on an H200, session 33); it now stops before the first batch."""
+    import shutil
+    from diffusion.errors import ModelReferenceError
+    kit = tmp_path / "kit"
+    shutil.copytree(tiny_kit, kit)
+    for f in (kit / "vae").iterdir():
+        if f.suffix in (".safetensors", ".bin"):
+            f.unlink()
+    model = TinyDiffusion(str(kit))
+    data = torch.utils.data.DataLoader(Batches(model.denoiser), batch_size=2)
+    trainer = Trainer(model=model, train_dataloader=data, max_duration="2ba", callbacks=[ImageLogger(PROMPTS, steps=2)],
+                      device="cpu", progress_bar=False, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
+                      eval_dataloader=data, eval_interval="2ba", save_folder=None)
+    try:
+        with pytest.raises(ModelReferenceError, match=r"callbacks\.image_logger: .*vae has a config but no weights"):
+            trainer.fit()
+        assert int(trainer.state.timestamp.batch) == 0
+    finally:
+        trainer.close()
