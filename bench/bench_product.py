@@ -11,7 +11,8 @@ logger at every eval, cost projection, ...), its FSDP setting or none, eager or 
 the speed monitor's (Composer pauses its clock during evals), read from the console log at the last logged
 batch; the first batches (compilation) fall outside its window when ``--batches`` exceeds twice the window.
 The bench loop (``bench_train.py``, eager, the same batch) runs in the same invocation, so the table ends with
-the framework's cost as run.py's rate over the loop's.
+the framework's cost as run.py's rate over the loop's. ``--profile VARIANT`` runs that variant under torch's profiler
+(``bench/profile_run.py``) to say where the rest goes.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def run_variant(name: str, args, train: str, heldout: str, out: str) -> dict:
         overrides.append("trainer.precision=fp32")  # Composer has no bf16 autocast on CPU
     if args.backend != "inductor":
         overrides.append(f"trainer.compile_backend={args.backend}")
-    command = [sys.executable, "-m", "composer.cli.launcher", "-n", "1", "run.py", args.yaml, *overrides]
+    script = ["run.py"]
+    if name in (args.profile or ()):  # the same run under torch's profiler (bench/profile_run.py)
+        script = ["bench/profile_run.py", os.path.join(args.out, f"profile-{name}")]
+    command = [sys.executable, "-m", "composer.cli.launcher", "-n", "1", *script, args.yaml, *overrides]
     log = os.path.join(out, f"run-{name}.log")
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -114,6 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-loop", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--profile", nargs="*", choices=list(VARIANTS), default=None,
+                   help="these variants run under torch's profiler (bench/profile_run.py): OUT/profile-VARIANT/profile.txt "
+                        "and trace.json (PROFILE_BATCHES=first:count, default 15:3)")
     p.add_argument("--overrides", nargs="*", default=[], help="more run.py key=value for every variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out/product"))
     args = p.parse_args(argv)
