@@ -14,7 +14,7 @@ import signal
 import sys
 
 from diffusion import cpus
-from diffusion.train.config import load_config
+from diffusion.train.config import ONLINE_LOADER_KEYS, load_config, unread_online_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_YAML = os.path.join(ROOT, "yamls", "tiny-cpu.yaml")
@@ -75,7 +75,12 @@ def main_with(path: str, overrides: list[str]):
         # of Composer's engine (imported just now), which Ray's waits swallowed (rc 1, no word)
         with contextlib.suppress(ValueError):  # not the main thread: no handler to set
             signal.signal(signal.SIGINT, signal.default_int_handler)
+    unread = unread_online_keys(cfg.data.train) if cfg.data.train.source == "stream" else []
     workers = _size_pools(cfg)
+    if unread and dist.get_global_rank() == 0:
+        print(f"note: online mode reads raw rows from data.online.input and, of data.train, only "
+              f"{', '.join(ONLINE_LOADER_KEYS[1:])}: {', '.join(unread)} "
+              f"{'does' if len(unread) == 1 else 'do'} nothing here", file=sys.stderr, flush=True)
     if dist.get_global_rank() == 0:  # the whole config is logged with the hyperparameters
         print(f"# config: {path} {' '.join(overrides)}", flush=True)
         print(cpus.describe(workers), flush=True)

@@ -17,8 +17,8 @@ def kit_unet(kit):
 
 
 def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3, latent_space=None,
-                          text_encoder_type: str | None = None) -> str:
-    """Train the tiny model ``batches`` batches (batch 4, 64 px, EMA on) on synthetic latents of ``kit``
+                          text_encoder_type: str | None = None, resolution: int = 64) -> str:
+    """Train the tiny model ``batches`` batches (batch 4, ``resolution`` px, EMA on) on synthetic latents of ``kit``
     (in ``latent_space``, default SD's) with the product's trainer and return the path of its final
     Composer checkpoint."""
     import gc
@@ -28,11 +28,12 @@ def train_tiny_checkpoint(kit: str, out: str, *overrides: str, batches: int = 3,
     from train_fixtures import tiny_overrides, write_latent_mds
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     mds = write_latent_mds(os.path.join(out, "mds"), kit=kit, n=16, latent_space=latent_space,
-                           text_encoder_type=text_encoder_type)
+                           text_encoder_type=text_encoder_type, resolution=resolution)
     folder = os.path.join(out, "checkpoints")
     cfg = load_config(os.path.join(root, "yamls", "tiny-cpu.yaml"),
                       tiny_overrides(kit, mds, batches=batches, batch_size=4, save_folder=folder,
-                                     extra=(f"trainer.save_interval={batches}ba", *overrides)))
+                                     extra=(f"trainer.save_interval={batches}ba", f"model.resolution={resolution}",
+                                            *overrides)))
     trainer = build_trainer(cfg)
     trainer.fit()
     trainer.close()

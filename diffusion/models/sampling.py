@@ -96,13 +96,16 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
         scaling_factor = loading.load_vae_config(model_ref).get("scaling_factor")
     return ModelDescription(model_ref=model_ref, denoiser=adapter.class_name, denoiser_config=config,
                             objective=objective, objective_params=params, scaling_factor=scaling_factor,
-                            resolution=None, text_dim=adapter.text_dim(config),
+                            resolution=trained_resolution(loading.resolve_model(model_ref, components=())),
+                            text_dim=adapter.text_dim(config),
                             pooled_text=adapter.pooled_text and loading.pooled_text_slots(model_ref) is not None,
                             **text_conditioning(loading.resolve_model(model_ref, components=())))
 
 
-# Beside model_index.json in an export of a model trained with text masks or another text length: how its
-# denoiser reads text (diffusers' configs have no place for it), so sampling the export conditions as trained.
+# Beside model_index.json in an export of a model trained with text masks or another text length, or of a
+# transformer: how its denoiser reads text and the size it was trained at (diffusers' configs have no place for
+# them: the UNet's sample_size is that size, a transformer's is not read or changes its position embedding), so
+# sampling the export conditions and draws as trained.
 TEXT_CONDITIONING = "text_conditioning.json"
 
 
@@ -114,6 +117,16 @@ def text_conditioning(root: str) -> dict:
     with open(path) as f:
         data = json.load(f)
     return {"text_mask": bool(data["text_mask"]), "text_length": int(data["text_length"])}
+
+
+def trained_resolution(root: str) -> int | None:
+    """The training resolution in pixels a diffusers directory's :data:`TEXT_CONDITIONING` records, or None."""
+    path = os.path.join(root, TEXT_CONDITIONING)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        resolution = json.load(f).get("resolution")
+    return int(resolution) if resolution else None
 
 
 def load_trained(checkpoint: str, *, model_ref: str | None = None, ema: bool = True) -> TrainedModel:

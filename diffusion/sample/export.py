@@ -84,9 +84,12 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         text_encoder.to(dtype=DTYPES[dtype]).save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     described = trained.description
-    if described.text_mask or described.text_length != schema.MAX_TOKENS:
-        with open(os.path.join(out, sampling.TEXT_CONDITIONING), "w") as f:  # where our sampler reads it
-            json.dump({"text_mask": described.text_mask, "text_length": described.text_length}, f, indent=2)
+    text_as_trained = described.text_mask or described.text_length != schema.MAX_TOKENS
+    if text_as_trained or (unet is None and resolution):  # where our sampler reads them
+        with open(os.path.join(out, sampling.TEXT_CONDITIONING), "w") as f:
+            json.dump({"text_mask": described.text_mask, "text_length": described.text_length,
+                       "resolution": resolution}, f, indent=2)
+    if text_as_trained:
         print(f"note: the model was trained on {described.text_length}-token captions"
               + (" with text masks (the denoiser reads the caption's tokens only), which diffusers' pipelines do "
                  "not pass" if described.text_mask else "")

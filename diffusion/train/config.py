@@ -458,6 +458,25 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+ONLINE_LOADER_KEYS = ("source", "batch_size", "caption_dropout")  # what online mode reads of data.train
+
+
+def unread_online_keys(loader: TrainLoaderConfig) -> list[str]:
+    """The ``data.train`` keys set away from their defaults that online mode (``source: stream``) never reads:
+    it draws raw rows from ``data.online.input``, so the stored shards' path, cache, shuffling and loader
+    workers do not apply. Call before the loader workers are sized to the machine."""
+    defaults = TrainLoaderConfig()
+    unread = []
+    for field in dataclasses.fields(TrainLoaderConfig):
+        value = getattr(loader, field.name)
+        if field.name in ONLINE_LOADER_KEYS or value == getattr(defaults, field.name):
+            continue
+        if field.name == "path" and value == DEFAULT_MDS_PATH and loader.streams is None:
+            continue  # filled in by the config's own checks, not given
+        unread.append(f"data.train.{field.name}={value}")
+    return unread
+
+
 def _check_streams(name: str, loader: TrainLoaderConfig) -> None:
     """``path`` or ``streams``, never both (neither: the demo's path); stream weights as streaming takes them."""
     if loader.streams is None:

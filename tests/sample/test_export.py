@@ -137,3 +137,21 @@ def test_a_model_without_zero_terminal_snr_exports_the_reference_schedule_as_bef
         export.export_pipeline(ckpt, out)
         assert _scheduler_config(out) == expected
         assert sampling.Sampler(out).zero_terminal_snr is False
+
+
+@pytest.mark.parametrize("kit", ["tiny_mmdit_kit", "tiny_flux_kit"])
+def test_an_exported_transformer_draws_at_its_trained_size_without_one_given(kit, request, tmp_path):
+    """A transformer's export sampled by our generate with no size drew at its config's default (64 px for these
+    kits; 1,024 for Flux.1), not the size it was trained at: a UNet's export records it in sample_size, an MMDiT's
+    or Flux's nowhere. Trained here at 32 px."""
+    ref = request.getfixturevalue(kit)
+    space = loading.latent_space_of(loading.load_vae_config(ref))
+    checkpoint = train_tiny_checkpoint(ref, str(tmp_path / "ckpt"), "model.objective=flow", "model.prediction_type=null",
+                                       batches=2, latent_space=space, resolution=32,
+                                       text_encoder_type="clip_text_model" if kit == "tiny_mmdit_kit" else None)
+    out = str(tmp_path / "pipe")
+    export.main(["--checkpoint", checkpoint, "--out", out])
+    ours = generate.generate_images(checkpoint, PROMPTS[:1], steps=2, guidance_scale=4.0, seed=3)[0]
+    exported = generate.generate_images(out, PROMPTS[:1], steps=2, guidance_scale=4.0, seed=3)[0]
+    assert ours.size == exported.size == (32, 32)
+    assert np.abs(_pixels(exported) - _pixels(ours)).max() <= 1

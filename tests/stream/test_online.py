@@ -408,3 +408,22 @@ def test_flux_and_sana_train_on_online_modes_batches(kit_name, denoiser_class, s
     trainer.fit()
     assert int(trainer.state.timestamp.batch) == 2 and np.isfinite(float(trainer.state.loss))
     trainer.close()
+
+
+def test_data_train_keys_online_mode_does_not_read_are_named_in_one_note(tmp_path, monkeypatch, capsys):
+    """`python -m diffusion.online` on a YAML written for stored shards: data.train's path, cache, shuffling and loader
+    workers were accepted without a word, though the rows come from data.online.input. Now one note names them
+    (the workers' count as asked, before it is sized to the machine); the online YAML itself gets none."""
+    from diffusion import cli, online
+    from diffusion.stream import ray_workers
+    monkeypatch.setattr(ray_workers, "run_online", lambda cfg: None)
+    monkeypatch.setattr(ray_workers, "report", lambda result: None)
+    yaml = os.path.join(ROOT, "yamls", "tiny-online-cpu.yaml")
+    cli.run(online.main, "online", [yaml, f"trainer.save_folder={tmp_path}"])
+    assert "note:" not in capsys.readouterr().err
+    cli.run(online.main, "online", [yaml, f"trainer.save_folder={tmp_path}", "data.train.path=s3://bucket/mds",
+                                    "data.train.num_workers=16", "data.train.shuffle=false", "data.train.batch_size=64"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: online mode reads raw rows from data.online.input and, of data.train, only batch_size, "
+                     "caption_dropout: data.train.path=s3://bucket/mds, data.train.shuffle=False, "
+                     "data.train.num_workers=16 do nothing here"]
