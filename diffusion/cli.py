@@ -9,6 +9,7 @@ exit status 2, Ctrl-C a one-line note and status 130. ``--debug`` anywhere on th
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import errno
 import os
@@ -24,16 +25,25 @@ _FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permis
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
 
 
-def storage_error(error: BaseException) -> OSError | None:
-    """The full or read-only storage behind ``error``, or None: ``error`` itself, the exception it was
-    raised from, or a Ray task's own exception (``RayTaskError.cause``), however deeply wrapped."""
-    seen = set()
-    while error is not None and id(error) not in seen:
+def causes(error: BaseException | None):
+    """``error`` and every exception behind it, nearest first, each once: what it was raised from or during, a Ray
+    task's own exception (``RayTaskError.cause``), and Ray Train's wrappers (``_base_exc``, and a failed worker
+    group's ``worker_failures``, one per rank)."""
+    seen, todo = set(), collections.deque([error])
+    while todo:
+        error = todo.popleft()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
-            return error
-        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
-    return None
+        yield error
+        todo.extend([getattr(error, "cause", None), error.__cause__, error.__context__,
+                     getattr(error, "_base_exc", None), *dict(getattr(error, "worker_failures", None) or {}).values()])
+
+
+def storage_error(error: BaseException) -> OSError | None:
+    """The full or read-only storage behind ``error``, or None: ``error`` itself or any exception behind it
+    (:func:`causes`), however deeply wrapped."""
+    return next((e for e in causes(error) if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS), None)
 
 
 def _is_users(error: BaseException) -> bool:

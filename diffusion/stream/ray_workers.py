@@ -296,19 +296,10 @@ def users_error(error: BaseException | None):
     behind a failed worker group, or None: Ray Train wraps it in ``WorkerGroupError`` (each rank's in
     ``worker_failures``, as ``UserExceptionWithTraceback``) or Ray's task error, and the command would print
     those tracebacks, not its one line."""
+    from diffusion.cli import causes
     from diffusion.errors import UserError
-    seen, todo = set(), [error]
-    while todo:
-        error = todo.pop()
-        if error is None or id(error) in seen:
-            continue
-        seen.add(id(error))
-        cause = getattr(error, "cause", None)  # a Ray task error's own exception
-        if isinstance(error, UserError) and not isinstance(cause, UserError):
-            return error
-        todo += [cause, error.__cause__, error.__context__, getattr(error, "_base_exc", None),  # Train's wrapper
-                 *dict(getattr(error, "worker_failures", None) or {}).values()]
-    return None
+    return next((e for e in causes(error)  # a Ray task error that is a UserError holds the user's as its cause
+                 if isinstance(e, UserError) and not isinstance(getattr(e, "cause", None), UserError)), None)
 
 
 # ---- the driver: launching the stream source's training ranks ------------------------------------
