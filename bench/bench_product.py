@@ -6,10 +6,11 @@
 
 Writes synthetic MDS shards with the converter's columns (``bench_loader.write_synthetic``: random latents and
 text embeddings, so no VAE or encoder runs) and a held-out set whose size leaves a partial last eval batch,
-then trains each variant through ``composer -n 1 run.py YAML`` with the YAML's callbacks (speed monitor, image
-logger at every eval, cost projection, ...), its FSDP setting or none, eager or compiled per block. Images/s are
-the speed monitor's (Composer pauses its clock during evals), read from the console log at the last logged
-batch; the first batches (compilation) fall outside its window when ``--batches`` exceeds twice the window.
+then trains each variant through ``composer -n 1 run.py YAML`` with the YAML's callbacks (speed monitor, cost
+projection, ...; the image logger only with ``--image-logger``, as it needs VAE and text encoder weights), its
+FSDP setting or none, eager or compiled per block. Images/s are the speed monitor's (Composer pauses its clock
+during evals), read from the console log at the last logged batch; the first batches (compilation) fall outside
+its window when ``--batches`` exceeds twice the window.
 The bench loop (``bench_train.py``, eager, the same batch) runs in the same invocation, so the table ends with
 the framework's cost as run.py's rate over the loop's. ``--profile VARIANT`` runs that variant under torch's profiler
 (``bench/profile_run.py``) to say where the rest goes.
@@ -18,10 +19,12 @@ the framework's cost as run.py's rate over the loop's. ``--profile VARIANT`` run
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,8 +45,24 @@ VARIANTS = {  # name -> run.py overrides on top of the YAML's
 
 
 def text_dim(kit: str) -> int:
-    with open(os.path.join(kit, "text_encoder", "config.json")) as f:
-        return int(json.load(f)["hidden_size"])
+    from diffusion.models import loading
+    return loading.text_encoder_width(loading.load_text_encoder_config(kit))
+
+
+def run_bounded(command: list[str], log, timeout: float):
+    """``command``'s exit status, or "timeout" after ``timeout`` s: then its whole process group is stopped (the
+    launcher's ranks too, which would otherwise go on training beside the next variant)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=grace)
+                break
+        return "timeout"
 
 
 def run_variant(name: str, args, train: str, heldout: str, out: str) -> dict:
@@ -59,7 +78,7 @@ def run_variant(name: str, args, train: str, heldout: str, out: str) -> dict:
         "trainer.autoresume=false", f"trainer.run_name=product-{name}",
         "loggers.wandb=null", "loggers.progress_bar=null", f"loggers.console={{log_interval: {window}ba}}",
         f"callbacks.speed_monitor={{window_size: {window}}}", f"callbacks.cost_projection.resolution={args.resolution}",
-        *VARIANTS[name], *args.overrides,
+        *VARIANTS[name], *([] if args.image_logger else ["callbacks.image_logger=null"]), *args.overrides,
     ]
     if args.device == "cpu":
         overrides.append("trainer.precision=fp32")  # Composer has no bf16 autocast on CPU
@@ -74,10 +93,7 @@ def run_variant(name: str, args, train: str, heldout: str, out: str) -> dict:
     with open(log, "w") as f:
         f.write(" ".join(command) + "\n")
         f.flush()
-        try:
-            rc = subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_bounded(command, f, args.timeout)
     wall = time.perf_counter() - start
     text = pathlib.Path(log).read_text(errors="replace")
     rates = [float(x) for x in re.findall(r"throughput/device/samples_per_sec: ([0-9.eE+-]+)", text)]
@@ -93,7 +109,7 @@ def bench_loop(args, out: str) -> float | None:
                "--batch-size", str(args.batch_size), "--variants", "eager", "--steps", str(args.loop_steps),
                "--warmup", "3", *(["--device", "cpu"] if args.device == "cpu" else [])]
     with open(log, "w") as f:
-        subprocess.run(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
+        run_bounded(command, f, args.timeout)
     text = pathlib.Path(log).read_text(errors="replace")
     for line in text.splitlines():  # "  256 eager   64   516.0  ..." (resolution, variant, batch, img/s/GPU)
         cells = line.split()
@@ -121,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", nargs="*", choices=list(VARIANTS), default=None,
                    help="these variants run under torch's profiler (bench/profile_run.py): OUT/profile-VARIANT/profile.txt "
                         "and trace.json (PROFILE_BATCHES=first:count, default 15:3)")
+    p.add_argument("--image-logger", action="store_true",
+                   help="keep the YAML's image logger (needs a model reference with VAE and text encoder weights; "
+                        "the sd2-base kit has configs only)")
     p.add_argument("--overrides", nargs="*", default=[], help="more run.py key=value for every variant")
     p.add_argument("--out", default=os.environ.get("OUT", "out/product"))
     args = p.parse_args(argv)
@@ -128,16 +147,25 @@ def main(argv=None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.yaml = args.yaml or f"yamls/sd2-base-{512 if args.resolution >= 512 else 256}.yaml"
     args.eval_interval = args.eval_interval or max(1, args.batches // 2)
+    args.kit, args.out = os.path.abspath(args.kit), os.path.abspath(args.out)  # the runs start in the repo root
+    if args.yaml and not os.path.isabs(args.yaml) and os.path.exists(args.yaml):
+        args.yaml = os.path.abspath(args.yaml)
     os.makedirs(args.out, exist_ok=True)
+    if args.profile:  # 3 steady batches past the first eval (and its compilation), no eval after any of them
+        def clear(first):  # an eval runs after the batches numbered k * eval_interval, inside the next one's time
+            return all(b % args.eval_interval for b in range(first - 1, first + 2)) and first + 2 <= args.batches
+        first = next((f for f in range(args.eval_interval + 2, args.batches) if clear(f)), max(2, args.batches - 2))
+        os.environ.setdefault("PROFILE_BATCHES", f"{first}:3")
 
     from bench_loader import write_synthetic
-    data = os.path.join(args.out, "data") if args.device == "cpu" else "/tmp/product-data"
+    n = args.batch_size * min(args.batches, 24)  # the loader loops epochs; fewer rows, less writing
+    held_out, width = args.eval_samples or args.batch_size * 3 // 2, text_dim(args.kit)
+    data = os.path.join(args.out if args.device == "cpu" else "/tmp", f"product-data-{args.resolution}px-{width}-{n}-{held_out}")
     train, heldout = os.path.join(data, "train"), os.path.join(data, "heldout")
-    if not os.path.exists(os.path.join(train, "index.json")):
-        n = args.batch_size * min(args.batches, 24)  # the loader loops epochs; fewer rows, less writing
-        write_synthetic(train, n, args.resolution, text_dim(args.kit), seed=0)
-        write_synthetic(heldout, args.eval_samples or args.batch_size * 3 // 2, args.resolution,
-                        text_dim(args.kit), seed=1)
+    if not os.path.exists(os.path.join(heldout, "index.json")):  # written last: a whole set
+        shutil.rmtree(data, ignore_errors=True)
+        write_synthetic(train, n, args.resolution, width, seed=0)
+        write_synthetic(heldout, held_out, args.resolution, width, seed=1)
 
     loop = None if args.no_loop else bench_loop(args, args.out)
     print(f"run.py {args.yaml} on {args.kit}, {args.resolution} px, batch {args.batch_size}, {args.batches} batches, "

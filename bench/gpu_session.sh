@@ -10,7 +10,7 @@
 #   run(command="bash bench/gpu_session.sh mmdit", carry=[".whl"])      # SD3-medium MMDiT, unmasked and 75% masked
 #   run(command="bash bench/gpu_session.sh product", carry=[".whl", ".cache/kit/sd2-base"])  # issue 52: run.py timed
 #       (FSDP eager/compiled, no FSDP; FSDP eager profiled) beside the bench loop, then gpu_checks.py (activations,
-#       masked attention). The sd2-base kit has no VAE weights, so the image logger is off.
+#       masked attention). The sd2-base kit has no VAE weights, so the image logger is off. EXTRA is not for this part.
 # Each part writes its full log under $OUT (what comes back) and prints the table last. Every bench
 # measures the bf16 matmul peak in the same run (bench_train.py --measure-peak) for its MFU.
 # PYTHON and EXTRA (more arguments for every bench) may be set, e.g. for a CPU smoke run:
@@ -44,8 +44,7 @@ case $part in
   mmdit) bench mmdit bench/bench_train.py --denoisers mmdit --resolutions 256 512 --batch-size 32 8 --masked-batch-size 64 32 \
           --variants eager compile --mask-ratio 0.75 --mixer-blocks 2 --steps 10 --warmup 3 ;;
   product) bench product-256 bench/bench_product.py --kit .cache/kit/sd2-base --resolution 256 --batch-size 64 \
-            --batches 40 --variants fsdp-eager fsdp-compile eager --profile fsdp-eager --timeout 200 --out "$OUT/product" \
-            --overrides callbacks.image_logger=null
+            --batches 40 --variants fsdp-eager fsdp-compile eager --profile fsdp-eager --timeout 200 --out "$OUT/product"
            bench checks bench/gpu_checks.py ;;
   *) echo "unknown part $part: train256, train512, text, encode, mmdit or product" >&2; exit 2 ;;
 esac

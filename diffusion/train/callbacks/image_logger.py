@@ -70,7 +70,12 @@ class ImageLogger(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         """The VAE and text encoders the grid needs have weights, checked before the first batch: a model reference
         with configs only (the sd2-base kit) would otherwise stop the run at its first eval, hours in, and an
-        autoresumed run there again."""
+        autoresumed run there again. Only where a grid will be drawn: a run with an eval set or an interval, on the
+        ranks that sample (every rank under FSDP, rank 0 otherwise)."""
+        if self._due is None and not state.evaluators:
+            return  # no eval and no interval: this run draws no grid
+        if dist.get_global_rank() != 0 and not _sharded(state.model):
+            return
         model = _unwrap(state.model)
         ref = self.model_ref or getattr(getattr(model, "description", None), "model_ref", None) \
             or getattr(model, "model_ref", None)
@@ -81,7 +86,7 @@ class ImageLogger(Callback):
                 loading.require_weights(ref, ("vae", *loading.text_components(ref)))
             except ModelReferenceError as e:
                 raise ModelReferenceError(f"callbacks.image_logger: {e} (or drop the image logger: "
-                                                  f"callbacks.image_logger=null)") from None
+                                          f"callbacks.image_logger=null)") from None
 
     def eval_end(self, state: State, logger: Logger) -> None:
         # EVAL_END comes once per evaluator (raw and EMA evaluators): one grid per eval is enough.

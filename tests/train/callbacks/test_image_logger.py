@@ -257,12 +257,22 @@ def test_a_model_without_vae_weights_is_refused_before_the_first_batch(tiny_kit,
             f.unlink()
     model = TinyDiffusion(str(kit))
     data = torch.utils.data.DataLoader(Batches(model.denoiser), batch_size=2)
-    trainer = Trainer(model=model, train_dataloader=data, max_duration="2ba", callbacks=[ImageLogger(PROMPTS, steps=2)],
-                      device="cpu", progress_bar=False, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
-                      eval_dataloader=data, eval_interval="2ba", save_folder=None)
+
+    def trainer(with_eval):
+        return Trainer(model=model, train_dataloader=data, max_duration="2ba", callbacks=[ImageLogger(PROMPTS, steps=2)],
+                       device="cpu", progress_bar=False, optimizers=torch.optim.SGD(model.parameters(), lr=0.0),
+                       eval_dataloader=data if with_eval else None, eval_interval="2ba", save_folder=None)
+    refused = trainer(with_eval=True)
     try:
         with pytest.raises(ModelReferenceError, match=r"callbacks\.image_logger: .*vae has a config but no weights"):
-            trainer.fit()
-        assert int(trainer.state.timestamp.batch) == 0
+            refused.fit()
+        assert int(refused.state.timestamp.batch) == 0
     finally:
-        trainer.close()
+        refused.close()
+    # without an eval set (and no interval) no grid is ever drawn: the run trains as before
+    plain = trainer(with_eval=False)
+    try:
+        plain.fit()
+        assert int(plain.state.timestamp.batch) == 2
+    finally:
+        plain.close()
