@@ -26,9 +26,9 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
 
 
 def causes(error: BaseException | None):
-    """``error`` and every exception behind it, nearest first, each once: what it was raised from or during, a Ray
-    task's own exception (``RayTaskError.cause``), and Ray Train's wrappers (``_base_exc``, and a failed worker
-    group's ``worker_failures``, one per rank)."""
+    """``error`` and every exception behind it, nearest first, each once: what it was raised from (or, as Python's
+    traceback shows it, during), a Ray task's own exception (``RayTaskError.cause``), and Ray Train's wrappers
+    (``_base_exc``, and a failed worker group's ``worker_failures``, one per rank)."""
     seen, todo = set(), collections.deque([error])
     while todo:
         error = todo.popleft()
@@ -36,7 +36,8 @@ def causes(error: BaseException | None):
             continue
         seen.add(id(error))
         yield error
-        todo.extend([getattr(error, "cause", None), error.__cause__, error.__context__,
+        during = None if error.__cause__ is not None or error.__suppress_context__ else error.__context__
+        todo.extend([getattr(error, "cause", None), error.__cause__, during,
                      getattr(error, "_base_exc", None), *dict(getattr(error, "worker_failures", None) or {}).values()])
 
 
