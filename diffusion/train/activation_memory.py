@@ -5,9 +5,9 @@ step's forward keeps for backward, with and without per-block activation checkpo
 The count is in bf16 (model and inputs cast, as ``amp_bf16`` computes the blocks): every tensor autograd
 saves (``torch.autograd.graph.saved_tensors_hooks``), each once however many ops save it, parameters and
 their views left out. On an H200 the UNet's and the MMDiT's measured bytes came within 5% above it, Flux's
-(diffusers 0.42, torch 2.11) 23% below (BENCHMARKS.md, session 33). With checkpointing, each block keeps only its inputs, and one block's own activations are
-live again while it is recomputed in backward: (outside the blocks) + (every block's inputs) + (the
-largest block's activations).
+(diffusers 0.42, torch 2.11) 23% below (BENCHMARKS.md, session 33). With checkpointing, each block keeps
+only its inputs, and one block's own activations are live again while it is recomputed in backward:
+(outside the blocks) + (every block's inputs) + (the largest block's activations).
 
     python -m diffusion.train.activation_memory yamls/sd2-base-256.yaml [--microbatch N] [--gpus N]
 """
