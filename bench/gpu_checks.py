@@ -44,13 +44,11 @@ def configs(tiny: bool) -> dict:
 
 def measured_saved(adapter, config: dict, latent: int, text_length: int, batch: int, device) -> float | None:
     """Bytes per sample allocated across one bf16 training forward on ``device`` (its output left out)."""
+    from diffusion.train.activation_memory import forward_inputs
     with torch.device(device):
         module = adapter.model_class.from_config(config).to(torch.bfloat16)
-        sample = torch.randn(batch, adapter.latent_channels(config), latent, latent, dtype=torch.bfloat16)
-        text = torch.randn(batch, text_length, adapter.text_dim(config), dtype=torch.bfloat16)
-        timestep = torch.full((batch,), 500.0)
-        pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
-        pooled = {"pooled": torch.randn(batch, pooled_dim, dtype=torch.bfloat16)} if pooled_dim else {}
+        sample, timestep, text, pooled = forward_inputs(adapter, config, latent, text_length, adapter.text_dim(config),
+                                                        batch)
     module.train()
     sample.requires_grad_(True)
     if device == "cpu":

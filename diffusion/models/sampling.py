@@ -94,12 +94,12 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
         params = {"noise_schedule": noise_schedule or (loading.noise_schedule_of(scheduler) if scheduler else None)}
     if scaling_factor is None:
         scaling_factor = loading.load_vae_config(model_ref).get("scaling_factor")
+    root = loading.resolve_model(model_ref, components=())
     return ModelDescription(model_ref=model_ref, denoiser=adapter.class_name, denoiser_config=config,
                             objective=objective, objective_params=params, scaling_factor=scaling_factor,
-                            resolution=trained_resolution(loading.resolve_model(model_ref, components=())),
-                            text_dim=adapter.text_dim(config),
+                            resolution=trained_resolution(root), text_dim=adapter.text_dim(config),
                             pooled_text=adapter.pooled_text and loading.pooled_text_slots(model_ref) is not None,
-                            **text_conditioning(loading.resolve_model(model_ref, components=())))
+                            **text_conditioning(root))
 
 
 # Beside model_index.json in an export of a model trained with text masks or another text length, or of a
@@ -109,23 +109,24 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
 TEXT_CONDITIONING = "text_conditioning.json"
 
 
-def text_conditioning(root: str) -> dict:
-    """``{"text_mask": ..., "text_length": ...}`` of a diffusers directory's :data:`TEXT_CONDITIONING`, or {}."""
+def _export_record(root: str) -> dict:
+    """A diffusers directory's :data:`TEXT_CONDITIONING`, or {}."""
     path = os.path.join(root, TEXT_CONDITIONING)
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        data = json.load(f)
-    return {"text_mask": bool(data["text_mask"]), "text_length": int(data["text_length"])}
+        return json.load(f)
+
+
+def text_conditioning(root: str) -> dict:
+    """``{"text_mask": ..., "text_length": ...}`` of a diffusers directory's :data:`TEXT_CONDITIONING`, or {}."""
+    data = _export_record(root)
+    return {"text_mask": bool(data["text_mask"]), "text_length": int(data["text_length"])} if data else {}
 
 
 def trained_resolution(root: str) -> int | None:
     """The training resolution in pixels a diffusers directory's :data:`TEXT_CONDITIONING` records, or None."""
-    path = os.path.join(root, TEXT_CONDITIONING)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        resolution = json.load(f).get("resolution")
+    resolution = _export_record(root).get("resolution")
     return int(resolution) if resolution else None
 
 

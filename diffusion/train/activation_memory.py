@@ -65,17 +65,23 @@ class _FusedAttention(torch.autograd.Function):
         return _FusedAttention.apply(q, k, v)
 
 
+def forward_inputs(adapter, config: dict, latent_size: int, text_length: int, text_dim: int, batch: int):
+    """``(sample, timestep, text, pooled kwargs)`` of one bf16 training forward of ``batch`` samples, on the current
+    default device (the meta device's count, and a real forward measured against it)."""
+    sample = torch.randn(batch, adapter.latent_channels(config), latent_size, latent_size, dtype=torch.bfloat16)
+    text = torch.randn(batch, text_length, text_dim, dtype=torch.bfloat16)
+    pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
+    pooled = {"pooled": torch.randn(batch, pooled_dim, dtype=torch.bfloat16)} if pooled_dim else {}
+    return sample, torch.full((batch,), 500.0), text, pooled
+
+
 def count_saved(adapter, config: dict, latent_size: int, text_length: int, text_dim: int,
                 batch: int = 1) -> SavedActivations:
     """Saved activations of one forward of ``batch`` samples of the denoiser of ``config``, per sample."""
-    model_class = adapter.model_class
+    model_class = adapter.model_class  # imported outside the meta device's context
     with torch.device("meta"):
         module = model_class.from_config(config).to(torch.bfloat16)
-        sample = torch.empty(batch, adapter.latent_channels(config), latent_size, latent_size, dtype=torch.bfloat16)
-        text = torch.empty(batch, text_length, text_dim, dtype=torch.bfloat16)
-        timestep = torch.zeros(batch)
-        pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
-        pooled = {"pooled": torch.empty(batch, pooled_dim, dtype=torch.bfloat16)} if pooled_dim else {}
+        sample, timestep, text, pooled = forward_inputs(adapter, config, latent_size, text_length, text_dim, batch)
     module.train()
     parameters = {id(p) for p in module.parameters()}
     blocks = [m for m in module.modules() if type(m).__name__ in adapter.blocks]

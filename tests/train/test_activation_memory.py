@@ -95,7 +95,7 @@ def test_the_meta_count_equals_the_storage_a_real_forward_keeps(kit, request):
     import torch
     import torch.nn.functional as F
     from diffusion.models import denoisers
-    from diffusion.train.activation_memory import _FusedAttention, count_saved
+    from diffusion.train.activation_memory import _FusedAttention, count_saved, forward_inputs
     ref = request.getfixturevalue(kit)
     class_name = denoisers.resolve_class(ref, "auto")
     adapter = denoisers.adapter(class_name)
@@ -105,10 +105,8 @@ def test_the_meta_count_equals_the_storage_a_real_forward_keeps(kit, request):
 
     torch.manual_seed(0)
     module = adapter.model_class.from_config(config).to(torch.bfloat16).train()
-    sample = torch.randn(2, adapter.latent_channels(config), latent, latent, dtype=torch.bfloat16, requires_grad=True)
-    text = torch.randn(2, text_length, text_dim, dtype=torch.bfloat16)
-    pooled_dim = adapter.pooled_dim(config) if adapter.pooled_text else None
-    pooled = {"pooled": torch.randn(2, pooled_dim, dtype=torch.bfloat16)} if pooled_dim else {}
+    sample, timestep, text, pooled = forward_inputs(adapter, config, latent, text_length, text_dim, batch=2)
+    sample.requires_grad_(True)
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages = {}
 
@@ -122,7 +120,7 @@ def test_the_meta_count_equals_the_storage_a_real_forward_keeps(kit, request):
     F.scaled_dot_product_attention = _FusedAttention.call
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            adapter(module, sample, torch.full((2,), 500.0), text, **pooled)
+            adapter(module, sample, timestep, text, **pooled)
     finally:
         F.scaled_dot_product_attention = sdpa
     held = sum(nbytes for _, nbytes in storages.values()) // 2

@@ -76,9 +76,7 @@ class ImageLogger(Callback):
             return  # no eval and no interval: this run draws no grid
         if dist.get_global_rank() != 0 and not _sharded(state.model):
             return
-        model = _unwrap(state.model)
-        ref = self.model_ref or getattr(getattr(model, "description", None), "model_ref", None) \
-            or getattr(model, "model_ref", None)
+        ref = self._model_ref(_unwrap(state.model))
         if ref:
             from diffusion.errors import ModelReferenceError
             from diffusion.models import loading
@@ -135,13 +133,18 @@ class ImageLogger(Callback):
             self.saved.append(grid.save_grid(picture, path))
         return picture
 
+    def _model_ref(self, model) -> str | None:
+        """Where the grid's VAE and text encoders come from: the given ``model_ref``, else the model's."""
+        return self.model_ref or getattr(getattr(model, "description", None), "model_ref", None) \
+            or getattr(model, "model_ref", None)
+
     def _get_sampler(self, model, dtype=None) -> sampling.Sampler:
         if self._sampler is None:
             description = getattr(model, "description", None)
             if description is not None and not (self.model_ref or self.scaling_factor or self.prediction_type):
                 self._sampler = sampling.Sampler(description, scheduler=self.scheduler, dtype=dtype)
                 return self._sampler
-            model_ref = self.model_ref or getattr(model, "model_ref", None)
+            model_ref = self._model_ref(model)
             if not model_ref:
                 raise ValueError("ImageLogger: pass model_ref= (the model has no model_ref attribute)")
             self._sampler = sampling.Sampler(
