@@ -311,7 +311,7 @@ class Sampler:
                 kwargs = adapter.prompt_kwargs(pipe, chunk, negative_prompt, guidance_rescale, length, masked)
                 with adapter.text_mask_hook(denoiser, kwargs.pop("text_masks", None)):
                     out = pipe(**kwargs, height=height, width=width, num_inference_steps=steps,
-                               **adapter.call_kwargs(guidance_scale), generator=generators, output_type="latent")
+                               **adapter.call_kwargs(guidance_scale, denoiser), generator=generators, output_type="latent")
                 # decoded here, not by the pipeline: one decoding (shift included) for every pipeline
                 images.extend(pipe.image_processor.postprocess(self.decode(adapter.unpack(pipe, out.images, height, width)),
                                                                output_type="pil"))

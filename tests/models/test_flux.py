@@ -171,10 +171,11 @@ def test_the_training_step_compiles_without_graph_breaks(tiny_flux_kit, mds):
     assert explanation.graph_count == 1
 
 
-def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_kit, tmp_path, capsys):
+def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_kit, tmp_path, capsys, monkeypatch):
     """Issue 47, item 12: a Flux.1-dev-shaped transformer (``guidance_embeds: true``) crashed in diffusers with a
     TypeError (no guidance given). It trains with ``model.embedded_guidance`` in its guidance embedding (1.0 by
-    default) and samples with FluxPipeline's; a transformer without the embedding refuses the key in one line."""
+    default) and samples with that value in FluxPipeline's (not the pipeline's default 3.5, which the model never
+    read: review of 16ede1b, defect 1); a transformer without the embedding refuses the key in one line."""
     import json
     import shutil
 
@@ -200,16 +201,24 @@ def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_k
     assert module.embedded_guidance == 3.5 and not torch.allclose(default, other, atol=1e-4)  # the value is read
     space = loading.latent_space_of(loading.load_vae_config(kit))
     checkpoint = train_tiny_checkpoint(kit, str(tmp_path / "run"), "model.objective=flow", "model.prediction_type=null",
-                                       "model.embedded_guidance=3.5", batches=1, latent_space=space)
+                                       "model.embedded_guidance=2.5", batches=1, latent_space=space)
     trained = sampling.load_trained(checkpoint)
     # sampled at the value it was trained with (not the module default 1.0, nor FluxPipeline's 3.5): recorded
-    assert trained.denoiser.config.guidance_embeds and trained.denoiser.embedded_guidance == 3.5
+    assert trained.denoiser.config.guidance_embeds and trained.denoiser.embedded_guidance == 2.5
     from diffusion.sample import export
     capsys.readouterr()
     export.main(["--checkpoint", checkpoint, "--out", str(tmp_path / "export")])
-    assert ", guidance_scale=3.5" in capsys.readouterr().out  # the export's call names it too
+    assert ", guidance_scale=2.5" in capsys.readouterr().out  # the export's call names it too
+    from diffusers import FluxTransformer2DModel
+    received, forward = [], FluxTransformer2DModel.forward
+
+    def spy(self, *args, **kwargs):
+        received.append(sorted(set(kwargs["guidance"].tolist())))
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(FluxTransformer2DModel, "forward", spy)
     (image,) = generate.generate_images(checkpoint, PROMPTS[:1], steps=2, guidance_scale=2.0, seed=0)
     assert image.size == (64, 64)
+    assert received and all(values == [2.5] for values in received)  # every denoiser call read the trained value
     plain = adapter.build(adapter.load_config(tiny_flux_kit))
     with pytest.raises(ConfigError, match=r"^model.embedded_guidance=2.0: the FluxTransformer2DModel has no guidance "
                                           r"embedding .*remove the key$"):

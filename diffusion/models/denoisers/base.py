@@ -133,8 +133,9 @@ class DenoiserAdapter:
         of packed patches returns them packed)."""
         return latents
 
-    def call_kwargs(self, guidance_scale: float) -> dict:
-        """The pipeline call's arguments beyond the prompts, size, steps and generators: the guidance."""
+    def call_kwargs(self, guidance_scale: float, module=None) -> dict:
+        """The pipeline call's arguments beyond the prompts, size, steps and generators: the guidance (and what
+        ``module``, the denoiser being sampled, was trained with that the pipeline would otherwise default)."""
         return {self.cfg_argument: guidance_scale}
 
     def prompt_kwargs(self, pipe, prompts: list[str], negative_prompt: str | None, guidance_rescale: float,

@@ -10,8 +10,8 @@ Guidance embedding off, as in Flux.1-schnell: sampling guides with true classifi
 (``true_cfg_scale``, the negative prompt's prediction in a second call). Flux.1-dev's shape
 (``guidance_embeds: true``, guidance-distilled) trains with one guidance value in that embedding for every
 sample, ``model.embedded_guidance`` (default 1.0; diffusers' Flux training scripts pass ``--guidance_scale``
-the same way), and samples with FluxPipeline's own embedded guidance (its ``guidance_scale``, 3.5) beside
-the true classifier-free guidance above.
+the same way), and samples with that value as FluxPipeline's embedded guidance (its ``guidance_scale``, whose
+default 3.5 the model never read) beside the true classifier-free guidance above.
 
 Conditioning, as Flux.1 is: with a model reference in FluxPipeline's layout of two text encoders (CLIP in
 ``text_encoder/``, T5 in ``text_encoder_2/``, as the tiny-flux kit has), T5's last hidden state as
@@ -141,6 +141,12 @@ class FluxTransformerAdapter(DenoiserAdapter):
         return pipe
 
     pipeline_shift = True  # FluxPipeline adds the shift back
+
+    def call_kwargs(self, guidance_scale, module=None):
+        kwargs = super().call_kwargs(guidance_scale)
+        if module is not None and getattr(module, "config", {}).get("guidance_embeds"):  # the value it was trained with
+            kwargs["guidance_scale"] = float(getattr(module, "embedded_guidance", 1.0))
+        return kwargs
 
     def unpack(self, pipe, latents, height, width):
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)

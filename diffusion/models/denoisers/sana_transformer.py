@@ -52,7 +52,7 @@ class SanaTransformerAdapter(DenoiserAdapter):
         pipe.conditioning = (text_encoder, tokenizer)  # our encoder: the pipeline's slots are Gemma's
         return pipe
 
-    def call_kwargs(self, guidance_scale: float) -> dict:
+    def call_kwargs(self, guidance_scale: float, module=None) -> dict:
         # the aspect-ratio bins of the pipeline are SANA's published sizes: we sample the size asked for
         return {"guidance_scale": guidance_scale, "use_resolution_binning": False}
 
