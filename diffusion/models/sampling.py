@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 from typing import TYPE_CHECKING
@@ -206,6 +207,7 @@ class Sampler:
                                        scaling_factor=scaling_factor)
         self.description = model
         self.model_ref = model_ref = model.model_ref
+        self.scheduler = sampling_scheduler(model, scheduler)  # a sampler the pipeline cannot drive: refused first
         self.space = space = model.space()  # the latent space training was in: what decoding inverts
         found = loading.latent_space_of(loading.load_vae_config(model_ref))
         if (found.autoencoder, found.channels, found.downsample) != (space.autoencoder, space.channels, space.downsample):
@@ -220,8 +222,6 @@ class Sampler:
         self.text_encoder = loading.load_text_encoder(model_ref, dtype)
         self.tokenizer = loading.load_tokenizer(model_ref)
         self.pooled_encoder = self._pooled_encoder(model, dtype)
-        self.objective = model.build_objective()
-        self.scheduler = self.objective.sampling_scheduler(model_ref, scheduler)
 
     @staticmethod
     def _pooled_encoder(model: ModelDescription, dtype=None):
@@ -288,7 +288,8 @@ class Sampler:
             raise ValueError("no prompts to sample")
         height, width = _size_pair(size if size is not None else
                                    denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
-        _check_size(height, width, getattr(denoiser, "config", None), self.space.downsample)
+        _check_size(height, width, getattr(denoiser, "config", None), self.space.downsample,
+                    denoisers.adapter_for(denoiser).packing)
         first = next(denoiser.parameters())
         device = torch.device(device) if device is not None else first.device
         encoders = self.dtype or first.dtype
@@ -318,6 +319,23 @@ class Sampler:
         return images
 
 
+def sampling_scheduler(model: ModelDescription, name: str | None = None, flag: str = "--scheduler"):
+    """The diffusers scheduler ``name`` (:data:`SCHEDULERS`; None: the objective's first) that samples ``model`` as
+    trained; one the denoiser's pipeline cannot drive is refused in one line naming ``flag``: FluxPipeline always
+    sets sigmas of its own, which a scheduler whose ``set_timesteps`` takes none (flow-matching Heun) refuses, as
+    diffusers' ``retrieve_timesteps`` asks, only once sampling has begun."""
+    objective = model.build_objective()
+    name = objective.check_sampler(name)
+    build = lambda sampler: objective.sampling_scheduler(model.model_ref, sampler)  # noqa: E731
+    takes_sigmas = lambda scheduler: "sigmas" in inspect.signature(scheduler.set_timesteps).parameters  # noqa: E731
+    scheduler = build(name)
+    if model.adapter.passes_sigmas and not takes_sigmas(scheduler):
+        usable = [s for s in objective.samplers if takes_sigmas(build(s))]
+        raise UserError(f"{flag} {name}: the {model.denoiser}'s pipeline sets the sampler's sigmas itself, and "
+                        f"{type(scheduler).__name__} takes none: it samples with {', '.join(usable)}")
+    return scheduler
+
+
 def sample_images(denoiser, model: ModelDescription | str, prompts, *, scheduler: str | None = None,
                   scaling_factor: float | None = None, prediction_type: str | None = None,
                   noise_schedule: dict | None = None, **kwargs) -> list[Image.Image]:
@@ -334,11 +352,12 @@ def _size_pair(size) -> tuple[int, int]:
     return height, width
 
 
-def _check_size(height: int, width: int, config, downsample: int) -> None:
+def _check_size(height: int, width: int, config, downsample: int, packing: int = 1) -> None:
     """Refuse, before any memory is spent, an image size the denoiser cannot sample: a side that is not a
-    whole number of its patches of latent pixels, or more patches than an MMDiT's positional table holds
+    whole number of its patches of latent pixels (the config's, times the ``packing`` of its pipeline: Flux's 2x2,
+    which FluxPipeline would round down without a word), or more patches than an MMDiT's positional table holds
     (diffusers would refuse both only after embedding the latents: 23 GB at 100000 px)."""
-    patch = int(getattr(config, "patch_size", None) or 1)
+    patch = int(getattr(config, "patch_size", None) or 1) * packing
     step = downsample * patch
     if height < step or width < step or height % step or width % step:
         fit = lambda side: max(step, side // step * step)  # noqa: E731

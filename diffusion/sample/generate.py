@@ -90,7 +90,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="sample with the raw weights, not the EMA weights (Composer checkpoints)")
     parser.add_argument("--scheduler", choices=sampling.SCHEDULERS, default=None,
                         help="sampler: ddim, euler or dpm++ for epsilon/v models, euler or heun (flow matching) "
-                             "for flow models (default: ddim, or euler for flow models)")
+                             "for flow models; Flux's pipeline takes euler only (default: ddim, or euler for flow "
+                             "models)")
     parser.add_argument("--steps", type=cli.positive_int, default=25, help="denoising steps (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=finite_number, default=7.5,
                         help="classifier-free guidance scale; 1 turns guidance off (default: %(default)s)")

@@ -56,3 +56,22 @@ def test_a_checkpoint_and_a_reference_of_other_text_encoders_are_refused_in_one_
         sampling.Sampler(dataclasses.replace(described, pooled_text=False))
     assert "one text encoder" in str(error.value) and "two text encoders" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_size_off_fluxs_packing_and_the_heun_sampler_are_refused_in_one_line(tiny_flux_kit, tmp_path, capsys):
+    """Review of 16ede1b, defects 2 and 3: FluxPipeline packs 2x2 latent pixels, so at 72 px (a multiple of the
+    8x autoencoder's 8, not of 16) it drew 64x64 images without a word, and it always sets sigmas of its own, which
+    the flow-matching Heun scheduler refuses (diffusers' ValueError traceback). Each is one line now, before any
+    image is drawn; SD3's and SANA's pipelines still sample with heun (tests/sample/test_mmdit_sampling.py)."""
+    from diffusion import cli
+    out = tmp_path / "x.png"
+    for flags, why in ((["--size", "72"], "image size 72x72 (height x width): each side must be a multiple of 16 px "
+                                          "for this model (8x autoencoder, 2x2 patches), e.g. 64x64"),
+                       (["--scheduler", "heun"], "--scheduler heun: the FluxTransformer2DModel's pipeline sets the "
+                                                 "sampler's sigmas itself, and FlowMatchHeunDiscreteScheduler takes "
+                                                 "none: it samples with euler")):
+        with pytest.raises(SystemExit):
+            cli.run(generate.main, "generate", ["--checkpoint", tiny_flux_kit, "--prompt", "a red circle",
+                                                "--steps", "1", "--out", str(out), *flags])
+        assert capsys.readouterr().err == f"generate: error: {why}\n"
+    assert not out.exists()

@@ -122,6 +122,12 @@ class DenoiserAdapter:
     # text_encoder/ and tokenizer/): an export loads with ``from_pretrained(DIR, **dict.fromkeys(empty_slots))``.
     empty_slots: tuple = ()
     cfg_argument: str = "guidance_scale"  # the pipeline call's classifier-free guidance scale
+    # Latent pixels a side the pipeline packs into one token (Flux's 2x2), beyond the config's patch_size: a size
+    # off that grid the pipeline would round down without a word.
+    packing: int = 1
+    # The pipeline always sets its scheduler's timesteps from sigmas of its own (FluxPipeline): a scheduler
+    # whose set_timesteps takes none cannot sample it.
+    passes_sigmas: bool = False
 
     def pipeline_decodes(self, space) -> bool:
         """Whether the diffusers pipeline decodes latents of ``space`` (a :class:`~diffusion.schema.LatentSpace`)

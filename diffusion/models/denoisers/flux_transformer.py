@@ -88,6 +88,8 @@ class FluxTransformerAdapter(DenoiserAdapter):
     blocks = frozenset({"FluxTransformerBlock", "FluxSingleTransformerBlock"})
     empty_slots = EMPTY_SLOTS
     cfg_argument = "true_cfg_scale"  # no guidance embedding: true classifier-free guidance
+    packing = 2  # FluxPipeline packs 2x2 latent pixels into a token
+    passes_sigmas = True
     pooled_text = True  # CLIP's pooled vector where the model reference has Flux's two text encoders
 
     def latent_channels(self, config):

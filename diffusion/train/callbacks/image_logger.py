@@ -46,6 +46,8 @@ class ImageLogger(Callback):
         name: the key's stem; the key is ``{name}_ema`` or ``{name}_raw``.
     """
 
+    key = "image_logger"  # its key under callbacks: in the YAML, and in its refusals
+
     def __init__(self, prompts, *, model_ref: str | None = None, scaling_factor: float | None = None,
                  prediction_type: str | None = None, interval: str | None = None, images_per_prompt: int = 1,
                  steps: int = 25, guidance_scale: float = 7.5, guidance_rescale: float | None = None,
@@ -74,6 +76,9 @@ class ImageLogger(Callback):
         ranks that sample (every rank under FSDP, rank 0 otherwise)."""
         if self._due is None and not state.evaluators:
             return  # no eval and no interval: this run draws no grid
+        description = getattr(_unwrap(state.model), "description", None)
+        if self.scheduler and description is not None:  # a sampler the model's pipeline cannot drive: on every rank
+            sampling.sampling_scheduler(description, self.scheduler, f"callbacks.{self.key}.scheduler")
         if dist.get_global_rank() != 0 and not _sharded(state.model):
             return
         ref = self._model_ref(_unwrap(state.model))
@@ -83,8 +88,8 @@ class ImageLogger(Callback):
             try:
                 loading.require_weights(ref, ("vae", *loading.text_components(ref)))
             except ModelReferenceError as e:
-                raise ModelReferenceError(f"callbacks.image_logger: {e} (or drop the image logger: "
-                                          f"callbacks.image_logger=null)") from None
+                raise ModelReferenceError(f"callbacks.{self.key}: {e} (or drop the callback: "
+                                          f"callbacks.{self.key}=null)") from None
 
     def eval_end(self, state: State, logger: Logger) -> None:
         # EVAL_END comes once per evaluator (raw and EMA evaluators): one grid per eval is enough.

@@ -31,6 +31,8 @@ from diffusion.train.callbacks.image_logger import ImageLogger
 
 
 class JudgeMetrics(ImageLogger):
+    key = "judge_metrics"
+
     def __init__(self, *, per_category: int = 4, prompts_file: str | None = None, seed: int = 0,
                  images_per_prompt: int = 2, guidance_scale: float = 3.0, steps: int = 25,
                  interval: str | None = None, scheduler: str | None = None, clip_model: str | None = None,

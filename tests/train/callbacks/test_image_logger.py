@@ -276,3 +276,20 @@ def test_a_model_without_vae_weights_is_refused_before_the_first_batch(tiny_kit,
         assert int(plain.state.timestamp.batch) == 2
     finally:
         plain.close()
+
+
+def test_a_sampler_fluxs_pipeline_cannot_drive_is_refused_before_the_first_batch(tiny_flux_kit, tiny_kit):
+    """Review of 16ede1b, defect 3: ``scheduler: heun`` on a Flux model ended the run at its first grid with
+    diffusers' ValueError (FluxPipeline sets sigmas of its own, the Heun scheduler takes none); it is refused at fit
+    start in one line naming the key, for the judge's grids too. A UNet's sampler is left as it was."""
+    from diffusion.errors import UserError
+    from diffusion.train.callbacks.judge_metrics import JudgeMetrics
+    flux = types.SimpleNamespace(description=sampling.describe_reference(tiny_flux_kit))
+    state = types.SimpleNamespace(model=flux, evaluators=[])
+    for callback, key in ((ImageLogger(PROMPTS, scheduler="heun", interval="1ba"), "image_logger"),
+                          (JudgeMetrics(per_category=1, scheduler="heun", interval="1ba"), "judge_metrics")):
+        with pytest.raises(UserError, match=rf"^callbacks\.{key}\.scheduler heun: the FluxTransformer2DModel's "
+                                            rf"pipeline sets the sampler's sigmas itself, .* it samples with euler$"):
+            callback.fit_start(state, None)
+    unet = types.SimpleNamespace(description=sampling.describe_reference(tiny_kit), model_ref=None)
+    ImageLogger(PROMPTS, scheduler="dpm++", interval="1ba").fit_start(types.SimpleNamespace(model=unet), None)
