@@ -286,8 +286,10 @@ class Sampler:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise ValueError("no prompts to sample")
-        height, width = _size_pair(size if size is not None else
-                                   denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample)
+        if size is None:  # the denoiser config's size
+            size = denoisers.adapter_for(denoiser).sample_size(denoiser) * self.space.downsample
+        self.size = size  # what this call drew (the protocol's record)
+        height, width = _size_pair(size)
         _check_size(height, width, getattr(denoiser, "config", None), self.space.downsample,
                     denoisers.adapter_for(denoiser).packing)
         first = next(denoiser.parameters())

@@ -48,7 +48,7 @@ def generate_images(checkpoint: str, prompts: list[str], *, model_ref: str | Non
         print(f"note: {checkpoint} holds no EMA weights: sampling its raw weights", file=sys.stderr, flush=True)
     images = sampler(trained.denoiser, prompts, progress=True, **sample_kwargs)
     if protocol is not None:  # what was sampled: the EMA only where the checkpoint had one, the rescale applied
-        protocol.update(sampler=type(sampler.scheduler).__name__, size=sample_kwargs.get("size"),
+        protocol.update(sampler=type(sampler.scheduler).__name__, size=sampler.size,
                         timestep_spacing=sampler.scheduler.config.get("timestep_spacing"), ema=trained.ema_used,
                         guidance_rescale=sampler.guidance_rescale)
     return images

@@ -310,3 +310,15 @@ def test_dpg_prompts_refuse_more_than_four_images_and_name_an_empty_file(tiny_ki
                                           f'{{"prompt": "a cat", "tag": "counting", "include": {include}}}\n')
         with pytest.raises(InputError, match=r'p\.jsonl:2: "include" must be a list of \{"class": NAME, "count": N\}'):
             geneval_layout.read_metadata(str(tmp_path / "p.jsonl"))
+
+
+def test_the_protocol_records_the_size_drawn_from_a_diffusers_directory(tiny_kit, tmp_path):
+    """Review of 16ede1b, defect 8: a diffusers directory (an export, the kit) sampled without --size is drawn at
+    its UNet's sample_size times the VAE's 8 (64 px for the tiny kit); the protocol recorded ``size: null``."""
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    out = tmp_path / "judged.json"
+    evaluate.main(["--checkpoint", tiny_kit, "--prompts-file", str(tmp_path / "p.txt"), "--judge", "--steps", "2",
+                   "--save-images", str(tmp_path / "images"), "--out", str(out), "--device", "cpu"])
+    with Image.open(tmp_path / "images" / "00000.png") as image:
+        assert image.size == (64, 64)
+    assert json.loads(out.read_text())["protocol"]["size"] == 64
