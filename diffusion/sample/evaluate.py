@@ -25,7 +25,8 @@ e.g. from ``python -m diffusion.kit.scenes``); ``--save-images`` then writes Gen
 evaluator reads. A directory of ``ID.txt`` prompts (DPG-Bench's ``dpg_bench/prompts``) as ``--prompts-file``
 makes ``--save-images`` write DPG-Bench's layout (:mod:`diffusion.sample.dpg_layout`: ``ID.png``, the
 prompt's images tiled 2x2). Every result records its protocol (sampler, steps, guidance, seed, image count,
-resizing, feature model).
+size, each metric's feature model and the resizing in front of it). CLIP score is torchmetrics' ``CLIPScore``:
+``max(mean(100 x cosine), 0)``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from PIL import Image
 
 from diffusion import schema
 from diffusion.convert import readers
-from diffusion.errors import InputError, UserError
+from diffusion.errors import InputError, ModelReferenceError, UserError
 from diffusion import cli
 from diffusion.sample import dpg_layout, geneval_layout, grid
 
@@ -139,8 +140,10 @@ class ClipScorer:
             self.model = CLIPModel.from_pretrained(ref).eval().requires_grad_(False)
             self.tokenizer = AutoTokenizer.from_pretrained(ref)
         except OSError as e:
-            raise ValueError(f"could not load CLIP model {ref!r} ({e}); pass a local directory, e.g. one "
-                             f"written by `python -m diffusion.kit --preset tiny-clip`") from e
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelReferenceError(f"--clip-model {ref}: cannot be loaded as a transformers CLIPModel ({reason}); "
+                                      f"pass a local directory, e.g. one written by `python -m diffusion.kit "
+                                      f"--preset tiny-clip`") from None
         size = self.model.config.vision_config.image_size
         try:
             self.processor = CLIPImageProcessor.from_pretrained(ref)
@@ -171,6 +174,10 @@ def _normalise(features: torch.Tensor) -> np.ndarray:
 class InceptionFeatures:
     """Inception-v3 2048-d pool features from a local torchvision state dict (no download here)."""
 
+    # what is in front of the model, for the protocol
+    resize = ("299x299 bilinear, the whole image squashed to the square (not cropped); ImageNet mean and std, "
+              "then torchvision's transform_input")
+
     def __init__(self, weights: str, device=None):
         import torchvision
         if not weights or not os.path.exists(weights):
@@ -178,8 +185,9 @@ class InceptionFeatures:
                                     f"(torchvision's inception_v3 state dict, e.g. inception_v3_google-*.pth)")
         model = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False,
                                                 transform_input=True)
-        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        model.load_state_dict(_inception_state(weights, model.state_dict()))
         model.fc = torch.nn.Identity()
+        self.weights = weights
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.transform = torchvision.transforms.Compose([
@@ -191,6 +199,61 @@ class InceptionFeatures:
     def __call__(self, images) -> np.ndarray:
         batch = torch.stack([self.transform(im) for im in images]).to(self.device)
         return self.model(batch).double().cpu().numpy()
+
+
+def _inception_state(path: str, expected: dict) -> dict:
+    """The state dict in ``path``, checked against torchvision's Inception-v3 (``expected``): a file torch cannot
+    read as one, or one of another layout, is refused in one line naming it."""
+    wanted = "torchvision's inception_v3 state dict (1000 classes, with AuxLogits: inception_v3_google-*.pth)"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- a user's file: pickle's KeyError, EOFError, a zip's RuntimeError...
+        raise InputError(f"--inception-weights {path}: not a torch state dict (torch.load: {type(e).__name__}); "
+                         f"expected {wanted}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InputError(f"--inception-weights {path}: not a state dict of tensors; expected {wanted}")
+    fc = state.get("fc.weight")
+    if fc is not None and fc.shape[0] == 1008 and not any(k.startswith("AuxLogits.") for k in state):
+        raise InputError(f"--inception-weights {path}: pytorch-fid's FID Inception layout (1008 classes, no "
+                         f"AuxLogits), whose blocks pool otherwise than torchvision's, so its features would not be "
+                         f"pytorch-fid's; expected {wanted}")
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        first = (f"{len(missing)} of its tensors missing, e.g. {missing[0]}" if missing else
+                 f"{len(unexpected)} tensors it does not have, e.g. {unexpected[0]}" if unexpected else
+                 f"{shapes[0]} is {tuple(state[shapes[0]].shape)}, not {tuple(expected[shapes[0]].shape)}")
+        raise InputError(f"--inception-weights {path}: not torchvision's Inception-v3 ({first}); expected {wanted}")
+    return state
+
+
+def feature_models(clip_model: str | None, fid_features: str = "clip", inception_weights: str | None = None,
+                   device=None) -> tuple:
+    """``(CLIP scorer, Inception features)``, loaded (both None without ``clip_model``; Inception None where FID
+    compares CLIP's features): a model that cannot be loaded is refused here in one line, so that
+    ``diffusion.evaluate --checkpoint`` refuses it before generating."""
+    if fid_features not in ("clip", "inception"):
+        raise ValueError(f"unknown FID features {fid_features!r}; choose clip or inception")
+    if not clip_model:
+        return None, None
+    scorer = ClipScorer(clip_model, device=device)
+    return scorer, InceptionFeatures(inception_weights, device=device) if fid_features == "inception" else None
+
+
+def reference_features(reference, scorer: ClipScorer, inception=None, batch_size: int = 32) -> tuple:
+    """``(CLIP features, FID features, skipped)`` of the reference set (paths, or ``(image, caption)`` pairs); a set
+    without one readable image is refused in one line."""
+    skipped = collections.Counter()
+    pairs = iter_images(reference, skipped) if _is_paths(reference) else iter(reference)
+    clip_feats, fid_feats = [], []
+    for batch in _batches(pairs, batch_size):
+        batch_images = [im for im, _ in batch]
+        clip_feats.append(scorer.image_features(batch_images))
+        fid_feats.append(clip_feats[-1] if inception is None else inception(batch_images))
+    if not fid_feats:
+        raise InputError(f"no readable reference images in {reference!r}" + _first_reason(skipped))
+    return np.concatenate(clip_feats), np.concatenate(fid_feats), skipped
 
 
 # ---- metrics ------------------------------------------------------------------------------------------
@@ -226,27 +289,36 @@ def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:
 def clip_metrics(image_features: np.ndarray, prompts: list[str], scorer: ClipScorer) -> dict:
     """CLIP score of each image against its prompt, a mismatched-prompt baseline, and retrieval accuracy.
 
-    ``clip_score`` is 100 × cosine similarity clipped at 0, averaged (the usual definition);
-    ``clip_score_mismatched`` averages each image against the other distinct prompts (chance level);
+    ``clip_score`` is :data:`CLIP_SCORE_PROTOCOL`; ``clip_score_mismatched`` the same over each image against the
+    other distinct prompts (chance level);
     ``clip_accuracy`` is how often an image's own prompt is the most similar of the distinct prompts.
     """
     unique = sorted(set(prompts))
     similarity = image_features @ scorer.text_features(unique).T  # (images, distinct prompts)
     own = np.array([unique.index(p) for p in prompts])
     matched = similarity[np.arange(len(prompts)), own]
-    result = {"clip_score": float(100 * np.clip(matched, 0, None).mean()),
-              "clip_cosine": float(matched.mean())}
+    result = {"clip_score": _clip_score(matched), "clip_cosine": float(matched.mean())}
     if len(unique) > 1:
         others = np.ones_like(similarity, dtype=bool)
         others[np.arange(len(prompts)), own] = False
-        result["clip_score_mismatched"] = float(100 * np.clip(similarity[others], 0, None).mean())
+        result["clip_score_mismatched"] = _clip_score(similarity[others])
         result["clip_accuracy"] = float((similarity.argmax(1) == own).mean())
     return result
 
 
+CLIP_SCORE_PROTOCOL = ("max(mean(100 x cosine), 0) over the images, torchmetrics' CLIPScore (the mean clamped at "
+                       "0, not each image's cosine)")
+
+
+def _clip_score(cosines: np.ndarray) -> float:
+    """:data:`CLIP_SCORE_PROTOCOL`, as torchmetrics' ``CLIPScore.compute``: ``max(score / n_samples, 0)``."""
+    return float(max(100 * cosines.mean(), 0.0))
+
+
 def evaluate(images, *, clip_model: str | None = None, reference=None, fid_features: str = "clip",
              inception_weights: str | None = None, batch_size: int = 32, device=None, judge: bool = False,
-             protocol: dict | None = None, cmmd_estimator: str = "biased") -> dict:
+             protocol: dict | None = None, cmmd_estimator: str = "biased", models: tuple | None = None,
+             reference_set: tuple | None = None) -> dict:
     """Score ``images`` (paths, or a list of ``(PIL image, prompt)`` pairs) and return the metrics.
 
     A prompt is text or a GenEval metadata line (a dict with ``prompt``). CLIP metrics need prompts
@@ -254,16 +326,13 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
     ``judge`` adds the scene judge's per-category accuracy; ``cmmd_estimator``: "biased" (the CMMD
     reference code's, comparable with published numbers) or "unbiased". The result's ``protocol`` records how the
     numbers were made: ``protocol`` (the sampling settings, when the images were generated) and the
-    feature models and resizing used here.
+    feature models and resizing used here. ``models`` (:func:`feature_models`) and ``reference_set``
+    (:func:`reference_features`): those already loaded and read, before the images were generated.
     """
     from diffusion.sample import cmmd, judge as scene_judge
-    if fid_features not in ("clip", "inception"):
-        raise ValueError(f"unknown FID features {fid_features!r}; choose clip or inception")
     if not clip_model and not judge:
         raise ValueError("nothing to compute: give a CLIP model (CLIP score, FID, CMMD) or judge=True")
-    scorer = ClipScorer(clip_model, device=device) if clip_model else None
-    fid_model = (InceptionFeatures(inception_weights, device=device) if fid_features == "inception"
-                 else scorer.image_features if scorer else None)
+    scorer, inception = models or feature_models(clip_model, fid_features, inception_weights, device)
     skipped = collections.Counter()
     pairs = iter_images(images, skipped) if _is_paths(images) else iter(images)
     clip_feats, fid_feats, prompts, judged, unjudged = [], [], [], [], 0
@@ -271,7 +340,7 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
         batch_images = [im for im, _ in batch]
         if scorer:
             clip_feats.append(scorer.image_features(batch_images))
-            fid_feats.append(clip_feats[-1] if fid_features == "clip" else fid_model(batch_images))
+            fid_feats.append(clip_feats[-1] if inception is None else inception(batch_images))
         if judge:
             results, missed = scene_judge.judge_many(batch)
             judged.extend(results)
@@ -280,10 +349,9 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
     if not prompts:
         raise InputError(f"no readable images in {images!r}" + _first_reason(skipped))
     result = {"num_images": len(prompts), "protocol": _protocol(protocol, len(prompts), scorer, clip_model,
-                                                                 fid_features if scorer else None, judge,
-                                                                 cmmd_estimator)}
+                                                                 inception, judge, cmmd_estimator)}
     if scorer:
-        result["fid_features"] = fid_features
+        result["fid_features"] = result["protocol"]["fid_features"]
     if judge:
         result["judge"] = {**scene_judge.summarize(judged), "unjudged": unjudged}
     prompted = [i for i, p in enumerate(prompts) if p]
@@ -295,20 +363,15 @@ def evaluate(images, *, clip_model: str | None = None, reference=None, fid_featu
         result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, got {len(prompts)}: "
                                  f"generate more (e.g. --images-per-prompt 8) for a FID")
     elif reference is not None:
-        ref_skipped = collections.Counter()
-        pairs = iter_images(reference, ref_skipped) if _is_paths(reference) else iter(reference)
-        ref_fid, ref_clip = [], []
-        for batch in _batches(pairs, batch_size):
-            batch_images = [im for im, _ in batch]
-            ref_clip.append(scorer.image_features(batch_images))
-            ref_fid.append(ref_clip[-1] if fid_features == "clip" else fid_model(batch_images))
+        ref_clip, ref_fid, ref_skipped = reference_set or reference_features(reference, scorer, inception, batch_size)
         skipped.update(ref_skipped)
-        if not ref_fid:
-            raise InputError(f"no readable reference images in {reference!r}" + _first_reason(ref_skipped))
-        ref_fid = np.concatenate(ref_fid)
-        result.update(num_reference=len(ref_fid), fid=frechet_distance(np.concatenate(fid_feats), ref_fid),
-                      cmmd=cmmd.cmmd(np.concatenate(clip_feats), np.concatenate(ref_clip), cmmd_estimator))
         result["protocol"]["reference_count"] = len(ref_fid)
+        if len(ref_fid) < MIN_FID_IMAGES:
+            result["fid_skipped"] = (f"FID needs at least {MIN_FID_IMAGES} images per set, the reference set has "
+                                     f"{len(ref_fid)} readable: give more reference images for a FID")
+        else:
+            result.update(num_reference=len(ref_fid), fid=frechet_distance(np.concatenate(fid_feats), ref_fid),
+                          cmmd=cmmd.cmmd(np.concatenate(clip_feats), ref_clip, cmmd_estimator))
     if skipped:
         result["skipped"] = dict(skipped)
     return result
@@ -323,10 +386,12 @@ def _first_reason(skipped: collections.Counter) -> str:
                             if sum(skipped.values()) > skipped[reason] else "")
 
 
-def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, judge: bool,
+def _protocol(given: dict | None, count: int, scorer, clip_model, inception, judge: bool,
               cmmd_estimator: str = "biased") -> dict:
     """How the numbers were made: the sampling settings (``given``; "given images" when the images were
-    not generated here), the image count, each feature model and the resizing in front of it."""
+    not generated here), the image count, each feature model and the resizing in front of it: ``feature_model``
+    and ``resize`` CLIP's (CLIP score, CMMD), ``fid_feature_model`` and ``fid_resize`` FID's (CLIP's again unless
+    ``fid_features`` is inception)."""
     from diffusion.sample import cmmd, judge as scene_judge
     protocol = dict(given or {"images": "given (not generated by this command)"})
     protocol["image_count"] = count
@@ -335,7 +400,11 @@ def _protocol(given: dict | None, count: int, scorer, clip_model, fid_features, 
         protocol["feature_model"] = clip_model
         protocol["resize"] = (f"CLIPImageProcessor: shortest side to {processor.size}, resample "
                               f"{int(processor.resample)} (PIL), centre crop {processor.crop_size}")
-        protocol["fid_features"] = fid_features
+        protocol["clip_score"] = CLIP_SCORE_PROTOCOL
+        protocol["fid_features"] = "clip" if inception is None else "inception"
+        protocol["fid_feature_model"] = clip_model if inception is None else \
+            f"torchvision Inception-v3 2048-d pool features, weights {inception.weights}"
+        protocol["fid_resize"] = protocol["resize"] if inception is None else inception.resize
         protocol["cmmd"] = cmmd.protocol(cmmd_estimator)
     if judge:
         protocol["judge"] = (f"diffusion.sample.judge: centre square, bilinear down to {scene_judge.WORK_SIDE} px "
@@ -409,8 +478,8 @@ U-statistic). --judge needs no CLIP model: it reads shapes, colours, counts
 and places back from the images and scores them against their prompts (captions of the sample scenes,
 or GenEval metadata lines: --prompts-file X.jsonl, a GenEval image folder as --images).
 Output: the metrics as JSON on stdout (and in --out): num_images, clip_score, clip_accuracy, fid, cmmd,
-judge (per-category accuracy), and protocol (sampler, steps, guidance, seed, image count, resizing,
-feature model)."""
+judge (per-category accuracy), and protocol (sampler, steps, guidance, seed, image count, size, each
+metric's feature model and resizing). CLIP score is torchmetrics' CLIPScore: max(mean(100 x cosine), 0)."""
 EXAMPLES = """examples:
   python -m diffusion.kit --preset tiny-clip --out .cache/kit/tiny-clip   # an offline CLIP for trying it
   python -m diffusion.evaluate --images grid.png --reference out/demo/raw --clip-model .cache/kit/tiny-clip
@@ -518,13 +587,17 @@ def main(argv=None) -> None:
         raise UserError(f"--save-images {args.save_images} already holds {len(held)} "
                         f"{'entry' if len(held) == 1 else 'entries'} (e.g. {held[0]}): give "
                         f"a new or empty folder, so that it holds exactly this run's images")
-    images, protocol = args.images, None
+    images, protocol, models, reference_set = args.images, None, None, None
     if args.checkpoint:
         lines = geneval_layout.read_metadata(args.prompts_file) if args.prompts_file.endswith(".jsonl") else None
         ids = dict(dpg_layout.read_prompts(args.prompts_file)) if dpg else None
         prompts = ([line["prompt"] for line in lines] if lines else list(ids.values()) if ids
                    else generate.read_prompts(args.prompts_file))
         kwargs = generate.sample_kwargs(args)
+        # the feature models load, and the reference set is read, before any image is generated: either may be refused
+        models = feature_models(args.clip_model, args.fid_features, args.inception_weights, args.device)
+        if args.reference:
+            reference_set = reference_features(args.reference, *models, args.eval_batch_size)
         protocol = {"images": "generated", "checkpoint": args.checkpoint, "ema": args.ema,
                     "steps": args.steps, "guidance_scale": args.guidance_scale,
                     "guidance_rescale": args.guidance_rescale, "negative_prompt": args.negative_prompt,
@@ -542,7 +615,7 @@ def main(argv=None) -> None:
     metrics = evaluate(images, clip_model=args.clip_model, reference=args.reference,
                        fid_features=args.fid_features, inception_weights=args.inception_weights,
                        batch_size=args.eval_batch_size, device=args.device, judge=args.judge, protocol=protocol,
-                       cmmd_estimator=args.cmmd_estimator)
+                       cmmd_estimator=args.cmmd_estimator, models=models, reference_set=reference_set)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -184,6 +184,75 @@ def test_inception_features_need_local_weights_and_then_work(tmp_path, tiny_clip
     result = evaluate.evaluate(pairs, reference=[(im.rotate(90), None) for im, _ in pairs], clip_model=tiny_clip,
                                fid_features="inception", inception_weights=str(weights), device="cpu")
     assert result["fid_features"] == "inception" and np.isfinite(result["fid"]) and result["fid"] > 0
+    # the protocol says what FID was computed on (review of 16ede1b, defect 4: it named CLIP's model and crop)
+    protocol = result["protocol"]
+    assert protocol["fid_feature_model"] == f"torchvision Inception-v3 2048-d pool features, weights {weights}"
+    assert protocol["fid_resize"].startswith("299x299 bilinear, the whole image squashed to the square (not cropped)")
+    assert protocol["feature_model"] == tiny_clip and "centre crop" in protocol["resize"]  # CLIP score's and CMMD's
+
+
+def test_inception_weights_of_another_layout_or_no_weights_are_refused_before_generating(tiny_kit, tiny_clip,
+                                                                                        tmp_path, capsys):
+    """Review of 16ede1b, defect 5: pytorch-fid's weights (1008 classes, no AuxLogits) ended evaluate, after every
+    image was generated, with load_state_dict's 8-frame RuntimeError, and a file of no weights with ``KeyError:
+    101``; each is one line naming the file now, before generating."""
+    import torchvision
+    from diffusion import cli
+    pt_fid = tmp_path / "pt_inception.pth"
+    torch.save(torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008,
+                                               init_weights=False).state_dict(), pt_fid)
+    text = tmp_path / "not_weights.pth"
+    text.write_text("hello")
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    wanted = "expected torchvision's inception_v3 state dict (1000 classes, with AuxLogits: inception_v3_google-*.pth)"
+    for weights, why in ((pt_fid, "pytorch-fid's FID Inception layout (1008 classes, no AuxLogits), whose blocks "
+                                  "pool otherwise than torchvision's, so its features would not be pytorch-fid's"),
+                         (text, "not a torch state dict (torch.load: KeyError)")):
+        with pytest.raises(SystemExit):
+            cli.run(evaluate.main, "evaluate", ["--checkpoint", tiny_kit, "--prompts-file", str(tmp_path / "p.txt"),
+                                                "--clip-model", tiny_clip, "--fid-features", "inception",
+                                                "--inception-weights", str(weights), "--steps", "1", "--device", "cpu",
+                                                "--save-images", str(tmp_path / "images")])
+        assert capsys.readouterr().err == f"evaluate: error: --inception-weights {weights}: {why}; {wanted}\n"
+        assert not (tmp_path / "images").exists()  # nothing was generated
+
+
+def test_a_clip_model_that_cannot_be_loaded_is_one_line_before_generating(tiny_kit, tmp_path, capsys):
+    """Review of 16ede1b, defect 6: a hub id that cannot be loaded (offline here, as the suite runs) was a
+    ValueError traceback, after every image was generated."""
+    from diffusion import cli
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    with pytest.raises(SystemExit):
+        cli.run(evaluate.main, "evaluate", ["--checkpoint", tiny_kit, "--prompts-file", str(tmp_path / "p.txt"),
+                                            "--clip-model", "nobody/no-such-clip", "--steps", "1", "--device", "cpu",
+                                            "--save-images", str(tmp_path / "images")])
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate: error: --clip-model nobody/no-such-clip: cannot be loaded as a transformers "
+                          "CLIPModel (") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "images").exists()
+
+
+def test_a_reference_set_of_one_image_skips_fid_with_the_reason_as_a_generated_one_does(tiny_clip, tmp_path):
+    """Review of 16ede1b, defect 7: one readable reference image was a ValueError traceback from the Fréchet
+    distance (one generated image skipped FID with a reason)."""
+    rng = np.random.default_rng(0)
+    pairs = [(_color_image(n, rng), _prompt(n)) for n in ("red", "blue", "green")]
+    result = evaluate.evaluate(pairs, reference=pairs[:1], clip_model=tiny_clip, device="cpu")
+    assert "fid" not in result and "cmmd" not in result and np.isfinite(result["clip_score"])
+    assert result["fid_skipped"] == ("FID needs at least 2 images per set, the reference set has 1 readable: give "
+                                     "more reference images for a FID")
+
+
+def test_clip_score_is_torchmetrics_mean_clamped_at_zero_not_each_image_clamped():
+    """Review of 16ede1b, defect 9: torchmetrics' CLIPScore (whose numbers are the published ones) is
+    max(mean(100 x cosine), 0); each image's cosine was clipped at 0 before the mean (15 here, not 5)."""
+    class Texts:
+        def text_features(self, prompts):  # "a", "b": unit vectors
+            return np.eye(2)
+    images = np.array([[0.3, np.sqrt(1 - 0.09)], [np.sqrt(1 - 0.04), -0.2]])  # cosines +0.3 ("a") and -0.2 ("b")
+    result = evaluate.clip_metrics(images, ["a", "b"], Texts())
+    assert result["clip_score"] == pytest.approx(5.0) and result["clip_cosine"] == pytest.approx(0.05)
+    assert evaluate.clip_metrics(-images, ["a", "b"], Texts())["clip_score"] == 0.0  # a negative mean: 0
 
 
 def test_cli_generates_from_a_checkpoint_then_scores(tiny_kit, tiny_clip, sample_data, tmp_path, capsys):
