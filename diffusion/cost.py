@@ -22,7 +22,8 @@ Below the table, the text storage of the shards (the converter's ``--text``): by
 sample, TB stored and TB streamed per epoch and over the schedule for ``embeds`` (the text encoder's
 output, 77x1024 float16) vs ``ids`` (the 77 token ids, int32), from SD2's shapes
 (:func:`sample_bytes`), and the GPU time that encoding the text during training adds with ``ids``: an
-estimate from FLOPs (:func:`text_encode_overhead`) until measured. ``--text ids`` also puts that
+estimate from FLOPs (:func:`text_encode_overhead`: SD2's text encoder over the training step of the denoiser
+``--flops`` or ``--gflop-per-image`` names, SD2's UNet by default) until measured. ``--text ids`` also puts that
 estimate into the table's throughputs (not into those a ``--from-run`` measured).
 """
 
@@ -217,13 +218,16 @@ def sample_bytes(resolutions, text: str, text_dim: int = SD2_TEXT_DIM, downsampl
     return sum(column_bytes(e) for e in columns.values() if e.startswith("ndarray:")) + int(other)
 
 
-def text_encode_overhead(resolution: int) -> float:
-    """GPU time that running the text encoder on the training GPU adds, as a share of the UNet's training
-    step at ``resolution``: FLOPs per sample, text encoder forward / UNet forward + backward. An estimate
-    (it assumes the encoder runs at the UNet's MFU) until measured."""
-    if int(resolution) not in UNET_TRAIN_GFLOP:
+def text_encode_overhead(resolution: int, step_gflop: dict | None = None) -> float:
+    """GPU time that running the text encoder on the training GPU adds, as a share of the denoiser's training
+    step at ``resolution``: FLOPs per sample, text encoder forward / denoiser forward + backward, the
+    denoiser's from ``step_gflop`` ({resolution: GFLOP per image}: ``--flops``, ``--gflop-per-image``) where it
+    has the resolution, else SD2's UNet's. An estimate (it assumes the encoder runs at the denoiser's MFU) until
+    measured."""
+    step = {**UNET_TRAIN_GFLOP, **(step_gflop or {})}
+    if int(resolution) not in step:
         raise ValueError(f"no UNet FLOPs for {resolution}px (known: {', '.join(map(str, UNET_TRAIN_GFLOP))})")
-    return TEXT_ENCODE_GFLOP / UNET_TRAIN_GFLOP[int(resolution)]
+    return TEXT_ENCODE_GFLOP / step[int(resolution)]
 
 
 @dataclasses.dataclass
@@ -236,6 +240,7 @@ class TextStorageProjection:
     schedule: CostProjection = dataclasses.field(repr=False)
     text_dim: int = SD2_TEXT_DIM
     other_bytes: int = OTHER_BYTES
+    step_gflop: dict = dataclasses.field(default_factory=dict)  # the denoiser's, where not SD2's UNet's
 
     def bytes_per_sample(self, text: str) -> int:
         return sample_bytes(self.resolutions, text, self.text_dim, other=self.other_bytes)
@@ -264,7 +269,7 @@ class TextStorageProjection:
     @property
     def text_encode_gpu_hours(self) -> float:
         """GPU-hours encoding text on the training GPUs adds over the schedule (ids; estimate)."""
-        return sum(p.gpu_hours * text_encode_overhead(p.resolution) for p in self.schedule.phases)
+        return sum(p.gpu_hours * text_encode_overhead(p.resolution, self.step_gflop) for p in self.schedule.phases)
 
     def table(self) -> str:
         res = "+".join(map(str, self.resolutions))
@@ -291,21 +296,25 @@ class TextStorageProjection:
         rows.append(f"ids store {self.ratio:.2f}x smaller than embeds at {res} px "
                     f"(moments at 256 px only: {only_256:.2f}x); TB/epoch = TB stored (a pass streams whole shards), "
                     f"TB streamed = the schedule's {self.samples_seen:,} samples ({self.epochs:.2f} epochs)")
-        per_res = ", ".join(f"+{text_encode_overhead(p.resolution):.1%} at {p.resolution} px "
-                            f"({UNET_TRAIN_GFLOP[p.resolution]:,.0f} GFLOP)" for p in s.phases if p.samples)
-        rows.append(f"text encoder: {TEXT_ENCODE_GFLOP:g} GFLOP/caption forward vs the UNet's forward+backward: "
-                    f"{per_res} of GPU time; an estimate from FLOPs (the encoder assumed at the UNet's MFU) "
+        step = {**UNET_TRAIN_GFLOP, **self.step_gflop}
+        per_res = ", ".join(f"+{text_encode_overhead(p.resolution, step):.1%} at {p.resolution} px "
+                            f"({step[p.resolution]:,.0f} GFLOP)" for p in s.phases if p.samples)
+        denoiser = "the denoiser" if self.step_gflop else "the UNet"
+        rows.append(f"text encoder: {TEXT_ENCODE_GFLOP:g} GFLOP/caption forward vs {denoiser}'s forward+backward: "
+                    f"{per_res} of GPU time; an estimate from FLOPs (the encoder assumed at {denoiser}'s MFU) "
                     f"until measured")
         return "\n".join(rows)
 
 
 def project_text_storage(schedule: CostProjection, stored_samples: int = DEFAULT_STORED_SAMPLES,
-                         resolutions=None) -> TextStorageProjection:
+                         resolutions=None, step_gflop: dict | None = None) -> TextStorageProjection:
     """Text storage of ``stored_samples`` samples; ``resolutions`` (default: the schedule's phases that
-    draw samples) are those whose moments the shards hold."""
+    draw samples) are those whose moments the shards hold; ``step_gflop``: the denoiser's training GFLOP per
+    image where not SD2's UNet's (:func:`text_encode_overhead`)."""
     if resolutions is None:
         resolutions = [p.resolution for p in schedule.phases if p.samples] or [p.resolution for p in schedule.phases]
-    return TextStorageProjection(int(stored_samples), tuple(sorted({int(r) for r in resolutions})), schedule)
+    return TextStorageProjection(int(stored_samples), tuple(sorted({int(r) for r in resolutions})), schedule,
+                                 step_gflop=dict(step_gflop or {}))
 
 
 # ---- reading a run's measured throughput -------------------------------------------------------
@@ -487,13 +496,13 @@ def main(argv=None) -> CostProjection:
     if args.stored_resolutions and any(r % SD2_DOWNSAMPLE for r in args.stored_resolutions):
         p.error(f"--stored-resolutions must be multiples of {SD2_DOWNSAMPLE}, got {args.stored_resolutions}")
     with_embeds = project_cost(schedule, per_gpu, args.gpus, args.price, sources)
-    storage = project_text_storage(with_embeds, args.stored_samples, args.stored_resolutions)
+    storage = project_text_storage(with_embeds, args.stored_samples, args.stored_resolutions, gflop)
     projection = with_embeds
-    if args.text == schema.TEXT_IDS_ONLY:  # the text encoder runs beside the UNet: fewer images/s
+    if args.text == schema.TEXT_IDS_ONLY:  # the text encoder runs beside the denoiser: fewer images/s
         for res in per_gpu:
             if res not in measured:
-                per_gpu[res] /= 1 + text_encode_overhead(res)
-                sources[res] += f", - text encode {text_encode_overhead(res):.1%} (estimate)"
+                per_gpu[res] /= 1 + text_encode_overhead(res, gflop)
+                sources[res] += f", - text encode {text_encode_overhead(res, gflop):.1%} (estimate)"
         projection = project_cost(schedule, per_gpu, args.gpus, args.price, sources)
     projection.text_storage = storage
     print(projection.table())

@@ -165,6 +165,26 @@ def test_any_recipes_flops_per_image_set_the_default_throughputs():
     assert "sd3-medium" in projected.phases[0].source
 
 
+def test_text_ids_share_is_of_the_chosen_denoisers_step_flops(capsys):
+    """Review of 16ede1b, defect 10: ``--flops sd3-medium --text ids`` lowered SD3-medium's throughput by SD2's
+    text-encoder share of the UNet's step (8.3% at 256 px), not of the MMDiT's 2,529 GFLOP step (1.8%); so too the
+    storage table's GPU-hours. At the same MFU the encoder's GPU-hours are the UNet schedule's (+439)."""
+    from diffusion.cost import recipe_gflop_per_image
+    embeds = cost.main(["--flops", "sd3-medium"])
+    capsys.readouterr()
+    ids = cost.main(["--flops", "sd3-medium", "--text", "ids"])
+    printed = capsys.readouterr().out
+    step = {res: recipe_gflop_per_image("sd3-medium", res) for res in (256, 512)}
+    for was, now in zip(embeds.phases, ids.phases):
+        assert now.samples_per_sec_per_gpu == pytest.approx(was.samples_per_sec_per_gpu / (1 + 45 / step[now.resolution]))
+    assert ids.phases[0].source == "MosaicML 8xA100 MFU at 2,529 GFLOP/img (sd3-medium), - text encode 1.8% (estimate)"
+    extra = sum(p.gpu_hours * 45 / step[p.resolution] for p in embeds.phases)
+    assert ids.text_storage.text_encode_gpu_hours == pytest.approx(extra)
+    assert f"+{extra:,.0f} GPU-hours (+{extra / embeds.gpu_hours:.1%})" == "+439 GPU-hours (+1.0%)"
+    assert "+439 GPU-hours (+1.0%)" in " ".join(_row(printed, "ids"))
+    assert "vs the denoiser's forward+backward: +1.8% at 256 px (2,529 GFLOP)" in printed
+
+
 def test_a_recipe_file_reproduces_the_published_totals():
     """MicroDiT's published schedule (4 phases, batch 2,048) at its published average throughput gives its
     published 2.6 days on 8 H100s and $1,890; the SD2 recipe file gives MosaicML's row."""
