@@ -10,6 +10,18 @@ same endpoint (:func:`share_endpoint_with_streaming`).
 from __future__ import annotations
 
 import os
+import posixpath
+import urllib.parse
+
+
+def same_place_key(path: str) -> str:
+    """One spelling of where ``path`` is, so two spellings of one dataset compare equal: a URI with its path
+    normalised (``s3://b/x/./a/`` is ``s3://b/x/a``), a local path absolute with its links resolved."""
+    parts = urllib.parse.urlsplit(path)
+    if parts.scheme in ("", "file"):
+        return os.path.realpath(os.path.expanduser(parts.path if parts.scheme else path))
+    where = posixpath.normpath(parts.path) if parts.path.strip("/") else ""
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, where, parts.query, ""))
 
 
 def s3_endpoint() -> str | None:

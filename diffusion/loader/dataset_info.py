@@ -22,7 +22,7 @@ import numpy as np
 from streaming.base.storage import CloudDownloader
 
 from diffusion import schema
-from diffusion.errors import DataIntegrityError, DatasetMismatchError, UserError
+from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.storage import share_endpoint_with_streaming
 
 
@@ -117,31 +117,40 @@ def is_bucketed(loader_cfg) -> bool:
 
 
 def bucket_streams(loader_cfg) -> list[tuple[str, Any]]:
-    """The buckets of a bucketed ``path`` as streams, each drawing the most whole global batches it holds
-    per epoch (streaming's ``choose``: a different subset of a bucket's remainder left out each epoch), so
-    each bucket's share of the batches is its share of the samples and no bucket is padded with repeated
+    """The buckets of a bucketed ``path`` as streams. Training: each draws the most whole global batches it
+    holds per epoch (streaming's ``choose``: a different subset of a bucket's remainder left out each epoch),
+    so each bucket's share of the batches is its share of the samples and no bucket is padded with repeated
     samples, which would depend on the rank count (the unit is the least common multiple of the global
-    batch and ``num_canonical_nodes``). A bucket smaller than one unit is left out; a dataset none of whose
-    buckets fills one is refused. [] for a square dataset."""
+    batch and ``num_canonical_nodes``); a bucket smaller than one unit is left out, and a dataset none of
+    whose buckets fills one is refused. ``data.eval``: every bucket whole (the eval loader reads each bucket
+    on its own, keeping its last incomplete batch: :func:`~diffusion.loader.mds_source.build_dataloader`).
+    [] for a square dataset."""
     try:
         info = read_dataset_info(loader_cfg.path, loader_cfg.download_timeout) if loader_cfg.path else None
     except (FileNotFoundError, DataIntegrityError):
         return []  # reading the section's dataset.json again names the problem
     if info is None or not info.buckets:
         return []
+    section = section_name(loader_cfg)
+    if loader_cfg.num_samples is not None:  # streaming takes no epoch size beside the buckets' choose
+        raise ConfigError(f"{section}.num_samples={loader_cfg.num_samples}: {loader_cfg.path} is a bucketed dataset "
+                          f"(converted with --buckets), whose epoch is each bucket's whole batches; set "
+                          f"{section}.num_samples=null")
     join = (lambda b: loader_cfg.path.rstrip("/") + "/" + b) if is_remote(loader_cfg.path) else (
         lambda b: os.path.join(loader_cfg.path, b))
+    whole = section == "data.eval"
     unit = math.lcm(loader_cfg.batch_size, loader_cfg.num_canonical_nodes or 1)
-    kept = [b for b in info.buckets if b["count"] >= unit]
+    kept = [b for b in info.buckets if b["count"] >= (1 if whole else unit)]
     if not kept:
         sizes = ", ".join(f"{b['name']}: {b['count']}" for b in info.buckets)
         raise DatasetMismatchError(
-            f"{section_name(loader_cfg)}.path {loader_cfg.path}: no bucket holds a global batch of "
-            f"{unit} samples ({sizes}): lower {section_name(loader_cfg)}.batch_size")
+            f"{section}.path {loader_cfg.path}: no bucket holds a global batch of "
+            f"{unit} samples ({sizes}): lower {section}.batch_size")
     local = loader_cfg.local
     return [(f"{loader_cfg.path} ({b['name']})",
              types.SimpleNamespace(path=join(b["name"]), local=os.path.join(local, b["name"]) if local else None,
-                                   proportion=None, repeat=None, choose=b["count"] // unit * unit)) for b in kept]
+                                   proportion=None, repeat=None,
+                                   choose=None if whole else b["count"] // unit * unit)) for b in kept]
 
 
 # What training depends on in dataset.json: every stream of a mix must record the same.

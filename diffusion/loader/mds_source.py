@@ -58,7 +58,7 @@ from streaming.base.format.base.reader import FileInfo
 from streaming.base.format.mds.reader import MDSReader
 
 from diffusion import schema
-from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError
+from diffusion.errors import ConfigError, DataIntegrityError, DatasetMismatchError, UserError
 from diffusion.storage import share_endpoint_with_streaming
 from diffusion.loader.batches import SAMPLE_COPY, SAMPLE_EPOCH, CaptionDropout, NoiseDraws, StackSamples, ToModelBatch
 from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_embedding, load_empty_input_ids,
@@ -67,7 +67,7 @@ from diffusion.loader.dataset_info import (is_bucketed, is_remote, load_empty_em
                                            one_line, read_dataset_info, read_loader_info, section_name)
 from diffusion.loader.captions import CaptionChoice, CaptionColumns
 from diffusion.loader.shared_memory import one_registration_at_a_time
-from diffusion.loader.shard_checks import (CheckedStream, check_file, decompression_cache, needs_decompression_cache,
+from diffusion.loader.shard_checks import (CheckedStream, check_file, default_cache, needs_decompression_cache,
                                            pick_hash, shared_evictions, shared_flags, size_problem)
 
 
@@ -614,15 +614,16 @@ def copy_numbers(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _checked_stream(entry) -> CheckedStream:
+def _checked_stream(entry, section: str) -> CheckedStream:
     """A local dataset is read in place, except compressed shards whose directory cannot be written (see
-    :func:`build_dataset`); a remote one is downloaded into ``entry.local``."""
+    :func:`build_dataset`); a remote one is downloaded into ``entry.local``, by default a cache folder of
+    its own that every run of the section reuses (:func:`~diffusion.loader.shard_checks.default_cache`)."""
     path = entry.path
     if is_remote(path):
         share_endpoint_with_streaming()
-        remote, local = path, entry.local
+        remote, local = path, entry.local or default_cache(path, section)
     elif needs_decompression_cache(path):  # read-only: the dataset is the "remote", copied to a cache
-        remote, local = path, entry.local or decompression_cache(path)
+        remote, local = path, entry.local or default_cache(path, section)
     else:
         remote, local = None, path
     return CheckedStream(remote=remote, local=local, proportion=entry.proportion, repeat=entry.repeat,
@@ -630,40 +631,70 @@ def _checked_stream(entry) -> CheckedStream:
 
 
 def build_dataset(loader_cfg, *, resolution: int, text_dim: int, device_batch_size: int,
-                  text_column: str = schema.TEXT_EMBEDS, seed: int = 0, tokens: bool = False) -> LatentDataset:
+                  text_column: str = schema.TEXT_EMBEDS, seed: int = 0, tokens: bool = False,
+                  each_bucket: bool = False) -> LatentDataset | list[LatentDataset]:
     """The dataset of one loader section (``data.train`` or ``data.eval``), checked against the model.
 
     A local dataset is read in place, except compressed shards whose directory cannot be written (a
     read-only mount, another user's files): those are decompressed into ``local`` (default: a
     directory under the temp dir named by the dataset's path, reused by later runs), the dataset
-    read as streaming reads a remote one. Two jobs on one node reading the same read-only dataset
-    need a ``local`` each. ``data.train.streams`` mixes datasets with streaming's stream weights, each
-    stream read (and its shards checked) as a single ``path`` would be."""
+    read as streaming reads a remote one. A remote dataset is downloaded into ``local`` (default: such
+    a directory named by its URI and the section). Two jobs on one node reading the same remote or
+    read-only dataset need a ``local`` each. ``data.train.streams`` mixes datasets with streaming's stream
+    weights, each stream read (and its shards checked) as a single ``path`` would be. ``each_bucket``: a
+    bucketed dataset as a list of datasets, one a bucket (the eval loader's)."""
     info = read_loader_info(loader_cfg, resolution, text_dim)
     captions = caption_choice(loader_cfg, seed)
-    streams = [_checked_stream(entry) for _, entry in loader_streams(loader_cfg)]
-    bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
+    section = section_name(loader_cfg)
+    streams = [_checked_stream(entry, section) for _, entry in loader_streams(loader_cfg)]
     pooled = info.pooled_text_dim is not None and text_column == schema.TEXT_EMBEDS
     if pooled and captions is not None:
-        raise DatasetMismatchError(f"{section_name(loader_cfg)}.captions: the datasets store a pooled vector of the "
+        raise DatasetMismatchError(f"{section}.captions: the datasets store a pooled vector of the "
                                    f"first caption only (Flux's two text encoders): leave the captions out")
+    settings = dict(resolution=resolution, batch_size=device_batch_size, text_column=text_column,
+                    captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards,
+                    latent_space=info.latent_space, pooled=pooled, shuffle=loader_cfg.shuffle,
+                    shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
+                    cache_limit=loader_cfg.cache_limit, num_canonical_nodes=canonical_nodes(loader_cfg),
+                    download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples)
+    if each_bucket:
+        datasets = [_latent_dataset(section, [stream], settings) for stream in streams]
+    else:
+        bucketed = {"batching_method": "per_stream"} if is_bucketed(loader_cfg) else {}
+        datasets = [_latent_dataset(section, streams, {**settings, **bucketed})]
+    for dataset in datasets:
+        dataset.empty_pooled = info.empty_pooled() if pooled else None  # what caption dropout substitutes
+    return datasets if each_bucket else datasets[0]
+
+
+def _latent_dataset(section: str, streams: list[CheckedStream], settings: dict) -> LatentDataset:
+    """A :class:`LatentDataset` of ``streams``; what streaming refuses as it starts, in one line naming the key."""
     try:
-        dataset = LatentDataset(
-            streams=streams, resolution=resolution, batch_size=device_batch_size, text_column=text_column,
-            captions=captions, tokens=tokens, verify_hashes=loader_cfg.verify_shards, latent_space=info.latent_space,
-            pooled=pooled,
-            shuffle=loader_cfg.shuffle, shuffle_seed=loader_cfg.shuffle_seed, predownload=loader_cfg.predownload,
-            cache_limit=loader_cfg.cache_limit, num_canonical_nodes=canonical_nodes(loader_cfg),
-            download_timeout=loader_cfg.download_timeout, epoch_size=loader_cfg.num_samples, **bucketed)
+        return LatentDataset(streams=streams, **settings)
     except RuntimeError as error:  # streaming's own words, with a traceback: a conversion that wrote nothing
         empty = re.match(r"Stream contains no samples: (.*?)/?index\.json\.?$", str(error))
         if empty is None:
             raise
-        raise DatasetMismatchError(f"{section_name(loader_cfg)}: {empty.group(1) or '.'} holds no samples (its "
+        raise DatasetMismatchError(f"{section}: {empty.group(1) or '.'} holds no samples (its "
                                    f"index.json lists none: the conversion wrote none, see its summary's rejects); "
                                    f"convert rows into it, or leave it out") from None
-    dataset.empty_pooled = info.empty_pooled() if pooled else None  # what caption dropout substitutes
-    return dataset
+    except ValueError as error:
+        if isinstance(error, UserError):
+            raise
+        low = re.search(r"largest shard size \((\d+) bytes\)", str(error))
+        if low is not None:
+            raise ConfigError(f"{section}.cache_limit={settings['cache_limit']} is below streaming's minimum for this "
+                              f"dataset, 4x its largest shard (raw plus zip): at least "
+                              f"{4 * int(low.group(1)):,} bytes; set it well above that, or null") from None
+        if str(error).startswith("Minimum cache usage"):  # the indexes alone pass the limit
+            raise ConfigError(f"{section}.cache_limit={settings['cache_limit']} is below the size of the datasets' "
+                              f"index files ({one_line(error)}); set it well above, or null") from None
+        reused = re.match(r"Reused local directory: (\[.*?\]) vs", str(error))
+        if reused is not None:  # streaming's machine-wide registration: another live dataset caches there
+            raise ConfigError(f"{section}: another job on this machine is reading through the same cache folder "
+                              f"{reused.group(1)} (data.*.local, or the default for that remote): give this run a "
+                              f"{section}.local of its own") from None
+        raise
 
 
 def canonical_nodes(loader_cfg) -> int:
@@ -765,20 +796,45 @@ def build_dataloader(loader_cfg, *, resolution: int, text_dim: int, world_size: 
     if loader_cfg.batch_size % world_size:
         raise ValueError(f"batch_size {loader_cfg.batch_size} does not divide evenly across {world_size} ranks")
     device_batch_size = loader_cfg.batch_size // world_size
-    dataset = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim,
-                            device_batch_size=device_batch_size, text_column=text_column, seed=seed, tokens=tokens)
+    each_bucket = not drop_last and is_bucketed(loader_cfg)  # eval: every sample once, one bucket a batch
+    built = build_dataset(loader_cfg, resolution=resolution, text_dim=text_dim, device_batch_size=device_batch_size,
+                          text_column=text_column, seed=seed, tokens=tokens, each_bucket=each_bucket)
+    datasets = built if each_bucket else [built]
     if drop_last:  # a loader that keeps its last batch reads a set smaller than a batch as one
-        check_batch_fits(loader_cfg, dataset, world_size)
-    check_shared_memory(loader_cfg, dataset)
+        check_batch_fits(loader_cfg, built, world_size)
+    for dataset in datasets:
+        check_shared_memory(loader_cfg, dataset)
     empty = load_empty_embedding(loader_cfg) if text_column == schema.TEXT_EMBEDS else load_empty_input_ids(loader_cfg)
     to_batch = ToModelBatch(resolution, empty, CaptionDropout(loader_cfg.caption_dropout, seed), noise,
                             text_column=text_column, empty_tokens=load_empty_tokens(loader_cfg) if tokens else None,
-                            latent_space=dataset.latent_space, empty_pooled=dataset.empty_pooled)
+                            latent_space=datasets[0].latent_space, empty_pooled=datasets[0].empty_pooled)
     workers = loader_cfg.num_workers
     # Its own generator: starting an epoch must not draw from the global RNG the model's noise comes
     # from, or a resumed run (which starts its iterator after restoring the RNG) would drift by a draw.
-    return StreamingDataLoader(
-        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=drop_last, collate_fn=StackSamples(to_batch, dataset.caption_columns),
-        generator=torch.Generator().manual_seed(seed),
+    loaders = [StreamingDataLoader(
+        dataset, batch_size=device_batch_size, num_workers=workers, drop_last=drop_last,
+        collate_fn=StackSamples(to_batch, dataset.caption_columns), generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(), prefetch_factor=loader_cfg.prefetch_factor if workers else None,
-        persistent_workers=loader_cfg.persistent_workers and workers > 0)
+        persistent_workers=loader_cfg.persistent_workers and workers > 0) for dataset in datasets]
+    return BucketByBucket(loaders) if each_bucket else loaders[0]
+
+
+class BucketByBucket:
+    """The eval loader of a bucketed set: each bucket's loader in turn, so every batch holds one bucket's
+    samples and each bucket's last incomplete batch is kept (streaming's ``per_stream`` batching drops it).
+    Sample indices are those of the buckets' concatenation (each bucket's offset added), as the held-out
+    loss keys its samples (:mod:`diffusion.models.held_out_loss`). Every rank reads as many batches: each
+    bucket's share is evened out across ranks (with repeats the metric counts once)."""
+
+    def __init__(self, loaders: list[StreamingDataLoader]):
+        self.loaders = loaders
+        self.offsets = np.cumsum([0] + [loader.dataset.num_samples for loader in loaders[:-1]]).tolist()
+
+    def __len__(self) -> int:
+        return sum(len(loader) for loader in self.loaders)
+
+    def __iter__(self):
+        for loader, offset in zip(self.loaders, self.offsets):
+            for batch in loader:
+                batch[schema.BATCH_SAMPLE_INDEX] += offset
+                yield batch

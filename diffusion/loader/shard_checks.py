@@ -27,6 +27,7 @@ from streaming.base.world import World
 
 from diffusion.errors import DataIntegrityError
 from diffusion.loader.dataset_info import one_line
+from diffusion.storage import same_place_key
 
 
 # Hashes to check a shard with, fastest first (xxh3 ~3x xxh64 on one core); any other the index records
@@ -147,8 +148,12 @@ def needs_decompression_cache(path: str) -> bool:
     return any(os.path.isdir(d) and not os.access(d, os.W_OK) for d in wanted)
 
 
-def decompression_cache(path: str) -> str:
-    """The cache directory a read-only compressed dataset is decompressed into (``data.*.local`` unset):
-    the same on every run, so a restart reuses what was decompressed."""
-    digest = hashlib.sha1(os.path.realpath(path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "diffusion-mds-cache", digest)
+def default_cache(path: str, section: str = "data.train") -> str:
+    """The cache folder a remote dataset is downloaded into, or a read-only compressed one decompressed into,
+    where ``data.*.local`` is unset: ``$TMPDIR/diffusion-mds-cache/<digest of the path>``, ``-eval`` appended
+    for ``data.eval``. The same on every run, so a re-run or a resumed one reuses what is there (streaming's
+    own default, a folder per remote that must not exist yet, refused every run after the first); the train
+    and eval loaders of one dataset each have their own (streaming refuses two live datasets one folder)."""
+    digest = hashlib.sha1(same_place_key(path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "diffusion-mds-cache",
+                        digest + ("-eval" if section == "data.eval" else ""))

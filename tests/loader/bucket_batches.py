@@ -5,7 +5,8 @@ batch's sample indices, moments shape and each sample's text embedding sum (whic
     python bucket_batches.py DATASET TEXT_DIM GLOBAL_BATCH OUT.json [SKIP_BATCHES]
 
 With SKIP_BATCHES, the loader's state after that many batches is saved and a new loader resumes from it
-(what Composer does after a restart): the batches written are the resumed loader's.
+(what Composer does after a restart): the batches written are the resumed loader's. Without it, the eval
+loader's batches (``drop_last=False``, a global batch of :func:`eval_batch_size`) go to OUT.json.eval too.
 """
 
 import json
@@ -13,7 +14,7 @@ import os
 import sys
 
 from diffusion import schema
-from diffusion.train.config import TrainLoaderConfig
+from diffusion.train.config import EvalLoaderConfig, TrainLoaderConfig
 from diffusion.loader import mds_source
 
 CAPTIONS = {"caption": 0.5, "recap": 0.5}
@@ -31,6 +32,11 @@ def batches(loader, limit=None):
     return out
 
 
+def eval_batch_size(path):
+    """Even (two ranks split it) and larger than the smallest bucket, which is then one incomplete batch."""
+    return (min(b["count"] for b in schema.DatasetInfo.load(path).buckets) // 2 + 1) * 2
+
+
 def main(path, text_dim, global_batch, out, skip=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainLoaderConfig(path=path, batch_size=int(global_batch), num_workers=0, persistent_workers=False,
@@ -44,6 +50,12 @@ def main(path, text_dim, global_batch, out, skip=None):
         loader.load_state_dict(state)
     with open(out, "w") as f:
         json.dump(batches(loader), f)
+    if skip is None:
+        held_out = EvalLoaderConfig(path=path, batch_size=eval_batch_size(path), num_workers=0)
+        loader = mds_source.build_dataloader(held_out, resolution=64, text_dim=int(text_dim), world_size=world,
+                                             drop_last=False)
+        with open(out + ".eval", "w") as f:
+            json.dump(batches(loader), f)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from diffusion import schema
-from diffusion.train.config import StreamConfig, TrainLoaderConfig
-from diffusion.errors import DatasetMismatchError
+from diffusion.train.config import EvalLoaderConfig, StreamConfig, TrainLoaderConfig
+from diffusion.errors import ConfigError, DatasetMismatchError
 from diffusion.kit.sample import RECAP
 from diffusion.loader import dataset_info
 from train_fixtures import kit_text_dim
@@ -67,19 +67,40 @@ def _run(bucketed, tiny_kit, out, world=1, skip=None):
     return ranks
 
 
-def _bucket_of_index(bucketed):
-    """Sample index in the loader's concatenation of buckets -> the bucket (streams in listed order)."""
+def _bucket_of_index(bucketed, smallest=BATCH):
+    """Sample index in the loader's concatenation of buckets -> the bucket (streams in listed order; the
+    training loader's leave out buckets under a batch, the eval loader's none)."""
     info = schema.DatasetInfo.load(bucketed)
     owner = []
     for b in info.buckets:
-        if b["count"] >= BATCH:
+        if b["count"] >= smallest:
             owner += [b["name"]] * b["count"]
     return owner, info
 
 
 @pytest.fixture(scope="module")
-def one_process(bucketed, tiny_kit, tmp_path_factory):
-    return _run(bucketed, tiny_kit, str(tmp_path_factory.mktemp("one") / "batches"))[0]
+def one_process_out(bucketed, tiny_kit, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("one") / "batches")
+    _run(bucketed, tiny_kit, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(bucketed, tiny_kit, one_process_out):
+    with open(f"{one_process_out}.0.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_out(bucketed, tiny_kit, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("two") / "batches")
+    _run(bucketed, tiny_kit, out, world=2)
+    return out
+
+
+def _batches(out, rank, suffix=""):
+    with open(f"{out}.{rank}.json{suffix}") as f:
+        return json.load(f)
 
 
 def test_every_batch_is_one_bucket_and_buckets_share_by_size(bucketed, one_process):
@@ -114,14 +135,43 @@ def test_resume_mid_epoch_continues_with_the_same_batches(bucketed, tiny_kit, on
     assert resumed == one_process[3:]
 
 
-def test_two_ranks_make_the_global_batches_one_process_makes(bucketed, tiny_kit, one_process, tmp_path):
-    rank0, rank1 = _run(bucketed, tiny_kit, str(tmp_path / "two"), world=2)
+def test_two_ranks_make_the_global_batches_one_process_makes(one_process, two_ranks_out):
+    rank0, rank1 = _batches(two_ranks_out, 0), _batches(two_ranks_out, 1)
     assert len(rank0) == len(rank1) == len(one_process)
     for a, b, whole in zip(rank0, rank1, one_process):
         assert sorted(a["index"] + b["index"]) == sorted(whole["index"])
         assert a["shape"] == b["shape"] == whole["shape"]
         # each sample conditioned on the caption it drew in one process
         assert dict(zip(a["index"] + b["index"], a["text"] + b["text"])) == dict(zip(whole["index"], whole["text"]))
+
+
+def test_eval_reads_every_sample_of_every_bucket_once_on_one_and_two_ranks(bucketed, one_process_out, two_ranks_out):
+    """The held-out set is the whole bucketed set: each bucket's batches of one shape, its last incomplete
+    batch kept (a bucket smaller than the eval batch is one such batch), every sample once on one rank;
+    two ranks read as many batches each, together every sample (the repeats evening out their shares
+    are counted once by the held-out loss, keyed by these indices)."""
+    from bucket_batches import eval_batch_size
+    owner, info = _bucket_of_index(bucketed, smallest=1)
+    size = eval_batch_size(bucketed)
+    one = _batches(one_process_out, 0, ".eval")
+    assert sorted(i for batch in one for i in batch["index"]) == list(range(info.count)) == list(range(len(owner)))
+    for batch in one:
+        (name,) = {owner[i] for i in batch["index"]}
+        w, h = schema.bucket_size(name)
+        assert batch["shape"] == [8, h // 8, w // 8]
+    assert [len(batch["index"]) for batch in one].count(size) < len(one)  # incomplete batches kept
+    assert len(one) == sum(-(-b["count"] // size) for b in info.buckets)
+    rank0, rank1 = _batches(two_ranks_out, 0, ".eval"), _batches(two_ranks_out, 1, ".eval")
+    assert len(rank0) == len(rank1) == len(one)
+    for a, b, whole in zip(rank0, rank1, one):
+        assert a["shape"] == b["shape"] == whole["shape"]
+    assert {i for batch in rank0 + rank1 for i in batch["index"]} == set(range(info.count))
+    from diffusion.models.held_out_loss import HeldOutLoss
+    import torch
+    metric = HeldOutLoss()
+    for batch in rank0 + rank1:  # a sample's loss: its index; the mean over the whole set, each once
+        metric.update(torch.tensor(batch["index"], dtype=torch.float), torch.tensor(batch["index"]))
+    assert float(metric.compute()) == pytest.approx((info.count - 1) / 2)
 
 
 def test_a_bucketed_dataset_in_a_mix_is_refused_naming_it(bucketed):
@@ -134,3 +184,15 @@ def test_a_batch_no_bucket_can_fill_is_refused_with_the_counts(bucketed):
     cfg = TrainLoaderConfig(path=bucketed, batch_size=10_000)
     with pytest.raises(DatasetMismatchError, match=r"no bucket holds a global batch of 10000 samples \(bucket-48x80: \d+"):
         dataset_info.loader_streams(cfg)
+    held_out = dataset_info.loader_streams(EvalLoaderConfig(path=bucketed, batch_size=10_000))  # each one batch
+    assert len(held_out) == len(schema.DatasetInfo.load(bucketed).buckets)
+
+
+def test_num_samples_on_a_bucketed_dataset_is_refused_naming_the_key(bucketed):
+    """Streaming takes no epoch size beside the buckets' choose: its traceback was all a run said."""
+    for cfg in (TrainLoaderConfig(path=bucketed, batch_size=BATCH, num_samples=32),
+                EvalLoaderConfig(path=bucketed, batch_size=BATCH, num_samples=32)):
+        section = dataset_info.section_name(cfg)
+        with pytest.raises(ConfigError, match=rf"^{section}.num_samples=32: {bucketed} is a bucketed dataset .*"
+                                              rf"set {section}.num_samples=null$"):
+            dataset_info.loader_streams(cfg)

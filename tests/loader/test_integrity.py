@@ -551,7 +551,7 @@ def test_a_read_only_compressed_dataset_is_read_through_a_cache(pristine, stored
     for _ in range(2):
         assert sorted(_epoch(mds, dim, stored, loader)) == list(range(N))
     del loader
-    cache = shard_checks.decompression_cache(mds)
+    cache = shard_checks.default_cache(mds)
     assert cache.startswith(tempfile.tempdir)
     assert sorted(f for f in os.listdir(cache) if f.endswith(".mds")) == [f"shard.{i:05d}.mds" for i in range(5)]
     assert sorted(_epoch(mds, dim, stored)) == list(range(N))  # a restart reuses the cache
