@@ -5,6 +5,7 @@ remainder is spread at random), ``choose`` samples for ``choose``, ``repeat`` x 
 a stream drawn below its size gives distinct samples, a different subset each epoch."""
 
 import collections
+import dataclasses
 import functools
 import gc
 import json
@@ -269,6 +270,53 @@ def test_a_remote_stream_is_read_beside_a_local_one(a, b, dim, s3, tmp_path, mon
     downloads = [folder for folder in made if os.path.basename(folder).startswith("mds-meta-")]
     assert len(downloads) >= 4 and not any(os.path.exists(folder) for folder in downloads)  # 2 reads a build
     gc.collect()
+
+
+def _indices(loader):
+    return sorted(i for batch in loader for i in batch[schema.BATCH_SAMPLE_INDEX].tolist())
+
+
+def test_a_remote_dataset_without_local_is_cached_in_a_folder_every_run_reuses(a, dim, s3, tmp_path, monkeypatch):
+    """Streaming's own default (a folder per remote that must not exist yet) refused every run after the first,
+    a resumed one included. The default is a folder per remote and section: a re-run reads through it again,
+    the train and eval loaders of one remote at once each have their own, and a second job reading through
+    the same folder at the same time is one line naming the key to set."""
+    import tempfile
+    from diffusion.loader import shard_checks
+    from diffusion.train.config import EvalLoaderConfig
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tempfile.tempdir)
+    for name in os.listdir(a):
+        s3.upload_file(os.path.join(a, name), "mix", f"a/{name}")
+    cfg = TrainLoaderConfig(path="s3://mix/a", batch_size=8, num_workers=0, persistent_workers=False, shuffle=False)
+    for _ in range(2):  # a run, then the same command again
+        loader = mds_source.build_dataloader(cfg, resolution=64, text_dim=dim)
+        assert _indices(loader) == list(range(N_A))
+        del loader
+        gc.collect()
+    cache = shard_checks.default_cache("s3://mix/a/")
+    assert cache.startswith(tempfile.tempdir) and "index.json" in os.listdir(cache)
+    train = mds_source.build_dataloader(cfg, resolution=64, text_dim=dim)
+    held_out = mds_source.build_dataloader(EvalLoaderConfig(path="s3://mix/a", batch_size=8, num_workers=0),
+                                           resolution=64, text_dim=dim, drop_last=False)
+    assert _indices(held_out) == _indices(train) == list(range(N_A))
+    # another job (its own TMPDIR, as another container or user has) given the same folder as data.train.local
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp2"))
+    os.makedirs(tempfile.tempdir)
+    with pytest.raises(ConfigError, match=r"^data.train: another job on this machine is reading through the same "
+                                          rf"cache folder \['{re.escape(cache)}'\].*data.train.local of its own$"):
+        mds_source.build_dataloader(dataclasses.replace(cfg, local=cache), resolution=64, text_dim=dim)
+    del train, held_out
+    gc.collect()
+
+
+def test_a_cache_limit_below_streamings_minimum_names_the_key_and_the_minimum(a, dim):
+    with open(os.path.join(a, "index.json")) as f:
+        largest = max(shard["raw_data"]["bytes"] + (shard.get("zip_data") or {}).get("bytes", 0)
+                      for shard in json.load(f)["shards"])
+    with pytest.raises(ConfigError, match=rf"^data.train.cache_limit=100kb is below streaming's minimum .* at least "
+                                          rf"{4 * largest:,} bytes"):
+        mds_source.build_dataloader(_cfg({"path": a}, cache_limit="100kb"), resolution=64, text_dim=dim)
 
 
 # ---- repeated samples: each copy its own example (issue 25 item 1) ----------------------------------------
