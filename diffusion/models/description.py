@@ -92,7 +92,12 @@ class ModelDescription:
         denoiser = self.adapter.model_class.from_config(self.denoiser_config)
         if self.text_mask:
             self.adapter.enable_text_mask(denoiser)
-        if self.denoiser_config.get("guidance_embeds"):  # sampled at the value it was trained with
+        return self.with_embedded_guidance(denoiser)
+
+    def with_embedded_guidance(self, denoiser):
+        """``denoiser`` carrying the guidance value it was trained with, where it has a guidance embedding
+        (Flux.1-dev's shape), for sampling to feed it the same."""
+        if self.denoiser_config.get("guidance_embeds"):
             denoiser.embedded_guidance = 1.0 if self.embedded_guidance is None else float(self.embedded_guidance)
         return denoiser
 

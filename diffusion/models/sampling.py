@@ -96,17 +96,19 @@ def describe_reference(model_ref: str, *, prediction_type: str | None = None, no
     if scaling_factor is None:
         scaling_factor = loading.load_vae_config(model_ref).get("scaling_factor")
     root = loading.resolve_model(model_ref, components=())
+    guided = _export_record(root).get("embedded_guidance") if config.get("guidance_embeds") else None
     return ModelDescription(model_ref=model_ref, denoiser=adapter.class_name, denoiser_config=config,
                             objective=objective, objective_params=params, scaling_factor=scaling_factor,
                             resolution=trained_resolution(root), text_dim=adapter.text_dim(config),
                             pooled_text=adapter.pooled_text and loading.pooled_text_slots(model_ref) is not None,
-                            **text_conditioning(root))
+                            embedded_guidance=guided, **text_conditioning(root))
 
 
 # Beside model_index.json in an export of a model trained with text masks or another text length, or of a
-# transformer: how its denoiser reads text and the size it was trained at (diffusers' configs have no place for
-# them: the UNet's sample_size is that size, a transformer's is not read or changes its position embedding), so
-# sampling the export conditions and draws as trained.
+# transformer: how its denoiser reads text, the size it was trained at and (a guidance-distilled transformer)
+# the guidance its embedding read (diffusers' configs have no place for them: the UNet's sample_size is that
+# size, a transformer's is not read or changes its position embedding), so sampling the export conditions,
+# draws and guides as trained.
 TEXT_CONDITIONING = "text_conditioning.json"
 
 
@@ -143,7 +145,7 @@ def load_trained(checkpoint: str, *, model_ref: str | None = None, ema: bool = T
     checkpoint = os.fspath(checkpoint)
     if is_diffusers_dir(checkpoint):
         description = describe_reference(checkpoint)
-        denoiser = description.adapter.from_pretrained(checkpoint)
+        denoiser = description.with_embedded_guidance(description.adapter.from_pretrained(checkpoint))
         if model_ref:
             description.model_ref = model_ref
         return TrainedModel(denoiser=denoiser.eval(), description=description)

@@ -85,10 +85,13 @@ def export_pipeline(checkpoint: str, out: str, *, model_ref: str | None = None, 
         tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     described = trained.description
     text_as_trained = described.text_mask or described.text_length != schema.MAX_TOKENS
-    if text_as_trained or (unet is None and resolution):  # where our sampler reads them
+    guided = dict(described.denoiser_config).get("guidance_embeds")
+    if text_as_trained or (unet is None and resolution) or guided:  # where our sampler reads them
+        record = {"text_mask": described.text_mask, "text_length": described.text_length, "resolution": resolution}
+        if guided:  # the value its guidance embedding read in training (FluxPipeline's default 3.5 is not it)
+            record["embedded_guidance"] = trained.denoiser.embedded_guidance
         with open(os.path.join(out, sampling.TEXT_CONDITIONING), "w") as f:
-            json.dump({"text_mask": described.text_mask, "text_length": described.text_length,
-                       "resolution": resolution}, f, indent=2)
+            json.dump(record, f, indent=2)
     if text_as_trained:
         print(f"note: the model was trained on {described.text_length}-token captions"
               + (" with text masks (the denoiser reads the caption's tokens only), which diffusers' pipelines do "

@@ -219,6 +219,9 @@ def test_flux_dev_shapes_train_with_one_embedded_guidance_and_sample(tiny_flux_k
     (image,) = generate.generate_images(checkpoint, PROMPTS[:1], steps=2, guidance_scale=2.0, seed=0)
     assert image.size == (64, 64)
     assert received and all(values == [2.5] for values in received)  # every denoiser call read the trained value
+    received.clear()  # and so does the export sampled by diffusion.generate (its text_conditioning.json records it)
+    generate.generate_images(str(tmp_path / "export"), PROMPTS[:1], steps=2, guidance_scale=2.0, seed=0)
+    assert received and all(values == [2.5] for values in received)
     plain = adapter.build(adapter.load_config(tiny_flux_kit))
     with pytest.raises(ConfigError, match=r"^model.embedded_guidance=2.0: the FluxTransformer2DModel has no guidance "
                                           r"embedding .*remove the key$"):
