@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Union
 from diffusion.train import components
 from diffusion.convert.settings import PipelineSettings
 from diffusion.errors import ConfigError
+from diffusion.storage import same_place_key
 from diffusion.yaml_file import parse_yaml as _parse_yaml
 
 
@@ -510,9 +511,11 @@ def _check_streams(name: str, loader: TrainLoaderConfig) -> None:
         _require(loader.num_samples is None, f"data.{name}.num_samples sets the epoch size of a mix weighted by "
                                              f"proportion; with repeat or choose the streams decide it: set "
                                              f"data.{name}.num_samples=null")
-    paths = [s.path.rstrip("/") for s in loader.streams]
-    dup = next((p for i, p in enumerate(paths) if p in paths[:i]), None)
-    _require(dup is None, f"{key} lists {dup} twice: give it once, with a larger proportion or repeat")
+    places = [same_place_key(s.path) for s in loader.streams]  # data/a and data/./a are one dataset
+    for i, place in enumerate(places):
+        if place in places[:i]:
+            raise ConfigError(f"{key} lists {place} twice (as {loader.streams[places.index(place)].path} and "
+                              f"{loader.streams[i].path}): give it once, with a larger proportion or repeat")
 
 
 def _check_unread_settings(m: ModelConfig) -> None:
