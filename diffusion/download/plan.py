@@ -101,7 +101,7 @@ def read_input(fs: pa_fs.FileSystem, path: str, fmt: str, columns: InputColumns)
     else:
         raise InputError(f"{path}: unknown input format {fmt!r} (parquet, csv or jsonl)")
     _require(path, names, table.column_names)
-    return _as_text(table.select(names), columns)
+    return as_text(table.select(names), columns)
 
 
 def _jsonl_by_line(data: bytes, names: list[str]) -> pa.Table:
@@ -140,7 +140,7 @@ def _text_or_none(value) -> str | None:
     return None  # a list or mapping is no URL and no caption
 
 
-def _as_text(table: pa.Table, columns: InputColumns) -> pa.Table:
+def as_text(table: pa.Table, columns: InputColumns) -> pa.Table:
     """URL and caption as strings (a csv caption "1984" would otherwise parse as a number); values that
     cannot be text (a list, bytes that are not UTF-8) are null, so one bad row does not fail the file."""
     for i, name in enumerate((columns.url, columns.caption)):
@@ -220,4 +220,4 @@ def _read_shard(uri: str, spec: ShardSpec, fmt: str, columns: InputColumns) -> p
                 first_row = offset if first_row is None else first_row
             offset += n
         table = parquet.read_row_groups(groups, columns=columns.names())
-    return _as_text(table.slice(spec.start - (first_row or 0), spec.stop - spec.start), columns)
+    return as_text(table.slice(spec.start - (first_row or 0), spec.stop - spec.start), columns)

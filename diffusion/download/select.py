@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from diffusion.rejects import DUPLICATE_URL  # noqa: F401 (also for this module's importers)
 from diffusion.where import RowFilter, parse_where
-from diffusion.download.plan import InputColumns, ShardSpec, read_input
+from diffusion.download.plan import InputColumns, ShardSpec, as_text, read_input
 from diffusion.errors import ConfigError
 
 
@@ -64,11 +64,12 @@ def file_columns(fs: pa_fs.FileSystem, path: str, fmt: str) -> list[str]:
 
 
 def _read_columns(fs: pa_fs.FileSystem, path: str, fmt: str, names: list[str]) -> pa.Table:
+    """The ``names`` columns of one input file, the first two (url and caption) as text, as shards read them
+    (a binary URL column is the URLs' text, for deduplication and the blocklist too)."""
+    url, caption, *rest = names
     if fmt == "parquet":
         with fs.open_input_file(path) as f:
-            return pq.ParquetFile(f).read(columns=names)
-    # read_input always returns url and caption too; the first two names are those.
-    url, caption, *rest = names
+            return as_text(pq.ParquetFile(f).read(columns=names).select(names), InputColumns(url, caption))
     return read_input(fs, path, fmt, InputColumns(url, caption, tuple(rest)))
 
 

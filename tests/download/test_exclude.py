@@ -42,3 +42,19 @@ def test_blocklist_lines_that_would_never_match_are_read_or_refused(tmp_path):
         bad.write_text("key:k0\n" + line + "\n")
         with pytest.raises(ConfigError, match=rf"--exclude {bad}, line 2: "):
             load_blocklists([str(bad)])
+
+
+def test_a_binary_url_column_is_deduplicated_and_blocklisted_as_its_text(tmp_path):
+    """Shards read a parquet URL column of bytes as text; planning the drops read the bytes themselves:
+    --dedupe-urls died (AttributeError) and --exclude url:... dropped nothing, so listed URLs were fetched."""
+    from diffusion.download.select import DUPLICATE_URL
+    urls = [b"http://127.0.0.1:1/a.jpg", b"http://127.0.0.1:1/a.jpg", b"http://127.0.0.1:1/b.jpg",
+            b"http://127.0.0.1:1/b.jpg"]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"URL": pa.array(urls, pa.binary()), "TEXT": ["a cat"] * 4}), src)
+    blocklist = tmp_path / "block.txt"
+    blocklist.write_text("url:http://127.0.0.1:1/a.jpg\n")
+    shards, formats = plan_shards(str(src), InputColumns(), rows_per_shard=4)
+    fs, _ = open_filesystem(str(src))
+    drops = plan_drops(fs, formats, shards, InputColumns(), None, True, load_blocklists([str(blocklist)]))
+    assert drops == {0: {0: "excluded: url", 1: "excluded: url", 3: DUPLICATE_URL}}
