@@ -172,7 +172,8 @@ def download(config: DownloadConfig, start_ray=None) -> DownloadSummary:
     """Run (or resume) the download; returns the totals, also written to ``summary.json``. ``start_ray``
     (the CLI's cluster start) is called only once the plan and the filters are checked and there is work."""
     _check_config(config)
-    shards, formats = plan_shards(config.input, config.columns, config.rows_per_shard, config.input_format)
+    shards, formats = plan_shards(config.input, config.columns, config.rows_per_shard, config.input_format,
+                                  config.output)
     in_fs, _ = open_filesystem(config.input)
     blocklist = None
     if config.exclude:

@@ -58,16 +58,21 @@ def open_filesystem(uri: str) -> tuple[pa_fs.FileSystem, str]:
     return filesystem_for(uri)
 
 
-def list_input_files(uri: str, input_format: str | None = None) -> list[tuple[str, str]]:
-    """Sorted ``(path, format)`` of the input files at ``uri`` (one file or a directory tree)."""
+def list_input_files(uri: str, input_format: str | None = None, output: str | None = None) -> list[tuple[str, str]]:
+    """Sorted ``(path, format)`` of the input files at ``uri`` (one file or a directory tree), less those under
+    ``output`` (the download's own folder inside the input's: its shards and records are no url lists, and
+    the re-run that resumes must plan what the first run planned)."""
     fs, root = open_filesystem(uri)
     info = fs.get_file_info(root)
     if info.type == pa_fs.FileType.NotFound:
         raise InputError(f"input {uri!r} does not exist")
     infos = [info] if info.type == pa_fs.FileType.File else fs.get_file_info(pa_fs.FileSelector(root, recursive=True))
+    output_fs, output_root = open_filesystem(output) if output else (None, None)
     files = []
     for entry in infos:
         if entry.type != pa_fs.FileType.File:
+            continue
+        if type(output_fs) is type(fs) and entry.path.startswith(output_root.rstrip("/") + "/"):
             continue
         fmt = input_format or FORMATS.get(os.path.splitext(entry.path)[1].lower())
         if fmt is None and info.type == pa_fs.FileType.File:
@@ -175,13 +180,13 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def plan_shards(uri: str, columns: InputColumns, rows_per_shard: int,
-                input_format: str | None = None) -> tuple[list[ShardSpec], dict[str, str]]:
-    """Every shard of the input, in order, and each file's format."""
+def plan_shards(uri: str, columns: InputColumns, rows_per_shard: int, input_format: str | None = None,
+                output: str | None = None) -> tuple[list[ShardSpec], dict[str, str]]:
+    """Every shard of the input (less the ``output`` folder's files), in order, and each file's format."""
     if rows_per_shard <= 0:
         raise ConfigError(f"rows_per_shard must be positive, got {rows_per_shard}")
     fs, _ = open_filesystem(uri)
-    files = list_input_files(uri, input_format)
+    files = list_input_files(uri, input_format, output)
     shards: list[ShardSpec] = []
     for path, fmt in files:
         try:

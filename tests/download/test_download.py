@@ -436,6 +436,23 @@ def test_download_job_counts_and_resumes_after_a_kill(server, tmp_path, ray_loca
     assert download(_config(tmp_path / "in", out)).skipped_shards == 4
 
 
+def test_an_output_folder_inside_the_input_folder_resumes_with_the_first_runs_plan(server, tmp_path, ray_local):
+    """``--input urls --output urls/raw``: the documented resume (the same command again) listed the input
+    recursively and read the first run's shards and records as url lists ("raw/00000.parquet: no column
+    ['URL', 'TEXT']"); the output folder is no input, so the re-run plans what the first run planned."""
+    server.reset()
+    urls = [server.url(p if p != "/flaky" else f"/flaky-{i}") for i, p in enumerate(CASES)][:6]
+    os.makedirs(tmp_path / "urls")
+    _write_input(tmp_path / "urls" / "a.parquet", urls)
+    out = tmp_path / "urls" / "raw"
+    first = download(_config(tmp_path / "urls", out))
+    assert (first.shards, first.count) == (2, 6)
+    (out / "00001_stats.json").unlink()  # as a kill leaves it
+    again = download(_config(tmp_path / "urls", out))
+    assert (again.shards, again.count, again.skipped_shards, again.downloaded) == (2, 6, 1, 2)
+    assert _read_output(out).num_rows == 6
+
+
 @pytest.mark.parametrize("endpoint_from", ["uri", "environment"])
 def test_s3_input_and_output(server, tmp_path, monkeypatch, endpoint_from):
     """Input listed and read from s3://, shard and stats written to s3:// (a local moto server), the
