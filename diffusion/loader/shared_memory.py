@@ -21,6 +21,11 @@ writes who it is into the lock file, and a wait longer than ``DIFFUSION_SHM_LOCK
 (default 60) ends in one line naming the holder. A holder that died while a process it started still
 holds the lock is taken over. Without the lock (a lock file another user made unreadable), a
 registration that loses the race to a prefix takes the next one.
+
+A process sees only its own PID namespace's processes in ``/proc``: a job in another container sharing
+``/dev/shm`` looks dead from here. Each registration records which PID namespace made the prefix, in a
+small file beside the lock (:data:`REGISTRY`); the clean-up judges only prefixes registered from its own
+namespace (or recorded by none) and leaves the others to their own namespace's jobs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ REGISTRATION_LOCK = "diffusion-streaming-prefix.lock"  # in /dev/shm, beside the
 WAIT_ENV = "DIFFUSION_SHM_LOCK_WAIT"  # seconds a job waits for the lock before it says who holds it
 DEFAULT_WAIT = 60.0
 STALE_AFTER = 1.0  # seconds a dead holder's lock is left before it is taken over
+REGISTRY = "diffusion-streaming-prefixes.json"  # in lock_dir(): {prefix: {"ns": PID namespace, "pid": pid}}
 _JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "KUBERNETES_POD_NAME", "HOSTNAME")
 
 
@@ -219,6 +225,40 @@ def registration_turn(wait: float | None = None, what: str = "register a dataset
         os.close(fd)  # releases the lock
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]", the same for every process of a namespace
+    except OSError:
+        return None
+
+
+def _read_registry() -> dict:
+    try:
+        with open(os.path.join(lock_dir(), REGISTRY)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_registry(data: dict) -> None:
+    """Replace the registry (under the registration lock), open to every user; left as it is where it cannot be."""
+    path = os.path.join(lock_dir(), REGISTRY)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as f:
+            json.dump(data, f)
+        os.chmod(temporary, 0o666)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+def _record_registration(prefix_int: int) -> None:
+    _write_registry({**_read_registry(), str(prefix_int): {"ns": _pid_namespace(), "pid": os.getpid()}})
+
+
 def register_prefix(streams_local, streams_remote, world, retry: int = 100):
     """Streaming's ``get_shm_prefix``, with the node's first rank finding and creating its prefix in one
     machine-wide turn, and its node's other ranks told the prefix by one gather instead of finding it
@@ -234,7 +274,10 @@ def register_prefix(streams_local, streams_remote, world, retry: int = 100):
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed and world.num_ranks > 1:  # streaming's own, whose barriers are then no-ops
         with registration_turn():
-            return streaming_prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+            prefix_int, shm = streaming_prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+            if world.is_local_leader:
+                _record_registration(prefix_int)
+            return prefix_int, shm
     streaming_prefix._check_self(streams_local)
     prefix_int, shm, failure = None, None, None
     if world.is_local_leader:
@@ -255,6 +298,7 @@ def register_prefix(streams_local, streams_remote, world, retry: int = 100):
                         prefix_int += 1
                         continue
                     shm.buf[:len(data)] = data
+                    _record_registration(prefix_int)
                     break
                 else:
                     raise RuntimeError(f"no free shared-memory prefix after {1 + retry} tries")
@@ -350,8 +394,10 @@ def _released(prefix_int: int) -> bool:
 def stale_shared_memory() -> tuple[list[str], list[str]]:
     """(segment paths, filelock paths) of the streaming shared memory on this node that no live dataset
     uses. A prefix is in use while some process maps or holds any of its segments, unless that is only
-    this process and its dataset was deleted; a prefix's filelocks (in the temp directory) are stale
-    once no segment of it is in use. Another job's segments and filelocks are never listed."""
+    this process and its dataset was deleted; a prefix registered from another PID namespace (another
+    container's job, whose processes this one cannot see) counts as in use; a prefix's filelocks (in the
+    temp directory) are stale once no segment of it is in use. Another job's segments and filelocks are
+    never listed."""
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
     # Filelocks first: a dataset creates its segments before its filelocks, so one whose filelock is
     # listed here has its segments listed (and mapped) below.
@@ -368,10 +414,14 @@ def stale_shared_memory() -> tuple[list[str], list[str]]:
         if prefix_int is not None:
             by_prefix[prefix_int].append(name)
     users = _shm_users({name for names in by_prefix.values() for name in names})
+    registry, here = _read_registry(), _pid_namespace()
     me, live, segments = os.getpid(), set(), []
     for prefix_int, names in sorted(by_prefix.items()):
         pids = set().union(*(users[name] for name in names))
-        if not pids or (pids == {me} and _released(prefix_int)):
+        made_by = registry.get(str(prefix_int))
+        if isinstance(made_by, dict) and made_by.get("ns") != here:  # its users are not in this /proc
+            live.add(prefix_int)
+        elif not pids or (pids == {me} and _released(prefix_int)):
             segments += [os.path.join(_SHM_DIR, name) for name in sorted(names)]
         else:
             live.add(prefix_int)
@@ -399,6 +449,11 @@ def clean_shared_memory() -> None:
                         os.unlink(path)
                     except OSError:
                         pass  # another user's, or removed meanwhile
+                registry = _read_registry()
+                with contextlib.suppress(OSError):
+                    present = {str(_prefix_of(n)) for n in os.listdir(_SHM_DIR) if _prefix_of(n) is not None}
+                    if set(registry) - present:  # records of prefixes whose segments are gone
+                        _write_registry({k: v for k, v in registry.items() if k in present})
         except RegistrationLockTimeout as error:
             print(f"note: {error}; stale shared memory is left for now", file=sys.stderr, flush=True)
     barrier()  # the other local ranks start their datasets once the stale prefixes are gone

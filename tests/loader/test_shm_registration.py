@@ -6,6 +6,7 @@ under a lock that lives in ``/dev/shm`` itself, open to every user, held only wh
 finds and creates its prefix: never across a barrier, so two node ranks on one host do not deadlock. A
 wait on it is bounded and ends in one line naming the holder; a dead holder's lock is taken over."""
 
+import json
 import os
 import selectors
 import shutil
@@ -262,3 +263,54 @@ def test_a_lock_file_another_user_made_does_not_stop_this_user(lock_folder, mode
                                       f"has been held for more than 0.5 s by pid {os.getpid()}"), err
     else:  # unreadable to it: it says so in one line and registers without the lock
         assert err.strip().startswith("note: ") and "\n" not in err.strip(), err
+
+
+# A job with a dataset open: says its prefix, then reads every sample each time it is told to.
+OPEN_DATASET = r'''
+import sys
+from diffusion.loader import mds_source
+dataset = mds_source.LatentDataset(remote=None, local=sys.argv[1], resolution=64, batch_size=4)
+print(dataset._shm_prefix_int, flush=True)
+for line in sys.stdin:
+    print(sum(1 for _ in dataset), flush=True)
+'''
+
+# In a private mount namespace with a /dev/shm of its own (nothing of this machine's is touched): job A opens a
+# dataset; a job in another PID namespace (a second container sharing /dev/shm) runs the start-up clean-up;
+# then A reads again. Prints JSON: A's segments before and after, and what A read.
+CONTAINERS = r'''
+import json, os, subprocess, sys
+a = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     text=True)
+prefix = int(a.stdout.readline())
+mine = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{prefix:06d}_"))
+before = mine()
+subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                "from diffusion.loader import shared_memory; shared_memory.clean_shared_memory()"], check=True)
+after = mine()
+a.stdin.write("read\n")
+a.stdin.flush()
+read = a.stdout.readline().strip()
+a.stdin.close()
+a.wait(timeout=60)
+print(json.dumps({"before": before, "after": after, "read": read}))
+'''
+
+
+def test_cleanup_in_another_pid_namespace_keeps_a_live_jobs_shared_memory(train_kit, tmp_path):
+    """Two containers sharing /dev/shm: the clean-up of a job in its own PID namespace cannot see the other
+    job's processes in /proc; it took their live segments for a killed job's and removed them (the other job
+    then crashed, FileExistsError: '/000000_epoch_shape'). Real processes in two PID namespaces."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and unshare (PID and mount namespaces)")
+    mds = write_latent_mds(str(tmp_path / "mds"), kit=train_kit, n=8)
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"), OMP_NUM_THREADS="1")
+    script = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c \"$0\" \"$1\" \"$2\""
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, CONTAINERS,
+                           OPEN_DATASET, mds], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["before"] and result["after"] == result["before"]
+    assert result["read"] == "8"
