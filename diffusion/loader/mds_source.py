@@ -828,6 +828,7 @@ class BucketByBucket:
 
     def __init__(self, loaders: list[StreamingDataLoader]):
         self.loaders = loaders
+        self.batch_size = loaders[0].batch_size  # each rank's, as a DataLoader's (Composer's eval microbatch)
         self.offsets = np.cumsum([0] + [loader.dataset.num_samples for loader in loaders[:-1]]).tolist()
 
     def __len__(self) -> int:

@@ -196,3 +196,29 @@ def test_num_samples_on_a_bucketed_dataset_is_refused_naming_the_key(bucketed):
         with pytest.raises(ConfigError, match=rf"^{section}.num_samples=32: {bucketed} is a bucketed dataset .*"
                                               rf"set {section}.num_samples=null$"):
             dataset_info.loader_streams(cfg)
+
+
+def test_a_run_scores_a_bucketed_held_out_set_sample_by_sample_through_composers_eval(bucketed, tiny_kit):
+    """The trainer's eval loop (Composer's) over the bucket-by-bucket eval loader: each batch one bucket's shape
+    through the model, and the held-out loss holds every sample of the set once."""
+    from composer.core import Callback
+    from torchmetrics.utilities import dim_zero_cat
+
+    from bucket_batches import eval_batch_size
+    from diffusion.train.config import load_config
+    from train_fixtures import fit_in_process, tiny_overrides
+    info = schema.DatasetInfo.load(bucketed)
+    scored = {}
+
+    class HeldOut(Callback):
+        def eval_end(self, state, logger):
+            metric = state.eval_metrics[state.dataloader_label]["loss"]
+            scored[state.dataloader_label] = (dim_zero_cat(metric.index).tolist(), float(metric.compute()))
+
+    cfg = load_config(os.path.join(ROOT, "yamls", "tiny-cpu.yaml"), tiny_overrides(tiny_kit, bucketed, batches=1,
+                      batch_size=BATCH, extra=(f"data.eval.path={bucketed}", f"data.eval.batch_size={eval_batch_size(bucketed)}",
+                                               "data.eval.num_workers=0", "trainer.eval_interval=1ba")))
+    fit_in_process(cfg, callbacks=[HeldOut()])
+    assert scored.keys() == {"eval", "eval_ema"}
+    for indices, loss in scored.values():
+        assert sorted(indices) == list(range(info.count)) and loss > 0  # every sample once, of every bucket
