@@ -14,6 +14,7 @@ so import this module, and would otherwise each load torch for nothing.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -223,6 +224,8 @@ def describe_dataset(model_ref: str, resolutions, text: str = schema.TEXT_EMBEDS
     encoder = TextEncoder(model_ref, device="cpu", text_length=text_length)
     pooled = PooledTextEncoder(model_ref, device="cpu") if loading.pooled_text_slots(model_ref) else None
     empty_ids, empty_counts = tokenize(encoder.tokenizer, [""], text_length)
+    if os.path.isdir(os.path.expanduser(model_ref)):  # as convert.json: training reads it from any directory
+        model_ref = os.path.abspath(os.path.expanduser(model_ref))
     info = schema.DatasetInfo(model=model_ref, scaling_factor=space.scaling_factor,
                               resolutions=list(resolutions), text_dim=encoder.dim,
                               downsample=space.downsample, text=text, text_encoder=model_ref,

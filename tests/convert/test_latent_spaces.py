@@ -111,3 +111,15 @@ def test_flux_two_text_encoders_refuse_token_ids_in_one_line(tiny_flux_kit, conv
         run_conversion(convert_config(tmp_path / "out", model=tiny_flux_kit, resolutions=(64,), text="ids"))
     assert str(error.value).startswith("--text ids:") and "\n" not in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_description_records_a_local_model_by_its_absolute_path(tiny_kit, monkeypatch, tmp_path):
+    """dataset.json names the model and text encoder as convert.json does: a model typed relative to the
+    converter's directory is still found by training (--text ids) and REPA run from another one."""
+    from diffusion.convert.encoders import describe_dataset
+    monkeypatch.chdir(os.path.dirname(tiny_kit))
+    relative = os.path.basename(tiny_kit)
+    info, _ = describe_dataset(relative, [64], schema.TEXT_IDS_ONLY)
+    monkeypatch.chdir(tmp_path)
+    assert info.model == info.text_encoder == os.path.abspath(tiny_kit)
+    assert os.path.isdir(info.text_encoder_ref)
