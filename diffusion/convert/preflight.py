@@ -55,6 +55,12 @@ def preflight(cfg: ConvertConfig) -> Preflight:
         if r % space.downsample:
             raise ConfigError(f"--resolutions {r}: not a multiple of {space.downsample}, the downsampling of "
                               f"{cfg.model}'s autoencoder; e.g. {max(space.downsample, r // space.downsample * space.downsample)}")
+    f = space.downsample  # the encode actors failed on these a minute in (pixel_unshuffle), in a Ray traceback
+    off = [f"{w}x{h}" for w, h in cfg.bucket_sizes() or () if w % f or h % f]
+    if off:
+        raise ConfigError(f"--buckets {cfg.buckets}: {', '.join(off)} not multiples of {f}, the downsampling of "
+                          f"{cfg.model}'s autoencoder; give WxH,... with both sides multiples of {f}"
+                          + (" (or a --resolutions of at least 256 for the preset)" if cfg.buckets == "preset" else ""))
     out = cfg.staging_dir()
     folder = out
     while not os.path.exists(folder):  # the folders to be made: the first existing one must be one

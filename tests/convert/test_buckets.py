@@ -150,3 +150,16 @@ def test_bucketed_rows_are_captioned_in_every_bucket(bucketed, manifest):
     assert sum(1 for b in info.buckets if b["count"]) > 1
     assert all(isinstance(c, str) and len(c.split()) == RECAPTION_TOKENS for c in captions.values())
     assert info.captions == [schema.CAPTION, "recap", "blip"] and info.empty_captions["blip"] == 0
+
+
+@pytest.mark.parametrize("buckets, off", [("preset", "48x80, 80x48"), ("64x64,96x48", "96x48")])
+def test_buckets_off_the_autoencoders_grid_are_one_line_before_any_work(convert_config, tiny_dcae_kit, tmp_path,
+                                                                       buckets, off):
+    """A /32 autoencoder (DC-AE) cannot encode a 48x80 crop: refused at the start naming --buckets, where the encode
+    actors died a minute in (pixel_unshuffle) and the partial output blocked the corrected re-run."""
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import ConfigError
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=f"^--buckets {buckets}: {off} not multiples of 32, the downsampling of "):
+        run_conversion(convert_config(out, model=tiny_dcae_kit, resolutions=(64,), buckets=buckets))
+    assert not out.exists()
