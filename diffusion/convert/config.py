@@ -111,6 +111,13 @@ class ConvertConfig(PipelineSettings):
         for name in ("max_bytes", "max_scans", "max_caption_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name, flag_name in (("transform_batch_size", "transform-batch-size"), ("num_transformers", "num-transformers"),
+                                ("cpus_per_transformer", "cpus-per-transformer"), ("encoder_batch_size", "batch-size"),
+                                ("num_encoders", "num-encoders")):  # was a Ray traceback, or 0 taken as the default
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"--{flag_name} must be positive, got {getattr(self, name)}")
+        if self.encoder_gpus is not None and not self.encoder_gpus >= 0:
+            raise ConfigError(f"--encoder-gpus must be >= 0 (0: encode on CPUs), got {self.encoder_gpus}")
         if self.where is not None:
             parse_where(self.where)  # a malformed filter fails here, showing it
         if self.text not in schema.TEXT_STORAGE:

@@ -99,6 +99,24 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding():
 # conversion, which carries --max-scans 200 --max-caption-chars 200 (one conversion fewer for the suite).
 
 
+@pytest.mark.parametrize("setting, value, said", [
+    # each was a Ray ValueError traceback once Ray had started, or 0 silently taken as the default
+    ("transform_batch_size", 0, "--transform-batch-size must be positive, got 0"),
+    ("encoder_batch_size", -1, "--batch-size must be positive, got -1"),
+    ("encoder_batch_size", 0, "--batch-size must be positive, got 0"),
+    ("num_encoders", -1, "--num-encoders must be positive, got -1"),
+    ("num_transformers", 0, "--num-transformers must be positive, got 0"),
+    ("cpus_per_transformer", -0.5, "--cpus-per-transformer must be positive, got -0.5"),
+    ("encoder_gpus", -1.0, r"--encoder-gpus must be >= 0 \(0: encode on CPUs\), got -1.0"),
+])
+def test_a_pool_size_that_is_not_positive_is_refused_naming_its_flag(setting, value, said, tmp_path):
+    from diffusion.convert.pipeline import ConvertConfig
+    from diffusion.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"^{said}$"):
+        ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", **{setting: value})
+    ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", encoder_gpus=0.0)  # CPU encoding
+
+
 @pytest.mark.parametrize("setting", ["max_bytes", "max_scans", "max_caption_chars"])
 def test_a_limit_that_is_not_positive_is_refused_naming_its_flag(setting, tmp_path):
     from diffusion.convert.pipeline import ConvertConfig
