@@ -190,7 +190,11 @@ def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, checks.max_pixels  # the user's guard, not
+            try:  # Pillow's own (89.5 MP), which rejected images under a larger --max-pixels
+                image = Image.open(io.BytesIO(data))
+            finally:
+                Image.MAX_IMAGE_PIXELS = pillows
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise Rejected(TOO_MANY_PIXELS, str(e)) from e
     except Exception as e:  # PIL raises many types for garbage bytes

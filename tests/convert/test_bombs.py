@@ -131,3 +131,25 @@ def test_a_limit_that_is_not_positive_is_refused_naming_its_flag(setting, tmp_pa
         ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", resolutions=[64, 100000])
     with pytest.raises(ConfigError, match="--max-aspect must be >= 1, got nan"):
         ConvertConfig(input=str(tmp_path), output=str(tmp_path / "out"), model="m", max_aspect=float("nan"))
+
+
+def test_max_pixels_above_pillows_own_limit_is_the_one_that_applies(monkeypatch):
+    """--max-pixels 100000000 read images of 89.5 to 100 MP as too_many_pixels, with Pillow's message: its own
+    guard (MAX_IMAGE_PIXELS) applied first. Pillow's limit is lowered here to keep the images small."""
+    from diffusion.rejects import TOO_MANY_PIXELS
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
+
+    def png(side):
+        buf = io.BytesIO()
+        Image.new("RGB", (side, side), (90, 120, 30)).save(buf, format="PNG")
+        return buf.getvalue()
+    checks = ImageChecks(max_pixels=200 * 200)
+    image, width, height = decode_image(png(200), 64, checks)  # 4x Pillow's limit (its error, not its warning)
+    assert (width, height) == image.size == (200, 200)
+    with pytest.raises(Rejected) as over:
+        decode_image(png(201), 64, checks)
+    assert over.value.reason == TOO_MANY_PIXELS
+    with pytest.raises(Rejected) as small_limit:  # a limit below Pillow's applies as before
+        decode_image(png(60), 32, ImageChecks(max_pixels=59 * 59))
+    assert small_limit.value.reason == TOO_MANY_PIXELS
+    assert Image.MAX_IMAGE_PIXELS == 5000  # Pillow's own setting is left as it was
