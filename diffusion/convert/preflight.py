@@ -134,6 +134,13 @@ def check_output_settings(out: str, settings: dict) -> None:
 def check_pooled_text(cfg: ConvertConfig) -> int | None:
     """The width of the pooled vector stored beside the embeddings where ``cfg.model`` has Flux's two text
     encoders (None: one encoder); what they cannot store yet is refused in one line naming the option."""
+    unencoded = loading.unencoded_text_slots(cfg.model)
+    if unencoded:  # SD3's layout converted silently with its first CLIP only (768 wide, no pooled vector, no T5)
+        sd3 = ": SD3's layout" if "text_encoder_3" in unencoded else ""
+        raise ConfigError(f"--model {cfg.model}: its model_index.json names {len(unencoded) + 1} text encoders "
+                          f"(text_encoder, {', '.join(unencoded)}{sd3}), and the converter encodes one (or Flux's "
+                          f"two), so the others would be left out; pass a model reference with one text encoder in "
+                          f"text_encoder/ (the kit layout, e.g. the tiny-mmdit kit's) or Flux's two")
     width = loading.pooled_text_width(cfg.model)
     if width is None:
         return None

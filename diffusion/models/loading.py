@@ -147,15 +147,28 @@ POOLED_PIPELINES = ("FluxPipeline",)
 FIRST_SLOTS, SECOND_SLOTS = ("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")
 
 
+def _model_index(root: str) -> dict:
+    """The model_index.json of the model directory ``root`` ({} where it has none)."""
+    try:
+        with open(os.path.join(root, "model_index.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def unencoded_text_slots(ref: str) -> list[str]:
+    """The text encoders ``ref``'s model_index.json names beyond the one (or Flux's two) that are encoded:
+    SD3's ``text_encoder_2`` and ``text_encoder_3`` (a second CLIP and T5), which would be left out."""
+    index = _model_index(resolve_model(ref, components=()))
+    slots = ("text_encoder_3",) if index.get("_class_name") in POOLED_PIPELINES else ("text_encoder_2", "text_encoder_3")
+    return [s for s in slots if (index.get(s) or [None])[0]]
+
+
 def pooled_text_slots(ref: str) -> tuple[str, str] | None:
     """``(encoder, tokenizer)`` folders of ``ref``'s pooled text encoder where it has two (Flux's layout:
     ``text_encoder``, ``tokenizer``), else None."""
     root = resolve_model(ref, components=())
-    try:
-        with open(os.path.join(root, "model_index.json")) as f:
-            index = json.load(f)
-    except (OSError, ValueError):
-        return None
+    index = _model_index(root)
     second = index.get("text_encoder_2") or [None]
     if index.get("_class_name") in POOLED_PIPELINES and second[0] and os.path.isdir(os.path.join(root, "text_encoder_2")):
         return FIRST_SLOTS

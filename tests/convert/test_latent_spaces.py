@@ -123,3 +123,27 @@ def test_the_description_records_a_local_model_by_its_absolute_path(tiny_kit, mo
     monkeypatch.chdir(tmp_path)
     assert info.model == info.text_encoder == os.path.abspath(tiny_kit)
     assert os.path.isdir(info.text_encoder_ref)
+
+
+def test_a_model_in_sd3s_three_text_encoder_layout_is_refused_in_one_line(tiny_mmdit_kit, convert_config, tmp_path):
+    """SD3's layout (CLIP-L, CLIP-G and T5) converted silently with the first CLIP only and dataset.json naming the
+    SD3 reference; the kit's one-encoder layout (StableDiffusion3Pipeline too) is still converted."""
+    import shutil
+
+    from diffusion.convert.pipeline import run_conversion
+    from diffusion.errors import ConfigError
+    sd3 = tmp_path / "sd3"
+    shutil.copytree(tiny_mmdit_kit, sd3)
+    with open(sd3 / "model_index.json") as f:
+        index = json.load(f)
+    index.update(text_encoder_2=["transformers", "CLIPTextModelWithProjection"], tokenizer_2=["transformers", "CLIPTokenizer"],
+                 text_encoder_3=["transformers", "T5EncoderModel"], tokenizer_3=["transformers", "T5TokenizerFast"])
+    with open(sd3 / "model_index.json", "w") as f:
+        json.dump(index, f)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=rf"^--model {sd3}: its model_index.json names 3 text encoders \(text_encoder, "
+                                          rf"text_encoder_2, text_encoder_3: SD3's layout\), and the converter encodes one"):
+        run_conversion(convert_config(out, model=str(sd3), resolutions=(64,)))
+    assert not out.exists()
+    from diffusion.convert.preflight import check_pooled_text
+    assert check_pooled_text(convert_config(out, model=tiny_mmdit_kit, resolutions=(64,))) is None
