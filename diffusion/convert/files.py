@@ -479,15 +479,15 @@ def _sized(value):
 
 
 def iter_file_batches(uri: str, fmt: str, columns: RawColumns = RawColumns(), name: str | None = None,
-                      on_reject=None, taken=None) -> Iterator[dict]:
+                      on_reject=None, taken=None, kept: list | None = None) -> Iterator[dict]:
     """Column batches of the valid raw rows in one input file; ``name`` is the file's name under the
     input root (:func:`input_names`), which keys rows that have none. Rejected rows go to
     ``on_reject({id: reason})`` (:func:`~diffusion.convert.rows.row_batches`); a file that cannot be
     read raises (see :func:`file_errors`) after the rows before the damage. ``taken``: {key: the file that keeps it}
-    for keys several files give (:func:`keys_taken_by_earlier_files`)."""
+    for keys several files give (:func:`keys_taken_by_earlier_files`); ``kept``: :func:`row_batches`'."""
     name = name or posixpath.basename(uri)
     yield from row_batches(file_rows(uri, fmt, columns, name), name, on_reject, taken, columns.max_caption_chars,
-                           columns.captions)
+                           columns.captions, kept)
 
 
 def file_rows(uri: str, fmt: str, columns: RawColumns, name: str, images: bool = True) -> Iterator[dict | None]:

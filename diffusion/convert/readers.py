@@ -54,6 +54,7 @@ Bad input, from the smallest unit up; one bad row or file never stops a conversi
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable, Iterator
 
@@ -129,34 +130,67 @@ class _ReadFiles:
             name, pending, rows_read = self.names[uri], {}, 0
             copies = self.duplicates(name) if self.duplicates else frozenset()  # --dedupe: later copies of an image
             reasons = copies if isinstance(copies, dict) else {}  # --dedupe near/semantic: {key: reason}
+            # --limit: each reject found while reading rides on the next row read (the file's last rejects on its
+            # last row, the batch held back for them), so only those up to the limit's last row are recorded
+            kept, before, held = [0], [], None
+            on_reject = (lambda r: before.append((kept[0], r))) if self.mark else pending.update
             try:
-                for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, pending.update,
-                                               self.taken):
+                for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, on_reject, self.taken,
+                                               kept if self.mark else None):
                     dropped = {k: reasons.get(k, DUPLICATE_IMAGE) for k in batch[schema.RAW_KEY] if k in copies}
                     dropped.update(self.blocklist.reasons(batch) if self.blocklist is not None else {})
+                    n = len(batch[schema.RAW_KEY])
                     if self.mark:
-                        batch = {**batch, DROP: [dropped.get(k, "") for k in batch[schema.RAW_KEY]]}
+                        batch = {**batch, DROP: [dropped.get(k, "") for k in batch[schema.RAW_KEY]],
+                                 BEFORE: [_rejects_before(before, rows_read + i) for i in range(n)]}
                         dropped = {}
                     if self.positions is not None:
-                        n = len(batch[schema.RAW_KEY])
                         batch = {**batch, ORDER: [self.positions[uri]] * n, POS: list(range(rows_read, rows_read + n))}
                     pending.update(dropped)
                     self._flush(pending)
-                    rows_read += len(batch[schema.RAW_KEY])
+                    rows_read += n
                     keep = [i for i, k in enumerate(batch[schema.RAW_KEY]) if k not in self.skip_keys and k not in dropped]
-                    if keep:
-                        yield _arrow_batch({c: [batch[c][i] for i in keep] for c in batch})
+                    if held is not None:
+                        yield _arrow_batch(held)
+                    held = {c: [batch[c][i] for i in keep] for c in batch} if keep else None
             except errors as e:
-                self._flush(pending)
+                yield from self._last(held, before, pending)
                 if self.failed_dir:
                     record_failed_input(self.failed_dir, name, uri, e, rows_read)
                 continue
-            self._flush(pending)
+            yield from self._last(held, before, pending)
             if self.failed_dir:
                 clear_failed_input(self.failed_dir, name)
 
+    def _last(self, held: dict | None, before: list, pending: dict) -> Iterator:
+        """The file's last batch, its last row carrying the rejects read after it (--limit); without one,
+        those rejects are recorded now."""
+        if held is not None and before:
+            held[BEFORE][-1] = _merge(held[BEFORE][-1], [r for _, r in before])
+        elif before:
+            for _, r in before:
+                pending.update(r)
+        before.clear()
+        self._flush(pending)
+        if held is not None:
+            yield _arrow_batch(held)
+
+
+def _rejects_before(before: list, row: int) -> str:
+    """The rejects read before valid row ``row`` of the file (and after the one before it), taken from ``before``,
+    as JSON ("" for none)."""
+    found = [r for at, r in before if at == row]
+    before[:] = [(at, r) for at, r in before if at != row]
+    return _merge("", found)
+
+
+def _merge(carried: str, rejects: list) -> str:
+    out = {**(json.loads(carried) if carried else {}), **{k: v for r in rejects for k, v in r.items()}}
+    return json.dumps(out) if out else ""
+
 
 DROP = "_drop"  # with --limit: a read row's reason to be dropped after the limit ("" to keep it)
+BEFORE = "_rejects_before"  # with --limit: the rejects read just before a row, JSON ("" for none)
 ORDER, POS = "_order", "_pos"  # read_raw(positions=True): a row's file (its place in the input), its place in it
 
 
@@ -170,10 +204,14 @@ class _DropMarked:
     def __call__(self, batch):
         import pyarrow as pa
         reasons = batch.column(DROP).to_pylist()
-        new = {k: r for k, r in zip(batch.column(schema.RAW_KEY).to_pylist(), reasons) if r and k not in self.recorded}
+        new = {}
+        for carried in batch.column(BEFORE).to_pylist():  # the rows read before these, removed while reading
+            new.update(json.loads(carried) if carried else {})
+        new.update({k: r for k, r in zip(batch.column(schema.RAW_KEY).to_pylist(), reasons) if r})
+        new = {k: r for k, r in new.items() if k not in self.recorded}
         if new and self.rejects_dir:
             write_rejects(self.rejects_dir, new)
-        return batch.filter(pa.array([not r for r in reasons])).drop_columns([DROP])
+        return batch.filter(pa.array([not r for r in reasons])).drop_columns([DROP, BEFORE])
 
 
 def _arrow_batch(batch: dict):
@@ -183,7 +221,7 @@ def _arrow_batch(batch: dict):
                               (schema.RAW_IMAGE, pa.binary()), (schema.WIDTH, pa.int64()),
                               (schema.HEIGHT, pa.int64()),
                               *((c, pa.string()) for c in batch if c.startswith(schema.EXTRA_CAPTION_PREFIX)),
-                              *((c, pa.string()) for c in batch if c == DROP),
+                              *((c, pa.string()) for c in batch if c in (DROP, BEFORE)),
                               *((c, pa.int64()) for c in (ORDER, POS) if c in batch)])
     return pa.table({c: batch[c] for c in arrow_schema.names}, schema=arrow_schema)
 

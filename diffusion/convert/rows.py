@@ -136,14 +136,15 @@ def not_a_sample(row: dict) -> Rejected | None:
 
 
 def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=None,
-                max_caption_chars: int | None = None, captions=()) -> Iterator[dict]:
+                max_caption_chars: int | None = None, captions=(), kept: list | None = None) -> Iterator[dict]:
     """Rows → column batches of valid rows (:func:`valid_row`). A row that is not valid, or whose key
     was seen before in this file or is ``taken`` ({key: the file that keeps it, or None}) by another
     file (``duplicate_key``; :mod:`diffusion.convert.shared_keys`), is not a row but a reject, reported to
     ``on_reject({reject id: reason})`` (the converter records it for counting): by its key, or by
     file and row where the key is unusable or taken. ``None`` stands for a row that is not a sample
     (a failed download): skipped, but counted in the row numbers of derived keys. If reading fails
-    part-way, the rows before the failure are still yielded, then the error is raised."""
+    part-way, the rows before the failure are still yielded, then the error is raised. ``kept``: ``[n]``, counted
+    up with each valid row (so ``on_reject`` can tell which valid row a reject came before)."""
     columns = RAW_COLUMNS + tuple(schema.caption_columns(n)[0] for n in captions)
     batch = {c: [] for c in columns}
     seen: set[str] = set()
@@ -184,6 +185,8 @@ def row_batches(rows: Iterator[dict | None], name: str, on_reject=None, taken=No
         seen.add(key)
         for c in columns:
             batch[c].append(row[c])
+        if kept is not None:
+            kept[0] += 1
         if len(batch[schema.RAW_KEY]) == ROWS_PER_BATCH:
             yield batch
             batch = {c: [] for c in columns}

@@ -431,6 +431,27 @@ def test_limit_counts_the_first_rows_read_and_excludes_only_among_them(tmp_path,
     assert done_keys(str(tmp_path))[1] == {"k1": "excluded: key"}
 
 
+def test_limit_records_rows_filtered_while_reading_only_up_to_its_last_row(tmp_path, ray_local):
+    """--limit 4 with --where on an input column: rows k1, k6 and k7 fail it; the read yields the first 4 rows
+    that pass, and only the row filtered among them (k1) is recorded (all three were, the whole file being read
+    ahead: rows_in and the filtered count depended on the cluster). A limit past the file's last kept row
+    records the rows filtered after it too."""
+    from diffusion.convert.files import RawColumns
+    from diffusion.convert.readers import read_raw
+    from diffusion.convert.summary import done_keys
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    keys = [f"k{i}" for i in range(8)]
+    pq.write_table(pa.table({"key": keys, "jpg": [b"not decoded here %d" % i for i in range(8)], "caption": ["x"] * 8,
+                             "score": [1, 0, 1, 1, 1, 1, 0, 0]}), raw / "0.parquet")
+    for limit, rows, filtered in ((4, ["k0", "k2", "k3", "k4"], ["k1"]),
+                                  (5, ["k0", "k2", "k3", "k4", "k5"], ["k1", "k6", "k7"])):
+        out = tmp_path / f"out{limit}"
+        ds = read_raw(str(raw), RawColumns(where="score >= 1"), limit=limit, rejects_dir=str(out / "rejects"))
+        assert sorted(r[schema.RAW_KEY] for r in ds.take_all()) == rows
+        assert sorted(done_keys(str(out))[1]) == filtered
+
+
 def _removed(folder):
     from diffusion.convert.neardup import removed_groups
     return {k for removed in removed_groups(folder).values() for k in removed}
