@@ -179,6 +179,19 @@ def clean_extra_caption(caption) -> str:
         raise
 
 
+def open_within(data: bytes, max_pixels: int) -> Image.Image:
+    """``Image.open`` of ``data`` (the header read, nothing decoded) with Pillow's decompression-bomb guard at
+    ``max_pixels`` (raising its warning as an error above it), not at Pillow's own 89.5 MP, which rejected
+    images under a larger ``--max-pixels``; Pillow's setting is restored after."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, max_pixels
+        try:
+            return Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = pillows
+
+
 def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks()) -> tuple[Image.Image, int, int]:
     """Decode ``data`` once, as small as covering a ``largest``-pixel square crop allows.
 
@@ -188,13 +201,7 @@ def decode_image(data: bytes, largest: int, checks: ImageChecks = ImageChecks())
     if not data:
         raise Rejected(UNDECODABLE, "no image bytes")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, checks.max_pixels  # the user's guard, not
-            try:  # Pillow's own (89.5 MP), which rejected images under a larger --max-pixels
-                image = Image.open(io.BytesIO(data))
-            finally:
-                Image.MAX_IMAGE_PIXELS = pillows
+        image = open_within(data, checks.max_pixels)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise Rejected(TOO_MANY_PIXELS, str(e)) from e
     except Exception as e:  # PIL raises many types for garbage bytes

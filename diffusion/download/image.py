@@ -15,7 +15,7 @@ import warnings
 from PIL import ExifTags, Image, ImageOps, TiffImagePlugin
 
 from diffusion.convert.settings import MAX_SCANS
-from diffusion.convert.transforms import jpeg_scans
+from diffusion.convert.transforms import jpeg_scans, open_within
 from diffusion.download.http import FetchError
 from diffusion.rejects import TOO_MANY_SCANS
 from diffusion.errors import ConfigError
@@ -58,7 +58,7 @@ def check_image(data: bytes, rules: ImageRules) -> CheckedImage:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = open_within(data, rules.max_pixels)  # Pillow's guard at --max-pixels, not its own 89.5 MP
             width, height = image.size  # from the header: refuse giants before decoding them
             if width * height > rules.max_pixels:
                 raise FetchError("too_many_pixels", f"more than {rules.max_pixels} pixels")

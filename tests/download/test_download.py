@@ -318,6 +318,16 @@ def test_check_image_refuses_giants_before_decoding():
         check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48 - 1))
 
 
+def test_max_pixels_above_pillows_own_limit_is_the_one_that_applies(monkeypatch):
+    """--max-pixels above Pillow's own guard (89.5 MP) fetched images under it as too_many_pixels: Pillow's
+    applied first. Its limit is lowered here to keep the image small (64x48 = 3,072 pixels)."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    assert check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48)).original_width == 64  # 3x Pillow's
+    with pytest.raises(FetchError, match="too_many_pixels"):
+        check_image(JPEG, ImageRules(min_size=16, max_pixels=64 * 48 - 1))
+    assert Image.MAX_IMAGE_PIXELS == 1000  # Pillow's own setting is left as it was
+
+
 def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding_and_counted(server, tmp_path):
     start = time.process_time()
     with pytest.raises(FetchError, match="too_many_scans: a JPEG of 2010 scans"):
