@@ -132,8 +132,8 @@ class _ReadFiles:
             reasons = copies if isinstance(copies, dict) else {}  # --dedupe near/semantic: {key: reason}
             # --limit: each reject found while reading rides on the next row read (the file's last rejects on its
             # last row, the batch held back for them), so only those up to the limit's last row are recorded
-            kept, before, held = [0], [], None
-            on_reject = (lambda r: before.append((kept[0], r))) if self.mark else pending.update
+            kept, before, held = [0], {}, None  # before: {valid row: the rejects read just before it}
+            on_reject = (lambda r: before.setdefault(kept[0], []).append(r)) if self.mark else pending.update
             try:
                 for batch in iter_file_batches(uri, self.formats[uri], self.columns, name, on_reject, self.taken,
                                                kept if self.mark else None):
@@ -142,7 +142,7 @@ class _ReadFiles:
                     n = len(batch[schema.RAW_KEY])
                     if self.mark:
                         batch = {**batch, DROP: [dropped.get(k, "") for k in batch[schema.RAW_KEY]],
-                                 BEFORE: [_rejects_before(before, rows_read + i) for i in range(n)]}
+                                 BEFORE: [_merge("", before.pop(rows_read + i, [])) for i in range(n)]}
                         dropped = {}
                     if self.positions is not None:
                         batch = {**batch, ORDER: [self.positions[uri]] * n, POS: list(range(rows_read, rows_read + n))}
@@ -162,26 +162,19 @@ class _ReadFiles:
             if self.failed_dir:
                 clear_failed_input(self.failed_dir, name)
 
-    def _last(self, held: dict | None, before: list, pending: dict) -> Iterator:
+    def _last(self, held: dict | None, before: dict, pending: dict) -> Iterator:
         """The file's last batch, its last row carrying the rejects read after it (--limit); without one,
         those rejects are recorded now."""
-        if held is not None and before:
-            held[BEFORE][-1] = _merge(held[BEFORE][-1], [r for _, r in before])
-        elif before:
-            for _, r in before:
+        rest = [r for row in sorted(before) for r in before[row]]
+        if held is not None and rest:
+            held[BEFORE][-1] = _merge(held[BEFORE][-1], rest)
+        else:
+            for r in rest:
                 pending.update(r)
         before.clear()
         self._flush(pending)
         if held is not None:
             yield _arrow_batch(held)
-
-
-def _rejects_before(before: list, row: int) -> str:
-    """The rejects read before valid row ``row`` of the file (and after the one before it), taken from ``before``,
-    as JSON ("" for none)."""
-    found = [r for at, r in before if at == row]
-    before[:] = [(at, r) for at, r in before if at != row]
-    return _merge("", found)
 
 
 def _merge(carried: str, rejects: list) -> str:
